@@ -1,0 +1,127 @@
+"""Control state: STOP and task pause / resume / close. Written only by the user (CLI or authenticated HTTP).
+
+Every decision is an append-only row in `control`; the current state is derived from the latest row, so the
+history of who stopped what, and why, is never overwritten. Pausing or closing a task also preempts its
+session: a control event is persisted first, and a run in progress stops at its next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Connection, and_, or_, select, update
+
+from server import inbox
+from server.errors import Conflict, NotFound
+from server.ids import new_id
+from server.tables import (
+    ControlKind,
+    EventKind,
+    TaskState,
+    TimerState,
+    WaitState,
+    control,
+    tasks,
+    timers,
+    waits,
+)
+
+__all__ = ["StopState", "create_task", "set_stop", "set_task_state", "stop_state"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopState:
+    everything: bool
+    users: frozenset[str]
+
+    def blocks(self, user_id: str) -> bool:
+        return self.everything or user_id in self.users
+
+
+def set_stop(conn: Connection, *, stopped: bool, user_id: str | None, actor: str, reason: str, now: datetime) -> str:
+    """Write a STOP (or START) record for one user, or for the whole deployment when `user_id` is None."""
+    record_id = new_id("ctl")
+    conn.execute(
+        control.insert().values(
+            id=record_id, user_id=user_id, task_id=None,
+            kind=(ControlKind.STOP if stopped else ControlKind.START).value,
+            actor=actor, reason=reason, created_at=now,
+        )
+    )
+    return record_id
+
+
+def stop_state(conn: Connection) -> StopState:
+    """Who is stopped now: the latest STOP/START row per scope decides."""
+    rows = conn.execute(
+        select(control.c.user_id, control.c.kind)
+        .where(control.c.kind.in_([ControlKind.STOP.value, ControlKind.START.value]))
+        .order_by(control.c.created_at, control.c.id)
+    )
+    latest: dict[str | None, str] = {}
+    for row in rows:
+        latest[row.user_id] = row.kind
+    return StopState(
+        everything=latest.get(None) == ControlKind.STOP.value,
+        users=frozenset(u for u, k in latest.items() if u is not None and k == ControlKind.STOP.value),
+    )
+
+
+def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, now: datetime) -> str:
+    task_id = new_id("task")
+    conn.execute(tasks.insert().values(id=task_id, user_id=user_id, session_id=session_id, title=title,
+                                       state=TaskState.ACTIVE.value, created_at=now))
+    return task_id
+
+
+_TRANSITIONS: dict[ControlKind, tuple[frozenset[TaskState], TaskState]] = {
+    ControlKind.PAUSE: (frozenset({TaskState.ACTIVE}), TaskState.PAUSED),
+    ControlKind.RESUME: (frozenset({TaskState.PAUSED}), TaskState.ACTIVE),
+    ControlKind.CLOSE: (frozenset({TaskState.ACTIVE, TaskState.PAUSED}), TaskState.CLOSED),
+}
+
+
+def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: ControlKind, actor: str, reason: str,
+                   now: datetime) -> TaskState:
+    """Pause, resume or close a task the user owns: one guarded transition, one control row, one control event."""
+    sources, target = _TRANSITIONS[kind]
+    row = conn.execute(
+        select(tasks.c.session_id, tasks.c.state).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))
+    ).first()
+    if row is None:
+        raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
+    moved = conn.execute(
+        update(tasks)
+        .where(and_(tasks.c.id == task_id, tasks.c.state.in_([s.value for s in sources])))
+        .values(state=target.value, closed_at=now if target is TaskState.CLOSED else None)
+    ).rowcount
+    if moved != 1:
+        raise Conflict("invalid_transition", f"task {task_id} is {row.state}; cannot {kind.value} it",
+                       task_id=task_id, state=row.state)
+    record_id = new_id("ctl")
+    conn.execute(control.insert().values(id=record_id, user_id=user_id, task_id=task_id, kind=kind.value,
+                                         actor=actor, reason=reason, created_at=now))
+    if target is TaskState.CLOSED:
+        # Proactivity closes with its task: timers and pending waits end here.
+        conn.execute(update(timers).where(and_(timers.c.task_id == task_id, timers.c.state == TimerState.ACTIVE.value))
+                     .values(state=TimerState.CANCELLED.value))
+        conn.execute(update(waits).where(and_(waits.c.task_id == task_id, waits.c.state == WaitState.PENDING.value))
+                     .values(state=WaitState.CANCELLED.value, resolved_at=now))
+    inbox.record(
+        conn,
+        inbox.Delivery(user_id=user_id, source="control", source_id=record_id, kind=EventKind.CONTROL,
+                       trust="user", session_id=row.session_id, preempt=kind is not ControlKind.RESUME,
+                       payload={"control": kind.value, "task_id": task_id, "reason": reason}),
+        now=now,
+    )
+    return target
+
+
+def paused_or_closed(conn: Connection, session_id: str) -> bool:
+    """Whether any task of this session is not active (its runs must not act)."""
+    return conn.execute(
+        select(tasks.c.id).where(and_(tasks.c.session_id == session_id,
+                                      or_(tasks.c.state == TaskState.PAUSED.value,
+                                          tasks.c.state == TaskState.CLOSED.value))).limit(1)
+    ).first() is not None

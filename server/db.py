@@ -1,0 +1,90 @@
+"""The database: engine with durable SQLite settings, write/read transactions, migrations.
+
+SQLite runs in WAL mode with `synchronous=FULL`, so a committed transaction is fsynced before `commit()` returns:
+that is what lets the inbox acknowledge a delivery only after it is durable against power loss. Write transactions
+start with `BEGIN IMMEDIATE` so two writers queue on the lock instead of deadlocking on an upgrade.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, inspect
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.schema import Table
+
+__all__ = ["make_engine", "migrate", "read", "upsert", "write"]
+
+_MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def make_engine(url: str) -> Engine:
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 60}, pool_size=8)
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (below)
+        for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=60000", "foreign_keys=ON"):
+            dbapi_conn.execute(f"PRAGMA {pragma}")
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        mode = conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")
+        conn.exec_driver_sql(f"BEGIN {mode}")
+
+    return engine
+
+
+@contextmanager
+def write(engine: Engine) -> Iterator[Connection]:
+    """A write transaction: committed (and on SQLite fsynced) on clean exit, rolled back on error."""
+    with engine.connect() as conn, conn.begin():
+        yield conn
+
+
+@contextmanager
+def read(engine: Engine) -> Iterator[Connection]:
+    """A read-only snapshot that takes no write lock."""
+    with engine.connect().execution_options(sqlite_begin="DEFERRED") as conn, conn.begin():
+        yield conn
+
+
+def upsert(conn: Connection, table: Table) -> Insert:
+    """`INSERT` with the dialect's `ON CONFLICT` support (SQLite and PostgreSQL spell it the same way)."""
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
+
+
+def _alembic_config(conn: Connection) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    cfg.attributes["connection"] = conn
+    return cfg
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest revision (the only way a database is created)."""
+    from alembic import command
+
+    with engine.connect().execution_options(sqlite_begin="DEFERRED") as conn:
+        command.upgrade(_alembic_config(conn), "head")
+        conn.commit()
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        if not inspect(conn).has_table("alembic_version"):
+            return None
+        return conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalar()

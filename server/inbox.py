@@ -1,0 +1,196 @@
+"""The inbox: persist on receive.
+
+`record` writes one event and its session todo in the caller's transaction, routing it to a session (a pending
+wait's, a known correlation key's, or a new one) and dropping duplicates by `(source, source_id)`.
+`GroupCommitter` is how the HTTP handler uses it: deliveries from many requests are written in one transaction and
+one fsync, and each request is acknowledged only after that commit returned. A delivery whose transaction fails is
+retried alone, so one bad delivery never fails its neighbours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, Engine, select, update
+
+from server import faults, sessions
+from server.clock import Clock
+from server.db import upsert, write
+from server.ids import new_id
+from server.tables import EventKind, EventStatus, WaitState, events, session_keys, waits
+
+__all__ = ["Delivery", "GroupCommitter", "Recorded", "record"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Delivery:
+    """An input to persist. `session_id` is set by internal sources (timers, control) that know their session."""
+
+    user_id: str
+    source: str
+    source_id: str
+    payload: Any
+    kind: EventKind = EventKind.WEBHOOK
+    trust: str = "third_party"
+    corr_key: str | None = None
+    session_id: str | None = None
+    preempt: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recorded:
+    event_id: str
+    session_id: str
+    duplicate: bool
+    status: EventStatus
+
+
+def record(conn: Connection, delivery: Delivery, *, now: datetime) -> Recorded:
+    """Persist one delivery in the caller's transaction. Idempotent by `(source, source_id)`."""
+    existing = conn.execute(
+        select(events.c.id, events.c.session_id, events.c.status).where(
+            events.c.source == delivery.source, events.c.source_id == delivery.source_id
+        )
+    ).first()
+    if existing is not None:
+        return Recorded(event_id=existing.id, session_id=existing.session_id, duplicate=True,
+                        status=EventStatus(existing.status))
+    event_id = new_id("ev")
+    session_id, status = _route(conn, delivery, event_id=event_id, now=now)
+    conn.execute(
+        events.insert().values(
+            id=event_id,
+            user_id=delivery.user_id,
+            source=delivery.source,
+            source_id=delivery.source_id,
+            session_id=session_id,
+            corr_key=delivery.corr_key,
+            kind=delivery.kind.value,
+            trust=delivery.trust,
+            preempt=delivery.preempt,
+            payload=json.dumps(delivery.payload, separators=(",", ":"), sort_keys=True),
+            status=status.value,
+            attempts=0,
+            received_at=now,
+        )
+    )
+    if status is EventStatus.PENDING:
+        sessions.wake(conn, session_id=session_id, user_id=delivery.user_id, due_at=now)
+    return Recorded(event_id=event_id, session_id=session_id, duplicate=False, status=status)
+
+
+def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tuple[str, EventStatus]:
+    if d.session_id is not None:
+        return d.session_id, EventStatus.PENDING
+    if d.corr_key is None:
+        return sessions.create_session(conn, user_id=d.user_id, now=now), EventStatus.PENDING
+    wait = conn.execute(
+        select(waits.c.id, waits.c.session_id, waits.c.state).where(
+            waits.c.user_id == d.user_id, waits.c.match_key == d.corr_key
+        )
+    ).first()
+    if wait is not None:
+        sessions.lock(conn, wait.session_id)
+        moved = conn.execute(
+            update(waits)
+            .where(waits.c.id == wait.id, waits.c.state == WaitState.PENDING.value)
+            .values(state=WaitState.SATISFIED.value, resolved_at=now, resolved_event_id=event_id)
+        ).rowcount
+        # A terminal wait is final: the late answer is kept as a record and wakes nothing.
+        return wait.session_id, EventStatus.PENDING if moved == 1 else EventStatus.LATE
+    known = conn.execute(
+        select(session_keys.c.session_id).where(
+            session_keys.c.user_id == d.user_id, session_keys.c.key == d.corr_key
+        )
+    ).scalar_one_or_none()
+    if known is not None:
+        sessions.lock(conn, known)
+        return known, EventStatus.PENDING
+    session_id = sessions.create_session(conn, user_id=d.user_id, now=now)
+    conn.execute(
+        upsert(conn, session_keys)
+        .values(user_id=d.user_id, key=d.corr_key, session_id=session_id)
+        .on_conflict_do_nothing()
+    )
+    return session_id, EventStatus.PENDING
+
+
+class GroupCommitter:
+    """One writer thread that commits batches of deliveries; callers block on a future until theirs is durable."""
+
+    def __init__(self, engine: Engine, clock: Clock, *, on_commit: Callable[[], None] = lambda: None,
+                 max_batch: int = 512) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._on_commit = on_commit
+        self._max_batch = max_batch
+        self._queue: queue.SimpleQueue[tuple[Delivery, Future[Recorded]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="inbox-committer", daemon=True)
+        self.batches = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, delivery: Delivery) -> Future[Recorded]:
+        future: Future[Recorded] = Future()
+        self._queue.put((delivery, future))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stopping = False
+            while len(batch) < self._max_batch:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    break
+                batch.append(item)
+            self._commit(batch)
+            if stopping:
+                return
+
+    def _commit(self, batch: list[tuple[Delivery, Future[Recorded]]]) -> None:
+        try:
+            results = self._write([d for d, _ in batch])
+        except Exception:
+            log.exception("inbox batch of %d failed; committing one by one", len(batch))
+            for delivery, future in batch:
+                try:
+                    (result,) = self._write([delivery])
+                except Exception as exc:  # this delivery alone is bad: refuse it, keep the others
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            return
+        faults.crash_point("after_event_commit")  # durable, not yet acknowledged
+        for (_, future), result in zip(batch, results, strict=True):
+            future.set_result(result)
+
+    def _write(self, deliveries: list[Delivery]) -> list[Recorded]:
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            results = [record(conn, d, now=now) for d in deliveries]
+        self.batches += 1
+        self._on_commit()
+        return results

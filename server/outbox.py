@@ -1,0 +1,103 @@
+"""The transactional outbox and its dispatcher.
+
+`enqueue` writes a message in the caller's transaction, beside the state change that caused it. The `Dispatcher`
+drains pending rows: it re-checks STOP, delivers each message with its ID as the `Idempotency-Key` (so a delivery
+repeated after a crash is applied once by the receiver), and marks it sent with a guarded update. Failed deliveries
+back off exponentially and are marked failed past the attempt cap. Without a `notify_url` messages go to the local
+feed (`GET /v1/messages`) and are sent the moment they are dispatched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy import Connection, Engine, and_, select, update
+
+from server import control, faults
+from server.clock import Clock
+from server.db import write
+from server.ids import new_id
+from server.tables import OutboxKind, OutboxState, outbox
+
+__all__ = ["Dispatcher", "enqueue"]
+
+log = logging.getLogger(__name__)
+
+
+def enqueue(conn: Connection, *, user_id: str, body: dict[str, Any], now: datetime,
+            kind: OutboxKind = OutboxKind.USER_MESSAGE, session_id: str | None = None, run_id: str | None = None,
+            message_id: str | None = None) -> str:
+    message_id = message_id or new_id("msg")
+    conn.execute(outbox.insert().values(
+        id=message_id, user_id=user_id, kind=kind.value, session_id=session_id, run_id=run_id,
+        body=json.dumps(body, sort_keys=True), state=OutboxState.PENDING.value, attempts=0,
+        next_attempt_at=now, created_at=now,
+    ))
+    return message_id
+
+
+class Dispatcher:
+    def __init__(self, engine: Engine, clock: Clock, *, notify_url: str | None, max_attempts: int,
+                 backoff: timedelta, transport: httpx.BaseTransport | None = None) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._notify_url = notify_url
+        self._max_attempts = max_attempts
+        self._backoff = backoff
+        self._http = httpx.Client(transport=transport, timeout=10.0)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def drain(self, limit: int = 100) -> int:
+        """Deliver what is due; returns how many messages were attempted."""
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            stop = control.stop_state(conn)
+            due = conn.execute(
+                select(outbox).where(and_(outbox.c.state == OutboxState.PENDING.value,
+                                          outbox.c.next_attempt_at <= now))
+                .order_by(outbox.c.created_at).limit(limit)
+            ).all()
+        attempted = 0
+        for row in due:
+            if stop.blocks(row.user_id):
+                continue
+            attempted += 1
+            error = self._deliver(row)
+            self._settle(row, error)
+        return attempted
+
+    def _deliver(self, row: Any) -> str | None:
+        if self._notify_url is None:
+            return None
+        body = {"id": row.id, "user_id": row.user_id, "kind": row.kind, "session_id": row.session_id,
+                "created_at": row.created_at.isoformat(), "body": json.loads(row.body)}
+        try:
+            response = self._http.post(self._notify_url, json=body, headers={"Idempotency-Key": row.id})
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if response.is_success:
+            faults.crash_point("after_dispatch")  # the receiver has it; we have not marked it sent
+            return None
+        return f"HTTP {response.status_code}"
+
+    def _settle(self, row: Any, error: str | None) -> None:
+        now = self._clock.now()
+        guard = and_(outbox.c.id == row.id, outbox.c.state == OutboxState.PENDING.value)
+        with write(self._engine) as conn:
+            if error is None:
+                conn.execute(update(outbox).where(guard).values(state=OutboxState.SENT.value, sent_at=now,
+                                                                attempts=row.attempts + 1, last_error=None))
+                return
+            attempts = row.attempts + 1
+            failed = attempts >= self._max_attempts
+            log.warning("delivery of %s failed (attempt %d): %s", row.id, attempts, error)
+            conn.execute(update(outbox).where(guard).values(
+                state=(OutboxState.FAILED if failed else OutboxState.PENDING).value, attempts=attempts,
+                last_error=error, next_attempt_at=now + self._backoff * (2 ** (attempts - 1)),
+            ))

@@ -1,0 +1,149 @@
+"""The embedded runtime: one process runs the inbox committer, workers, scheduler, dispatcher and sweeper.
+
+Loops sleep on an in-process `threading.Event` and are woken the moment a commit gives them work (a delivery wakes
+the workers, a run's commit wakes the dispatcher); polling every `poll_interval` is only the fallback. Everything
+they need is in the database, so a restart resumes from it alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import Engine, func, select
+
+from server import control, faults, timers, users, waits
+from server.clock import Clock, SystemClock
+from server.db import make_engine, migrate, read, write
+from server.inbox import GroupCommitter
+from server.outbox import Dispatcher
+from server.settings import Settings
+from server.sweeper import sweep
+from server.tables import TimerState
+from server.tables import timers as timers_table
+from server.worker import RunHandler, Worker
+
+__all__ = ["Runtime", "Signals"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Signals:
+    work: threading.Event = field(default_factory=threading.Event)
+    dispatch: threading.Event = field(default_factory=threading.Event)
+    timers: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def all(self) -> tuple[threading.Event, ...]:
+        return (self.work, self.dispatch, self.timers)
+
+
+class Runtime:
+    def __init__(self, settings: Settings, *, handler: RunHandler, clock: Clock | None = None,
+                 engine: Engine | None = None) -> None:
+        faults.configure(settings.crash_at)
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.engine = engine or make_engine(settings.db_url)
+        self.signals = Signals()
+        self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set)
+        self.workers = [
+            Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run)
+            for _ in range(settings.workers)
+        ]
+        self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
+                                     max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
+        self.source_users: dict[str, str] = {}
+        self._threads: list[threading.Thread] = []
+
+    def prepare(self) -> str | None:
+        """Migrate, create the owner on first start (returns its token, to be shown once), bind sources to users."""
+        migrate(self.engine)
+        now = self.clock.now()
+        with write(self.engine) as conn:
+            _, token = users.ensure_user(conn, name="owner", now=now)
+            for name, source in self.settings.sources.items():
+                self.source_users[name] = users.user_id_by_name(conn, source.user)
+        return token
+
+    def _after_run(self) -> None:
+        # A run's commit may hold outbox rows and new timers.
+        self.signals.dispatch.set()
+        self.signals.timers.set()
+
+    def start(self) -> None:
+        self.committer.start()
+        loops: list[tuple[str, Callable[[], None]]] = [
+            *((f"worker-{i}", lambda w=w: w.run_forever(self.signals.stop, self.signals.work))
+              for i, w in enumerate(self.workers)),
+            ("scheduler", self._scheduler_loop),
+            ("dispatcher", self._dispatcher_loop),
+            ("sweeper", self._sweeper_loop),
+        ]
+        for name, target in loops:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self.signals.stop.set()
+        for event in self.signals.all():
+            event.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self.committer.stop()
+        self.dispatcher.close()
+
+    # -- loops -----------------------------------------------------------------------------------------------------
+
+    def _guarded(self, name: str, body: Callable[[], float]) -> float:
+        try:
+            return body()
+        except Exception:
+            log.exception("%s: unexpected error; retrying after the poll interval", name)
+            return self.settings.poll_interval
+
+    def _scheduler_loop(self) -> None:
+        while not self.signals.stop.is_set():
+            delay = self._guarded("scheduler", self.scheduler_tick)
+            self.signals.timers.wait(delay)
+            self.signals.timers.clear()
+
+    def scheduler_tick(self) -> float:
+        """Fire due timers and expire due waits; returns how long to sleep before the next due timer."""
+        now = self.clock.now()
+        with write(self.engine) as conn:
+            stop = control.stop_state(conn)
+            fired = 0 if stop.everything else timers.fire_due(conn, now=now, blocked=stop.blocks)
+            expired = waits.expire_due(conn, now=now)
+        if fired or expired:
+            self.signals.work.set()
+        with read(self.engine) as conn:
+            next_due = conn.execute(select(func.min(timers_table.c.due_at))
+                                    .where(timers_table.c.state == TimerState.ACTIVE.value)).scalar()
+        if next_due is None:
+            return self.settings.poll_interval
+        return max(0.0, min(self.settings.poll_interval, (next_due - self.clock.now()).total_seconds()))
+
+    def _dispatcher_loop(self) -> None:
+        while not self.signals.stop.is_set():
+            attempted = self._guarded("dispatcher", lambda: float(self.dispatcher.drain()))
+            if not attempted:
+                self.signals.dispatch.wait(self.settings.poll_interval)
+                self.signals.dispatch.clear()
+
+    def _sweeper_loop(self) -> None:
+        while not self.signals.stop.wait(self.settings.sweep_interval):
+            self._guarded("sweeper", self.sweep_once)
+
+    def sweep_once(self) -> float:
+        with write(self.engine) as conn:
+            report = sweep(conn, now=self.clock.now(), event_max_attempts=self.settings.event_max_attempts)
+        if report.rescheduled or report.abandoned_runs:
+            self.signals.work.set()
+        if report.failed_events:
+            self.signals.dispatch.set()
+        return 0.0

@@ -1,0 +1,142 @@
+"""Settings in one place: CLI flags > `WAKEFUL_*` environment > the TOML config file > defaults.
+
+The config file is `$WAKEFUL_CONFIG`, else `<data_dir>/wakeful.toml` when it exists. Nested values use `__` in
+the environment: `WAKEFUL_SOURCES__GITHUB__SECRET=...` sets the secret of the source named `github`.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+__all__ = ["Settings", "SourceSettings", "load_settings"]
+
+SourceKind = Literal["github", "stripe", "slack", "generic"]
+
+# Where each provider puts the delivery ID and a natural session key, unless the source says otherwise.
+_DEFAULT_DELIVERY_ID: dict[str, str] = {
+    "github": "header:X-GitHub-Delivery",
+    "stripe": "body:id",
+    "slack": "body:event_id",
+    "generic": "header:X-Wakeful-Delivery",
+}
+_DEFAULT_SESSION_KEY: dict[str, str] = {
+    "github": "body:issue.number",
+    "stripe": "body:data.object.id",
+    "slack": "body:event.thread_ts",
+    "generic": "body:session_key",
+}
+
+
+class SourceSettings(BaseModel):
+    """One webhook source, bound to one user."""
+
+    model_config = {"extra": "forbid"}
+
+    kind: SourceKind
+    """Which signature scheme the provider uses."""
+    secret: SecretStr
+    """The shared signing secret. Prefer the environment (`WAKEFUL_SOURCES__<NAME>__SECRET`) to the file."""
+    user: str = "owner"
+    """The user every event from this source belongs to."""
+    trust: Literal["third_party", "verified_service", "user"] = "third_party"
+    """How much the content may be trusted; it is data to the model either way, never an instruction."""
+    delivery_id: str | None = None
+    """Where the provider's delivery ID is: `header:<Name>` or `body:<dotted.path>`; per-kind default."""
+    session_key: str | None = None
+    """Where a correlation key is (thread, issue, wait ID): `header:<Name>` or `body:<dotted.path>`."""
+    tolerance_seconds: int = 300
+    """Timestamp tolerance for schemes that sign a timestamp (Stripe, Slack)."""
+
+    @field_validator("delivery_id", "session_key")
+    @classmethod
+    def _locator(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("header:", "body:")):
+            raise ValueError("must start with 'header:' or 'body:'")
+        return value
+
+    def delivery_locator(self) -> str:
+        return self.delivery_id or _DEFAULT_DELIVERY_ID[self.kind]
+
+    def session_locator(self) -> str:
+        return self.session_key or _DEFAULT_SESSION_KEY[self.kind]
+
+
+def _default_data_dir() -> Path:
+    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "wakeful"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WAKEFUL_", env_nested_delimiter="__", extra="forbid")
+
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    """Where the SQLite file and everything else the server keeps lives."""
+    database_url: str | None = None
+    """SQLAlchemy URL; default `sqlite:///<data_dir>/wakeful.db`. The schema is PostgreSQL-compatible."""
+    host: str = "127.0.0.1"
+    """HTTP listen address. Loopback unless you mean it."""
+    port: int = 8787
+    sources: dict[str, SourceSettings] = Field(default_factory=dict)
+    """Webhook sources by name: `POST /v1/hooks/<name>`."""
+    notify_url: str | None = None
+    """Where messages to the user are delivered (POST, JSON, `Idempotency-Key` header). None: the local feed only."""
+    max_body_bytes: int = 1 << 20
+    """Webhook bodies larger than this are refused with 413."""
+    lease: timedelta = timedelta(seconds=30)
+    """How long a worker's claim on a session lasts without renewal; a dead worker's session is free after it."""
+    run_max_steps: int = 50
+    """Steps one run may take before it is ended and the user told."""
+    run_max_seconds: float = 300.0
+    """Wall-clock seconds one run may take."""
+    daily_max_steps: int = 5000
+    """Steps per user per UTC day across all runs."""
+    event_max_attempts: int = 5
+    """Runs that may pick up one event before it is marked failed and the user told."""
+    followup_cap: int = 20
+    """Active follow-ups per user."""
+    schedule_min_interval: timedelta = timedelta(minutes=1)
+    """The shortest gap a recurring schedule may have."""
+    workers: int = 2
+    """Worker threads: different sessions run in parallel, one run per session at a time."""
+    poll_interval: float = 1.0
+    """Fallback polling for the worker, scheduler and dispatcher; commits wake them at once in-process."""
+    sweep_interval: float = 5.0
+    dispatch_max_attempts: int = 8
+    """Deliveries of one outbox message before it is marked failed."""
+    dispatch_backoff: timedelta = timedelta(seconds=1)
+    """First retry delay for a failed delivery; doubles each time."""
+    crash_at: str = ""
+    """Fault injection for tests only: `point[:probability],...` makes the process `os._exit` there."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=_config_path()))
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'wakeful.db'}"
+
+
+def _config_path() -> Path:
+    explicit = os.environ.get("WAKEFUL_CONFIG")
+    if explicit:
+        return Path(explicit)
+    data_dir = os.environ.get("WAKEFUL_DATA_DIR")
+    return (Path(data_dir) if data_dir else _default_data_dir()) / "wakeful.toml"
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings with CLI-style overrides; `None` overrides are ignored so unset flags fall through."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

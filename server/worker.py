@@ -1,0 +1,313 @@
+"""The worker: claim a session, hand its pending events to the run handler, commit the outcome under the token.
+
+One wake, end to end:
+    claim (lease + new fencing token; poison events failed; attempts counted)   ── one transaction
+    handler(ctx)        effects are buffered; ctx.step() checks STOP, preemption and budgets and renews the lease
+    commit              fence(token) first, then outbox rows, waits, timers, events → processed, run → ended
+A run that is interrupted (STOP, pause) or fails commits none of its effects: its events stay pending for the
+next run. A run that exhausts its budget commits what it did and tells the user.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import Connection, Engine, and_, select, update
+
+from server import control, faults, outbox, sessions, timers, waits
+from server.clock import Clock
+from server.db import read, upsert, write
+from server.errors import StaleToken
+from server.ids import new_id
+from server.schedule import Misfire
+from server.settings import Settings
+from server.tables import EventStatus, RunOutcome, events, runs, usage_daily
+
+__all__ = ["EventView", "RunContext", "RunHandler", "RunInterrupted", "Worker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventView:
+    """What a run sees of an event. `payload` is data from `source` at `trust`, never an instruction."""
+
+    id: str
+    source: str
+    source_id: str
+    kind: str
+    trust: str
+    corr_key: str | None
+    payload: Any
+    received_at: datetime
+
+
+class RunInterrupted(Exception):
+    def __init__(self, outcome: RunOutcome, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+        self.reason = reason
+
+
+class RunHandler(Protocol):
+    def __call__(self, ctx: RunContext) -> None: ...
+
+
+Effect = Callable[[Connection, datetime], None]
+
+
+@dataclass
+class RunContext:
+    """The handler's view of one run. Effects are buffered and committed atomically under the fencing token."""
+
+    run_id: str
+    session_id: str
+    user_id: str
+    token: int
+    events: tuple[EventView, ...]
+    todo_version: int | None
+    _worker: Worker
+    _started: float
+    steps: int = 0
+    effects: list[Effect] = field(default_factory=list)
+    ended_by: str | None = None
+
+    def now(self) -> datetime:
+        return self._worker.clock.now()
+
+    def step(self) -> None:
+        """Call before each step: refuses to go on under STOP, preemption or an exhausted budget; renews the lease."""
+        self._worker.check_step(self)
+        self.steps += 1
+
+    def send_to_user(self, text: str, **extra: Any) -> None:
+        def effect(conn: Connection, now: datetime) -> None:
+            outbox.enqueue(conn, user_id=self.user_id, session_id=self.session_id, run_id=self.run_id, now=now,
+                           body={"text": text, **extra})
+
+        self.effects.append(effect)
+        self.ended_by = "message"
+
+    def silence(self, reason: str) -> None:
+        """Nothing to send: an explicit, logged outcome with a one-line reason."""
+        log.info("run %s: nothing to send: %s", self.run_id, reason)
+        self.ended_by = f"silence: {reason}"
+
+    def wait_for(self, match_key: str, *, kind: str = "reply", deadline: datetime | None = None,
+                 task_id: str | None = None) -> None:
+        def effect(conn: Connection, now: datetime) -> None:
+            waits.register(conn, user_id=self.user_id, session_id=self.session_id, match_key=match_key, kind=kind,
+                           deadline=deadline, now=now, task_id=task_id)
+
+        self.effects.append(effect)
+        self.ended_by = self.ended_by or f"wait: {match_key}"
+
+    def follow_up(self, *, task_id: str, at: datetime, note: str) -> None:
+        settings = self._worker.settings
+        with read(self._worker.engine) as conn:  # check the cap now, so the handler hears a refusal at once
+            timers.check_followup(conn, user_id=self.user_id, task_id=task_id, cap=settings.followup_cap)
+
+        def effect(conn: Connection, now: datetime) -> None:
+            timers.create_followup(conn, user_id=self.user_id, task_id=task_id, due_at=at, note=note, now=now,
+                                   cap=settings.followup_cap)
+
+        self.effects.append(effect)
+
+    def schedule(self, *, task_id: str, note: str, every: timedelta | None = None, cron: str | None = None,
+                 misfire: Misfire = Misfire.SKIP) -> None:
+        min_interval = self._worker.settings.schedule_min_interval
+
+        def effect(conn: Connection, now: datetime) -> None:
+            timers.create_schedule(conn, user_id=self.user_id, task_id=task_id, now=now, note=note, every=every,
+                                   cron=cron, misfire=misfire, min_interval=min_interval)
+
+        self.effects.append(effect)
+
+
+class Worker:
+    def __init__(self, engine: Engine, settings: Settings, clock: Clock, handler: RunHandler, *,
+                 name: str | None = None, on_commit: Callable[[], None] = lambda: None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.clock = clock
+        self.handler = handler
+        self.name = name or new_id("wkr")
+        self._on_commit = on_commit
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def run_forever(self, stop: threading.Event, wakeup: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                worked = self.run_once()
+            except Exception:
+                log.exception("worker %s: unexpected error", self.name)
+                worked = False
+            if not worked:
+                wakeup.wait(self.settings.poll_interval)
+                wakeup.clear()
+
+    def run_once(self) -> bool:
+        """Claim one session with due work and run it. Returns False when there was nothing to do."""
+        ctx = self._claim()
+        if ctx is None:
+            return False
+        faults.crash_point("after_claim")
+        outcome, reason = RunOutcome.COMPLETED, None
+        try:
+            self.handler(ctx)
+        except RunInterrupted as stop:
+            outcome, reason = stop.outcome, stop.reason
+        except Exception as exc:
+            log.exception("run %s failed", ctx.run_id)
+            outcome, reason = RunOutcome.FAILED, f"{type(exc).__name__}: {exc}"
+        faults.crash_point("before_run_commit")
+        try:
+            self._commit(ctx, outcome, reason)
+        except StaleToken:
+            log.error("run %s lost session %s to a newer worker; its commit was refused", ctx.run_id, ctx.session_id)
+            return True
+        if outcome is RunOutcome.COMPLETED or outcome is RunOutcome.BUDGET_EXHAUSTED:
+            faults.crash_point("after_outbox_write")
+        self._on_commit()
+        return True
+
+    # -- claim -----------------------------------------------------------------------------------------------------
+
+    def _claim(self) -> RunContext | None:
+        now = self.clock.now()
+        with write(self.engine) as conn:
+            stop = control.stop_state(conn)
+            for session_id, user_id in sessions.claimable(conn, now=now, limit=20):
+                if stop.blocks(user_id) or self._over_daily_budget(conn, user_id, now):
+                    continue
+                token = sessions.claim(conn, session_id=session_id, worker=self.name, now=now,
+                                       lease=self.settings.lease)
+                if token is None:
+                    continue
+                fail_poison_events(conn, session_id=session_id, cap=self.settings.event_max_attempts, now=now)
+                pending = conn.execute(
+                    select(events).where(and_(events.c.session_id == session_id,
+                                              events.c.status == EventStatus.PENDING.value))
+                    .order_by(events.c.received_at, events.c.id)
+                ).all()
+                if not pending:
+                    sessions.settle_todo(conn, session_id=session_id,
+                                         seen_version=sessions.todo_version(conn, session_id), retry_at=None)
+                    sessions.release(conn, session_id=session_id, token=token)
+                    continue
+                conn.execute(update(events).where(events.c.id.in_([e.id for e in pending]))
+                             .values(attempts=events.c.attempts + 1))
+                run_id = new_id("run")
+                conn.execute(runs.insert().values(id=run_id, session_id=session_id, user_id=user_id,
+                                                  fencing_token=token, worker=self.name,
+                                                  outcome=RunOutcome.RUNNING.value, steps=0, started_at=now))
+                views = tuple(
+                    EventView(id=e.id, source=e.source, source_id=e.source_id, kind=e.kind, trust=e.trust,
+                              corr_key=e.corr_key, payload=json.loads(e.payload), received_at=e.received_at)
+                    for e in pending
+                )
+                return RunContext(run_id=run_id, session_id=session_id, user_id=user_id, token=token, events=views,
+                                  todo_version=sessions.todo_version(conn, session_id), _worker=self,
+                                  _started=time.monotonic())
+        return None
+
+    def _over_daily_budget(self, conn: Connection, user_id: str, now: datetime) -> bool:
+        used = conn.execute(select(usage_daily.c.steps).where(
+            and_(usage_daily.c.user_id == user_id, usage_daily.c.day == now.date().isoformat()))).scalar()
+        return (used or 0) >= self.settings.daily_max_steps
+
+    # -- during the run --------------------------------------------------------------------------------------------
+
+    def check_step(self, ctx: RunContext) -> None:
+        if ctx.steps >= self.settings.run_max_steps:
+            raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED, f"step budget of {self.settings.run_max_steps} used")
+        if time.monotonic() - ctx._started > self.settings.run_max_seconds:
+            raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED,
+                                 f"wall-clock budget of {self.settings.run_max_seconds:.0f} s used")
+        now = self.clock.now()
+        with write(self.engine) as conn:
+            sessions.fence(conn, session_id=ctx.session_id, token=ctx.token, lease_until=now + self.settings.lease)
+            if control.stop_state(conn).blocks(ctx.user_id):
+                raise RunInterrupted(RunOutcome.INTERRUPTED, "STOP is in force")
+            preempting = conn.execute(
+                select(events.c.id).where(and_(events.c.session_id == ctx.session_id, events.c.preempt.is_(True),
+                                               events.c.status == EventStatus.PENDING.value,
+                                               events.c.id.not_in([e.id for e in ctx.events]))).limit(1)
+            ).first()
+            if preempting is not None:
+                raise RunInterrupted(RunOutcome.INTERRUPTED, "the user paused or closed the task")
+            used = conn.execute(select(usage_daily.c.steps).where(
+                and_(usage_daily.c.user_id == ctx.user_id, usage_daily.c.day == now.date().isoformat()))).scalar()
+            if (used or 0) + ctx.steps >= self.settings.daily_max_steps:
+                raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED,
+                                     f"daily budget of {self.settings.daily_max_steps} steps used")
+
+    # -- commit ----------------------------------------------------------------------------------------------------
+
+    def _commit(self, ctx: RunContext, outcome: RunOutcome, reason: str | None) -> None:
+        now = self.clock.now()
+        keep = outcome in (RunOutcome.COMPLETED, RunOutcome.BUDGET_EXHAUSTED)
+        with write(self.engine) as conn:
+            sessions.fence(conn, session_id=ctx.session_id, token=ctx.token)
+            ids = [e.id for e in ctx.events]
+            if keep:
+                for effect in ctx.effects:
+                    effect(conn, now)
+                if outcome is RunOutcome.BUDGET_EXHAUSTED:
+                    outbox.enqueue(conn, user_id=ctx.user_id, session_id=ctx.session_id, run_id=ctx.run_id, now=now,
+                                   body={"text": f"I stopped working on this for now: {reason}. What I did so far "
+                                         "is saved.", "kind": "budget_exhausted"})
+                conn.execute(update(events).where(and_(events.c.id.in_(ids),
+                                                       events.c.status == EventStatus.PENDING.value))
+                             .values(status=EventStatus.PROCESSED.value, run_id=ctx.run_id, settled_at=now))
+                sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=ctx.todo_version, retry_at=None)
+            elif outcome is RunOutcome.INTERRUPTED:
+                # Not the events' fault: give the attempt back; the todo stays due for after START / resume.
+                conn.execute(update(events).where(events.c.id.in_(ids)).values(attempts=events.c.attempts - 1))
+            else:
+                attempts = max((e.attempts for e in conn.execute(select(events.c.attempts)
+                                                                  .where(events.c.id.in_(ids)))), default=1)
+                sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=None,
+                                     retry_at=now + timedelta(seconds=min(300, 2 ** attempts)))
+            if ctx.steps:
+                stmt = upsert(conn, usage_daily).values(user_id=ctx.user_id, day=now.date().isoformat(),
+                                                        steps=ctx.steps)
+                conn.execute(stmt.on_conflict_do_update(index_elements=[usage_daily.c.user_id, usage_daily.c.day],
+                                                        set_={"steps": usage_daily.c.steps + ctx.steps}))
+            conn.execute(update(runs).where(and_(runs.c.id == ctx.run_id, runs.c.outcome == RunOutcome.RUNNING.value))
+                         .values(outcome=outcome.value, ended_at=now, steps=ctx.steps,
+                                 reason=reason or ctx.ended_by or "silence: the handler sent nothing"))
+            sessions.release(conn, session_id=ctx.session_id, token=ctx.token)
+
+
+def fail_poison_events(conn: Connection, *, session_id: str | None, cap: int, now: datetime) -> int:
+    """Events picked up `cap` times without success are failed, and the user is told (liveness)."""
+    query = select(events.c.id, events.c.user_id, events.c.session_id, events.c.source, events.c.source_id).where(
+        and_(events.c.status == EventStatus.PENDING.value, events.c.attempts >= cap))
+    if session_id is not None:
+        query = query.where(events.c.session_id == session_id)
+    failed = 0
+    for e in conn.execute(query).all():
+        moved = conn.execute(update(events).where(and_(events.c.id == e.id,
+                                                       events.c.status == EventStatus.PENDING.value))
+                             .values(status=EventStatus.FAILED.value, settled_at=now)).rowcount
+        if moved == 1:
+            failed += 1
+            outbox.enqueue(conn, user_id=e.user_id, session_id=e.session_id, now=now, message_id=f"fail_{e.id}",
+                           body={"kind": "event_failed", "event_id": e.id,
+                                 "text": f"I could not process the {e.source} event {e.source_id} after {cap} "
+                                         "attempts and have set it aside. Nothing from it was acted on."})
+    return failed
+
+
+def pending_count(engine: Engine) -> int:
+    with read(engine) as conn:
+        return len(conn.execute(select(events.c.id).where(events.c.status == EventStatus.PENDING.value)).all())
