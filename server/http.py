@@ -54,6 +54,16 @@ def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
     return str(node)
 
 
+def current_user(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
+    """The bearer token's user; every record a request touches is filtered by it."""
+    scheme, _, token = (authorization or "").partition(" ")
+    with read(request.app.state.runtime.engine) as conn:
+        return users.authenticate(conn, token if scheme.lower() == "bearer" else None)
+
+
+User = Annotated[str, Depends(current_user)]
+
+
 class TaskIn(BaseModel):
     title: str = Field(min_length=1, max_length=2000)
 
@@ -76,6 +86,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
                 await asyncio.to_thread(runtime.stop)
 
     app = FastAPI(title="wakeful", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
 
     @app.exception_handler(WakefulError)
     async def _wakeful_error(_request: Request, exc: WakefulError) -> JSONResponse:
@@ -85,13 +96,6 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(BadRequest("malformed_body", "the request body does not match the schema",
                                          details=json.loads(json.dumps(exc.errors(), default=str))))
-
-    def current_user(authorization: Annotated[str | None, Header()] = None) -> str:
-        scheme, _, token = (authorization or "").partition(" ")
-        with read(engine) as conn:
-            return users.authenticate(conn, token if scheme.lower() == "bearer" else None)
-
-    User = Annotated[str, Depends(current_user)]
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -1,0 +1,190 @@
+"""The HTTP API, through the real FastAPI app and its lifespan (runtime threads on a real SQLite file)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine
+
+from server.clock import FakeClock
+from server.db import make_engine, migrate, write
+from server.handlers import EchoHandler
+from server.http import create_app
+from server.runtime import Runtime
+from server.settings import Settings
+from server.signatures import SignatureKind, sign
+from server.users import ensure_user
+from tests.support.records import event_rows
+
+SECRET = "shh-its-a-secret"
+KINDS: list[SignatureKind] = ["github", "stripe", "slack", "generic"]
+
+
+@pytest.fixture
+def app_settings(tmp_path: Path) -> Settings:
+    return Settings(data_dir=tmp_path, max_body_bytes=4096, poll_interval=0.05, sweep_interval=3600,
+                    sources={kind: {"kind": kind, "secret": SECRET} for kind in KINDS})
+
+
+@pytest.fixture
+def app_engine(app_settings: Settings) -> Iterator[Engine]:
+    engine = make_engine(app_settings.db_url)
+    migrate(engine)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def client(app_settings: Settings, app_engine: Engine, clock: FakeClock) -> Iterator[TestClient]:
+    runtime = Runtime(app_settings, handler=EchoHandler(), clock=clock, engine=app_engine)
+    runtime.prepare()
+    with TestClient(create_app(runtime)) as client:
+        yield client
+
+
+@pytest.fixture
+def token(app_engine: Engine, clock: FakeClock) -> str:
+    with write(app_engine) as conn:
+        _, new = ensure_user(conn, name="second", now=clock.now())
+    assert new is not None
+    return new
+
+
+def signed(kind: SignatureKind, payload: dict[str, Any], clock: FakeClock, delivery: str = "d-1",
+           secret: str = SECRET) -> tuple[bytes, dict[str, str]]:
+    body = json.dumps(payload).encode()
+    headers = sign(kind, secret=secret.encode(), body=body, now=clock.now().timestamp())
+    headers |= {"X-GitHub-Delivery": delivery, "X-Wakeful-Delivery": delivery, "content-type": "application/json"}
+    return body, headers
+
+
+def payload_for(kind: SignatureKind, delivery: str) -> dict[str, Any]:
+    # Stripe and Slack carry the delivery ID in the body.
+    return {"id": delivery, "event_id": delivery, "type": "event", "issue": {"number": 7}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_correctly_signed_delivery_is_stored_and_acknowledged(client: TestClient, app_engine: Engine,
+                                                                clock: FakeClock, kind: SignatureKind) -> None:
+    body, headers = signed(kind, payload_for(kind, "d-1"), clock)
+    response = client.post(f"/v1/hooks/{kind}", content=body, headers=headers)
+    assert response.status_code == 200, response.text
+    (event,) = event_rows(app_engine)
+    assert response.json()["event_id"] == event.id and event.source == kind and event.source_id == "d-1"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_delivery_signed_with_another_secret_is_refused_and_nothing_is_stored(
+        client: TestClient, app_engine: Engine, clock: FakeClock, kind: SignatureKind) -> None:
+    body, headers = signed(kind, payload_for(kind, "d-1"), clock, secret="wrong")
+    response = client.post(f"/v1/hooks/{kind}", content=body, headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "signature_mismatch"
+    assert event_rows(app_engine) == []
+
+
+def test_an_unsigned_delivery_is_refused(client: TestClient, app_engine: Engine) -> None:
+    response = client.post("/v1/hooks/generic", content=b"{}", headers={"X-Wakeful-Delivery": "x"})
+    assert (response.status_code, response.json()["error"]["code"]) == (401, "signature_missing")
+    assert event_rows(app_engine) == []
+
+
+def test_a_stale_stripe_timestamp_is_refused(client: TestClient, clock: FakeClock) -> None:
+    body, headers = signed("stripe", payload_for("stripe", "evt_1"), clock)
+    clock.advance(__import__("datetime").timedelta(minutes=6))
+    response = client.post("/v1/hooks/stripe", content=body, headers=headers)
+    assert (response.status_code, response.json()["error"]["code"]) == (401, "signature_expired")
+
+
+def test_the_same_delivery_twice_is_one_row_and_returns_the_original_id(client: TestClient, app_engine: Engine,
+                                                                       clock: FakeClock) -> None:
+    body, headers = signed("generic", {"x": 1}, clock)
+    first = client.post("/v1/hooks/generic", content=body, headers=headers).json()
+    second = client.post("/v1/hooks/generic", content=body, headers=headers).json()
+    assert first["event_id"] == second["event_id"]
+    assert (first["duplicate"], second["duplicate"]) == (False, True)
+    assert len(event_rows(app_engine)) == 1
+
+
+def test_fifty_concurrent_identical_deliveries_are_one_row(client: TestClient, app_engine: Engine,
+                                                           clock: FakeClock) -> None:
+    body, headers = signed("generic", {"x": 1}, clock, delivery="same")
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        responses = list(pool.map(lambda _: client.post("/v1/hooks/generic", content=body, headers=headers),
+                                  range(50)))
+    assert {r.status_code for r in responses} == {200}
+    assert len({r.json()["event_id"] for r in responses}) == 1
+    assert len(event_rows(app_engine)) == 1
+
+
+@pytest.mark.parametrize(("body", "code"), [(b"not json", "malformed_body"), (b"[1, 2]", "malformed_body")])
+def test_a_malformed_body_is_a_400_with_a_stable_code(client: TestClient, clock: FakeClock, body: bytes,
+                                                      code: str) -> None:
+    headers = sign("generic", secret=SECRET.encode(), body=body, now=clock.now().timestamp())
+    response = client.post("/v1/hooks/generic", content=body, headers=headers | {"X-Wakeful-Delivery": "d"})
+    assert (response.status_code, response.json()["error"]["code"]) == (400, code)
+
+
+def test_a_delivery_without_its_delivery_id_is_refused(client: TestClient, clock: FakeClock) -> None:
+    body = b"{}"
+    headers = sign("generic", secret=SECRET.encode(), body=body, now=clock.now().timestamp())
+    response = client.post("/v1/hooks/generic", content=body, headers=headers)
+    assert (response.status_code, response.json()["error"]["code"]) == (400, "missing_delivery_id")
+
+
+def test_a_body_over_the_limit_is_a_413(client: TestClient, app_engine: Engine, clock: FakeClock) -> None:
+    body, headers = signed("generic", {"pad": "x" * 5000}, clock)
+    response = client.post("/v1/hooks/generic", content=body, headers=headers)
+    assert (response.status_code, response.json()["error"]["code"]) == (413, "payload_too_large")
+    assert event_rows(app_engine) == []
+
+
+def test_an_unknown_source_is_a_404(client: TestClient, clock: FakeClock) -> None:
+    body, headers = signed("generic", {}, clock)
+    response = client.post("/v1/hooks/nope", content=body, headers=headers)
+    assert (response.status_code, response.json()["error"]["code"]) == (404, "unknown_source")
+
+
+def test_slack_url_verification_is_answered_after_the_signature_check(client: TestClient, clock: FakeClock) -> None:
+    body, headers = signed("slack", {"type": "url_verification", "challenge": "abc"}, clock)
+    assert client.post("/v1/hooks/slack", content=body, headers=headers).json() == {"challenge": "abc"}
+
+
+def test_control_endpoints_refuse_a_missing_or_wrong_token(client: TestClient) -> None:
+    assert client.post("/v1/control/stop").json()["error"]["code"] == "missing_token"
+    response = client.post("/v1/control/stop", headers={"Authorization": "Bearer wk_nope"})
+    assert (response.status_code, response.json()["error"]["code"]) == (401, "bad_token")
+
+
+def test_stop_and_start_through_the_api(client: TestClient, token: str) -> None:
+    auth = {"Authorization": f"Bearer {token}"}
+    assert client.post("/v1/control/stop", json={"reason": "going away"}, headers=auth).json()["stopped"] is True
+    assert client.get("/v1/control", headers=auth).json() == {"stopped": True, "global_stop": False}
+    client.post("/v1/control/start", headers=auth)
+    assert client.get("/v1/control", headers=auth).json()["stopped"] is False
+
+
+def test_one_users_token_never_reaches_another_users_task(client: TestClient, app_engine: Engine, token: str,
+                                                          clock: FakeClock) -> None:
+    with write(app_engine) as conn:
+        _, other = ensure_user(conn, name="third", now=clock.now())
+    task = client.post("/v1/tasks", json={"title": "mine"}, headers={"Authorization": f"Bearer {token}"}).json()
+    foreign = {"Authorization": f"Bearer {other}"}
+    for path in (f"/v1/tasks/{task['task_id']}", f"/v1/tasks/{task['task_id']}/pause"):
+        response = client.request("GET" if path.count("/") == 3 else "POST", path, headers=foreign)
+        assert (response.status_code, response.json()["error"]["code"]) == (404, "unknown_task")
+
+
+def test_pausing_twice_is_a_409_with_the_current_state(client: TestClient, token: str) -> None:
+    auth = {"Authorization": f"Bearer {token}"}
+    task = client.post("/v1/tasks", json={"title": "t"}, headers=auth).json()["task_id"]
+    assert client.post(f"/v1/tasks/{task}/pause", headers=auth).json()["state"] == "paused"
+    again = client.post(f"/v1/tasks/{task}/pause", headers=auth)
+    assert again.status_code == 409 and again.json()["error"] | {"message": ""} == {
+        "code": "invalid_transition", "message": "", "task_id": task, "state": "paused"}

@@ -1,0 +1,104 @@
+"""Waits: pending → satisfied | timed_out | cancelled, terminal states final; early answers are not lost."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, select, update
+
+from server import inbox, sessions, waits
+from server.clock import FakeClock
+from server.db import read, write
+from server.errors import Conflict
+from server.runtime import Runtime
+from server.tables import EventKind, EventStatus, WaitState, todos
+from server.tables import waits as waits_table
+from tests.support.records import event_rows
+
+
+def reply(engine: Engine, clock: FakeClock, owner: str, source_id: str, key: str) -> inbox.Recorded:
+    with write(engine) as conn:
+        return inbox.record(conn, inbox.Delivery(user_id=owner, source="hook", source_id=source_id,
+                                                 payload={"answer": "yes"}, corr_key=key), now=clock.now())
+
+
+def register(engine: Engine, clock: FakeClock, owner: str, key: str, deadline: timedelta | None = None) -> str:
+    with write(engine) as conn:
+        session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+        waits.register(conn, user_id=owner, session_id=session_id, match_key=key, kind="reply",
+                       deadline=clock.now() + deadline if deadline else None, now=clock.now())
+    return session_id
+
+
+def wait_state(engine: Engine, key: str) -> str:
+    with read(engine) as conn:
+        return str(conn.execute(select(waits_table.c.state).where(waits_table.c.match_key == key)).scalar_one())
+
+
+def has_todo(engine: Engine, session_id: str) -> bool:
+    with read(engine) as conn:
+        return conn.execute(select(todos.c.session_id).where(todos.c.session_id == session_id)).first() is not None
+
+
+def test_reply_matching_a_pending_wait_satisfies_it_and_wakes_its_session(engine: Engine, clock: FakeClock,
+                                                                          owner: str) -> None:
+    session_id = register(engine, clock, owner, "call-1")
+    recorded = reply(engine, clock, owner, "r1", "call-1")
+    assert recorded.session_id == session_id and recorded.status == EventStatus.PENDING
+    assert wait_state(engine, "call-1") == WaitState.SATISFIED
+    assert has_todo(engine, session_id)
+
+
+def test_late_callback_after_a_wait_timed_out_is_recorded_and_wakes_nothing(runtime: Runtime, engine: Engine,
+                                                                            clock: FakeClock, owner: str) -> None:
+    session_id = register(engine, clock, owner, "quote-7", deadline=timedelta(minutes=5))
+    clock.advance(timedelta(minutes=6))
+    runtime.scheduler_tick()
+    assert wait_state(engine, "quote-7") == WaitState.TIMED_OUT
+    timeout = [e for e in event_rows(engine) if e.kind == EventKind.WAIT_TIMEOUT]
+    assert len(timeout) == 1 and timeout[0].session_id == session_id
+    with write(engine) as conn:  # the timeout's run happened; the session is idle
+        conn.execute(todos.delete())
+    late = reply(engine, clock, owner, "late-approval", "quote-7")
+    assert late.status == EventStatus.LATE
+    assert wait_state(engine, "quote-7") == WaitState.TIMED_OUT  # never resurrected
+    assert not has_todo(engine, session_id)
+
+
+def test_answer_that_arrives_before_its_wait_is_registered_is_not_lost(engine: Engine, clock: FakeClock,
+                                                                       owner: str) -> None:
+    early = reply(engine, clock, owner, "fast-reply", "call-9")
+    session_id = register(engine, clock, owner, "call-9")
+    assert wait_state(engine, "call-9") == WaitState.SATISFIED
+    (event,) = [e for e in event_rows(engine) if e.id == early.event_id]
+    assert event.session_id == session_id and event.status == EventStatus.PENDING
+    assert has_todo(engine, session_id)
+
+
+def test_wait_keys_are_single_use(engine: Engine, clock: FakeClock, owner: str) -> None:
+    register(engine, clock, owner, "k")
+    with pytest.raises(Conflict) as refused:
+        register(engine, clock, owner, "k")
+    assert refused.value.code == "wait_key_taken"
+
+
+def test_cancelled_wait_cannot_be_satisfied(engine: Engine, clock: FakeClock, owner: str) -> None:
+    register(engine, clock, owner, "k2")
+    with write(engine) as conn:
+        wait_id = conn.execute(select(waits_table.c.id).where(waits_table.c.match_key == "k2")).scalar_one()
+        assert waits.cancel(conn, wait_id=wait_id, now=clock.now())
+        assert not waits.cancel(conn, wait_id=wait_id, now=clock.now())
+    assert reply(engine, clock, owner, "r", "k2").status == EventStatus.LATE
+    assert wait_state(engine, "k2") == WaitState.CANCELLED
+
+
+def test_terminal_wait_rows_are_never_moved_back_by_the_guarded_transition(engine: Engine, clock: FakeClock,
+                                                                           owner: str) -> None:
+    register(engine, clock, owner, "k3")
+    reply(engine, clock, owner, "r1", "k3")
+    with write(engine) as conn:
+        moved = conn.execute(update(waits_table).where(waits_table.c.match_key == "k3")
+                             .where(waits_table.c.state == WaitState.PENDING.value)
+                             .values(state=WaitState.TIMED_OUT.value)).rowcount
+    assert moved == 0 and wait_state(engine, "k3") == WaitState.SATISFIED

@@ -1,0 +1,191 @@
+"""The single writer and the run loop, on a real SQLite file with a fake clock."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine
+
+from server import control, inbox, sessions
+from server.clock import FakeClock
+from server.db import write
+from server.errors import StaleToken
+from server.handlers import EchoHandler, ScriptedHandler
+from server.runtime import Runtime
+from server.tables import ControlKind, EventStatus, RunOutcome
+from server.worker import RunContext, RunOutcome as Outcome, Worker
+from tests.support.records import event_rows, messages, run_rows
+
+
+def deliver(engine: Engine, clock: FakeClock, owner: str, source_id: str, key: str | None = "thread-1") -> str:
+    with write(engine) as conn:
+        return inbox.record(conn, inbox.Delivery(user_id=owner, source="hook", source_id=source_id,
+                                                 payload={"n": source_id}, corr_key=key), now=clock.now()).event_id
+
+
+def test_stale_worker_commit_after_takeover_is_rejected_and_changes_nothing(runtime: Runtime, engine: Engine,
+                                                                             clock: FakeClock, owner: str) -> None:
+    deliver(engine, clock, owner, "d1")
+    slow = Worker(engine, runtime.settings, clock, EchoHandler(), name="slow")
+    ctx = slow._claim()
+    assert ctx is not None
+    ctx.send_to_user("from the slow worker")
+    clock.advance(runtime.settings.lease + timedelta(seconds=1))  # its lease runs out
+    fast = Worker(engine, runtime.settings, clock, EchoHandler(), name="fast")
+    assert fast.run_once()
+    with pytest.raises(StaleToken):
+        slow._commit(ctx, RunOutcome.COMPLETED, None)
+    texts = [m["text"] for m in messages(engine)]
+    assert texts == ["Received 1 event(s): hook:d1"]
+    (event,) = event_rows(engine)
+    assert event.status == EventStatus.PROCESSED and event.run_id != ctx.run_id
+
+
+def test_two_workers_never_hold_one_session_at_once(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                     owner: str) -> None:
+    deliver(engine, clock, owner, "d1")
+    first = Worker(engine, runtime.settings, clock, EchoHandler())._claim()
+    second = Worker(engine, runtime.settings, clock, EchoHandler())._claim()
+    assert first is not None and second is None
+
+
+def test_events_arriving_during_a_run_are_held_and_handed_to_the_next_run_together(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    deliver(engine, clock, owner, "d1")
+    worker = Worker(engine, runtime.settings, clock, EchoHandler())
+    ctx = worker._claim()
+    assert ctx is not None and [e.source_id for e in ctx.events] == ["d1"]
+    deliver(engine, clock, owner, "d2")
+    deliver(engine, clock, owner, "d3")
+    EchoHandler()(ctx)
+    worker._commit(ctx, RunOutcome.COMPLETED, None)
+    assert worker.run_once()
+    assert not worker.run_once()  # nothing left
+    assert [m["source_ids"] for m in messages(engine)] == [["hook:d1"], ["hook:d2", "hook:d3"]]
+
+
+def test_different_sessions_are_claimed_independently(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                       owner: str) -> None:
+    deliver(engine, clock, owner, "a", key="thread-a")
+    deliver(engine, clock, owner, "b", key="thread-b")
+    one = Worker(engine, runtime.settings, clock, EchoHandler())._claim()
+    two = Worker(engine, runtime.settings, clock, EchoHandler())._claim()
+    assert one is not None and two is not None and one.session_id != two.session_id
+
+
+def test_pausing_a_task_stops_the_active_run_at_its_next_step_and_commits_nothing(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    with write(engine) as conn:
+        session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+        task_id = control.create_task(conn, user_id=owner, session_id=session_id, title="t", now=clock.now())
+        inbox.record(conn, inbox.Delivery(user_id=owner, source="hook", source_id="d1", payload={},
+                                          session_id=session_id), now=clock.now())
+
+    def pause_mid_run(ctx: RunContext) -> None:
+        ctx.step()
+        ctx.send_to_user("half done")
+        with write(engine) as conn:
+            control.set_task_state(conn, user_id=owner, task_id=task_id, kind=ControlKind.PAUSE, actor="user",
+                                   reason="wait", now=clock.now())
+        ctx.step()  # refuses: the pause was persisted first
+        ctx.send_to_user("never sent")
+
+    worker = Worker(engine, runtime.settings, clock, ScriptedHandler([pause_mid_run]))
+    assert worker.run_once()
+    (run,) = run_rows(engine)
+    assert run.outcome == RunOutcome.INTERRUPTED
+    assert messages(engine) == []
+    hook_event = next(e for e in event_rows(engine) if e.source == "hook")
+    assert hook_event.status == EventStatus.PENDING and hook_event.attempts == 0
+
+
+def test_stop_blocks_claims_until_start(runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    with write(engine) as conn:
+        control.set_stop(conn, stopped=True, user_id=None, actor="cli", reason="test", now=clock.now())
+    deliver(engine, clock, owner, "d1")
+    worker = Worker(engine, runtime.settings, clock, EchoHandler())
+    assert not worker.run_once()
+    with write(engine) as conn:
+        control.set_stop(conn, stopped=False, user_id=None, actor="cli", reason="", now=clock.now())
+    assert worker.run_once()
+    assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED]
+
+
+def test_stop_mid_run_interrupts_at_the_next_step(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                   owner: str) -> None:
+    deliver(engine, clock, owner, "d1")
+
+    def stopped_mid_run(ctx: RunContext) -> None:
+        ctx.step()
+        with write(engine) as conn:
+            control.set_stop(conn, stopped=True, user_id=owner, actor="user", reason="stop", now=clock.now())
+        ctx.step()
+
+    Worker(engine, runtime.settings, clock, ScriptedHandler([stopped_mid_run])).run_once()
+    assert [r.outcome for r in run_rows(engine)] == [RunOutcome.INTERRUPTED]
+    assert [e.status for e in event_rows(engine)] == [EventStatus.PENDING]
+
+
+def test_poison_event_is_failed_after_the_attempt_cap_and_the_user_is_told(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    deliver(engine, clock, owner, "poison")
+
+    def explode(ctx: RunContext) -> None:
+        raise RuntimeError("cannot parse this")
+
+    worker = Worker(engine, runtime.settings, clock, ScriptedHandler([explode] * 100))
+    for _ in range(runtime.settings.event_max_attempts + 1):
+        clock.advance(timedelta(minutes=10))  # past the retry backoff
+        worker.run_once()
+    (event,) = event_rows(engine)
+    assert event.status == EventStatus.FAILED
+    assert event.attempts == runtime.settings.event_max_attempts
+    failures = [m for m in messages(engine) if m.get("kind") == "event_failed"]
+    assert [m["event_id"] for m in failures] == [event.id]
+    outcomes = [r.outcome for r in run_rows(engine)]
+    assert outcomes == [Outcome.FAILED] * runtime.settings.event_max_attempts
+
+
+def test_run_that_exhausts_its_step_budget_saves_its_work_and_tells_the_user(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    runtime.settings.run_max_steps = 3
+    deliver(engine, clock, owner, "d1")
+
+    def loop_forever(ctx: RunContext) -> None:
+        ctx.send_to_user("progress so far")
+        while True:
+            ctx.step()
+
+    Worker(engine, runtime.settings, clock, ScriptedHandler([loop_forever])).run_once()
+    (run,) = run_rows(engine)
+    assert run.outcome == RunOutcome.BUDGET_EXHAUSTED and run.steps == 3
+    assert [m.get("kind") for m in messages(engine)] == [None, "budget_exhausted"]
+    assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED]
+
+
+def test_daily_budget_defers_new_runs_to_the_next_day_without_losing_events(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    runtime.settings.daily_max_steps = 1
+    worker = Worker(engine, runtime.settings, clock, EchoHandler())
+    deliver(engine, clock, owner, "d1", key="a")
+    assert worker.run_once()  # uses the day's only step
+    deliver(engine, clock, owner, "d2", key="b")
+    assert not worker.run_once()
+    assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED, EventStatus.PENDING]
+    clock.advance(timedelta(days=1))
+    assert worker.run_once()
+    assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED, EventStatus.PROCESSED]
+
+
+def test_abandoned_run_is_swept_and_its_events_are_taken_over(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                              owner: str) -> None:
+    deliver(engine, clock, owner, "d1")
+    dead = Worker(engine, runtime.settings, clock, EchoHandler())._claim()  # then the process "dies"
+    assert dead is not None
+    clock.advance(runtime.settings.lease + timedelta(seconds=1))
+    runtime.sweep_once()
+    assert [r.outcome for r in run_rows(engine)] == [RunOutcome.ABANDONED]
+    assert Worker(engine, runtime.settings, clock, EchoHandler()).run_once()
+    assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED]
+    assert len(messages(engine)) == 1
