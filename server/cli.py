@@ -131,7 +131,7 @@ def status(data_dir: DataDir = None, database_url: DbUrl = None) -> None:
         stop_state = control.stop_state(conn)
         for table, column, states in ((events, events.c.status, EventStatus), (runs, runs.c.outcome, RunOutcome),
                                       (outbox, outbox.c.state, OutboxState)):
-            counts = dict(conn.execute(select(column, func.count()).group_by(column)).all())
+            counts: dict[str, int] = dict(conn.execute(select(column, func.count()).group_by(column)).all())
             typer.echo(f"{table.name}: " + ", ".join(f"{s.value}={counts.get(s.value, 0)}" for s in states))
     typer.echo(f"stop: {'in force for everything' if stop_state.everything else 'not in force'}"
                + (f"; users stopped: {len(stop_state.users)}" if stop_state.users else ""))

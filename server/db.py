@@ -15,7 +15,6 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, inspect
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.schema import Table
 
 __all__ = ["make_engine", "migrate", "read", "upsert", "write"]
@@ -58,7 +57,7 @@ def read(engine: Engine) -> Iterator[Connection]:
         yield conn
 
 
-def upsert(conn: Connection, table: Table) -> Insert:
+def upsert(conn: Connection, table: Table) -> sqlite.Insert | postgresql.Insert:
     """`INSERT` with the dialect's `ON CONFLICT` support (SQLite and PostgreSQL spell it the same way)."""
     if conn.dialect.name == "postgresql":
         return postgresql.insert(table)

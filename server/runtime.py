@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from sqlalchemy import Engine, func, select
 
@@ -122,7 +123,7 @@ class Runtime:
         if fired or expired:
             self.signals.work.set()
         with read(self.engine) as conn:
-            next_due = conn.execute(select(func.min(timers_table.c.due_at))
+            next_due: datetime | None = conn.execute(select(func.min(timers_table.c.due_at))
                                     .where(timers_table.c.state == TimerState.ACTIVE.value)).scalar()
         if next_due is None:
             return self.settings.poll_interval

@@ -363,4 +363,5 @@ def append_only_ddl(table: str, dialect: str) -> list[str]:
 for _name in APPEND_ONLY:
     for _dialect in ("sqlite", "postgresql"):
         for _stmt in append_only_ddl(_name, _dialect):
-            event.listen(metadata.tables[_name], "after_create", DDL(_stmt).execute_if(dialect=_dialect))
+            event.listen(metadata.tables[_name], "after_create",
+                         DDL(_stmt).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]

@@ -26,7 +26,8 @@ def schema(engine: Engine) -> dict[str, object]:
             if kind == "table":
                 out[name] = {
                     "columns": conn.exec_driver_sql(f"PRAGMA table_info({name})").all(),
-                    "foreign_keys": sorted(tuple(fk)[2:] for fk in conn.exec_driver_sql(f"PRAGMA foreign_key_list({name})")),
+                    "foreign_keys": sorted(
+                        tuple(fk)[2:] for fk in conn.exec_driver_sql(f"PRAGMA foreign_key_list({name})")),
                     "checks": sorted(re.findall(r"CONSTRAINT (\w+) CHECK \((.*?)\)(?=,|\s*\)$|\s*,)", sql)),
                     "uniques": sorted(re.findall(r"CONSTRAINT (\w+) UNIQUE \(([^)]*)\)", sql)),
                 }

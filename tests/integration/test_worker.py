@@ -14,7 +14,7 @@ from server.errors import StaleToken
 from server.handlers import EchoHandler, ScriptedHandler
 from server.runtime import Runtime
 from server.tables import ControlKind, EventStatus, RunOutcome
-from server.worker import RunContext, RunOutcome as Outcome, Worker
+from server.worker import RunContext, Worker
 from tests.support.records import event_rows, messages, run_rows
 
 
@@ -144,7 +144,7 @@ def test_poison_event_is_failed_after_the_attempt_cap_and_the_user_is_told(
     failures = [m for m in messages(engine) if m.get("kind") == "event_failed"]
     assert [m["event_id"] for m in failures] == [event.id]
     outcomes = [r.outcome for r in run_rows(engine)]
-    assert outcomes == [Outcome.FAILED] * runtime.settings.event_max_attempts
+    assert outcomes == [RunOutcome.FAILED] * runtime.settings.event_max_attempts
 
 
 def test_run_that_exhausts_its_step_budget_saves_its_work_and_tells_the_user(

@@ -1,0 +1,263 @@
+"""Shared benchmark helpers: start/stop `wakeful serve`, signed webhooks, percentiles, tables and their output.
+
+Every benchmark imports this module (the scripts run as `python bench/<name>.py`, so `bench/` is on `sys.path`).
+Benchmarks never assert on time: they print a figure beside a baseline measured in the same run, and the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from server.signatures import sign
+
+__all__ = [
+    "BENCH_DIR",
+    "PYTHON",
+    "RESULTS_DIR",
+    "SECRET",
+    "Row",
+    "Serve",
+    "Table",
+    "bench_args",
+    "fmt_ms",
+    "fmt_rate",
+    "fmt_ratio",
+    "free_port",
+    "percentile",
+    "print_and_save",
+    "render",
+    "serve",
+    "signed_headers",
+    "verdict",
+]
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+PYTHON = Path(sys.executable)
+WAKEFUL = PYTHON.parent / "wakeful"
+SECRET = "bench-secret"  # the generic source's signing secret; loopback only, so a constant is fine
+
+
+# -- the server under test ------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A port the kernel just handed out; it is released before the server binds it (a small, accepted race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Serve:
+    """A running `wakeful serve` subprocess with its own data dir, port and generic webhook source `hook`."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    data_dir: Path
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "wakeful.db"
+
+    def db(self) -> sqlite3.Connection:
+        """A read connection to the server's database (stdlib sqlite3, so it measures nothing of ours)."""
+        return sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30)
+
+    def pending_events(self) -> int:
+        with self.db() as conn:
+            return int(conn.execute("SELECT count(*) FROM events WHERE status = 'pending'").fetchone()[0])
+
+    def wait_drained(self, timeout: float = 120.0) -> bool:
+        """Wait until runs have picked up every event, so one phase's backlog does not load the next phase."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pending_events() == 0:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self) -> None:
+        """SIGTERM by PID (never by name), then SIGKILL if it does not go within 20 s."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _serve_env(data_dir: Path, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}  # the caller's config must not leak
+    env.update({
+        "WAKEFUL_DATA_DIR": str(data_dir),
+        "WAKEFUL_PORT": str(port),
+        "WAKEFUL_CONFIG": str(data_dir / "wakeful.toml"),
+        "WAKEFUL_SOURCES__HOOK__KIND": "generic",
+        "WAKEFUL_SOURCES__HOOK__SECRET": SECRET,
+    })
+    return env
+
+
+def _wait_healthy(server: Serve, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"wakeful serve exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"wakeful serve did not answer /healthz within {timeout} s:\n{server.log_tail()}")
+
+
+def start_serve(data_dir: Path, *, timeout: float = 60.0) -> Serve:
+    """Start `wakeful serve` on a free loopback port and wait for `/healthz`; one retry if the port was taken."""
+    for attempt in range(2):
+        port = free_port()
+        log_path = data_dir / f"serve-{port}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen([str(WAKEFUL), "serve"], env=_serve_env(data_dir, port), cwd=data_dir,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        server = Serve(proc=proc, port=port, data_dir=data_dir, log_path=log_path)
+        try:
+            _wait_healthy(server, timeout)
+            return server
+        except RuntimeError:
+            server.stop()
+            if attempt == 1 or "address already in use" not in server.log_tail().lower():
+                raise
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def serve(data_dir: Path | None = None) -> Iterator[Serve]:
+    """A server for the duration of the block; a temp data dir (removed afterwards) unless one is given."""
+    with tempfile.TemporaryDirectory(prefix="wakeful-bench-") as tmp:
+        server = start_serve(data_dir or Path(tmp))
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def signed_headers(body: bytes) -> dict[str, str]:
+    """The generic scheme signs the body only, so one body has one signature however many deliveries carry it."""
+    return sign("generic", secret=SECRET.encode(), body=body, now=time.time())
+
+
+# -- statistics -----------------------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100); NaN for no values, so a missing figure cannot pass as zero."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+# -- tables ---------------------------------------------------------------------------------------------------------
+
+
+def fmt_ms(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1000:.2f} ms"
+
+
+def fmt_rate(per_second: float) -> str:
+    return "n/a" if math.isnan(per_second) else f"{per_second:,.0f}/s"
+
+
+def fmt_ratio(ratio: float) -> str:
+    return "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
+
+
+def verdict(met: bool | None) -> str:
+    """`None` is a figure with no target of its own (context for the ones that have one)."""
+    return "-" if met is None else ("met" if met else "MISSED")
+
+
+@dataclass(frozen=True)
+class Row:
+    measure: str
+    wakeful: str
+    baseline: str
+    target: str = "-"
+    verdict: str = "-"
+
+
+@dataclass
+class Table:
+    title: str
+    rows: list[Row]
+    reproduce: str
+    notes: list[str] = field(default_factory=list)
+
+
+_HEADER = Row("measure", "wakeful", "baseline", "target", "verdict")
+
+
+def render(table: Table) -> str:
+    cells = [_HEADER, *table.rows]
+    widths = [max(len(getattr(r, col)) for r in cells) for col in ("measure", "wakeful", "baseline", "target")]
+
+    def line(r: Row) -> str:
+        parts = [r.measure.ljust(widths[0]), r.wakeful.rjust(widths[1]), r.baseline.rjust(widths[2]),
+                 r.target.ljust(widths[3]), r.verdict]
+        return "  ".join(parts).rstrip()
+
+    rule = "-" * len(line(_HEADER).ljust(sum(widths) + 8 + 7))
+    out = [table.title, rule, line(_HEADER), rule, *(line(r) for r in table.rows), rule]
+    out += [f"note: {n}" for n in table.notes]
+    out.append(f"reproduce: {table.reproduce}")
+    return "\n".join(out)
+
+
+def print_and_save(tables: Iterable[Table], filename: str, header: str = "") -> None:
+    """Print every table and write the same text to bench/results/<filename> (git-ignored)."""
+    text = "\n\n".join(([header] if header else []) + [render(t) for t in tables]) + "\n"
+    print(text, end="", flush=True)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / filename).write_text(text)
+
+
+def bench_args(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a shorter smoke run (figures are noisier)")
+    return parser.parse_args()
+
+
+def reproduce(script: str, quick: bool) -> str:
+    return f".venv/bin/python bench/{script}{' --quick' if quick else ''}   (from the repository root)"

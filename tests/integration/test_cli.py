@@ -1,0 +1,56 @@
+"""The `wakeful` command line, run as a user runs it (the console script in a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WAKEFUL = str(Path(sys.executable).parent / "wakeful")
+
+
+def run(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")} | {"WAKEFUL_DATA_DIR": str(data_dir)}
+    result = subprocess.run([WAKEFUL, *args], env=env, capture_output=True, text=True, timeout=60)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_token_prints_only_a_new_token_and_the_old_one_stops_working(tmp_path: Path) -> None:
+    first = run(tmp_path, "token").stdout.strip()
+    second = run(tmp_path, "token").stdout.strip()
+    assert first.startswith("wk_") and second.startswith("wk_") and first != second
+    database = (tmp_path / "wakeful.db").read_bytes()
+    assert first.encode() not in database and second.encode() not in database  # only digests are stored
+
+
+def test_stop_and_start_are_recorded_and_reported_by_status(tmp_path: Path) -> None:
+    assert "STOP recorded for everything" in run(tmp_path, "stop", "--reason", "going on holiday").stdout
+    assert "stop: in force for everything" in run(tmp_path, "status").stdout
+    assert "START recorded for everything" in run(tmp_path, "start").stdout
+    assert "stop: not in force" in run(tmp_path, "status").stdout
+
+
+def test_stopping_an_unknown_user_is_a_clear_error(tmp_path: Path) -> None:
+    result = run(tmp_path, "stop", "--user", "nobody", check=False)
+    assert result.returncode != 0 and "unknown_user" in result.stderr + result.stdout
+
+
+def test_user_add_prints_a_token_once_and_refuses_a_second_time(tmp_path: Path) -> None:
+    assert run(tmp_path, "user-add", "alice").stdout.startswith("wk_")
+    again = run(tmp_path, "user-add", "alice", check=False)
+    assert again.returncode == 2 and "user_exists" in again.stderr
+
+
+def test_a_typo_in_the_config_file_is_reported_with_the_field(tmp_path: Path) -> None:
+    (tmp_path / "wakeful.toml").write_text('[sources.gh]\nkind = "gitlab"\nsecret = "x"\n')
+    result = run(tmp_path, "status", check=False)
+    assert result.returncode == 2
+    assert "sources.gh.kind" in result.stderr and "invalid settings" in result.stderr
+
+
+def test_migrate_creates_the_schema(tmp_path: Path) -> None:
+    assert "schema is up to date" in run(tmp_path, "migrate").stdout
+    assert (tmp_path / "wakeful.db").exists()

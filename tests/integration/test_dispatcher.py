@@ -1,0 +1,98 @@
+"""The outbox dispatcher: idempotency keys, retries with backoff, the failure cap, STOP."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import httpx
+from sqlalchemy import Engine
+
+from server import control, outbox
+from server.clock import FakeClock
+from server.db import write
+from server.outbox import Dispatcher
+from tests.support.records import messages
+
+
+class Receiver:
+    """A receiver that honours Idempotency-Key and can be told to fail."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.applied: dict[str, dict[str, object]] = {}
+        self.requests = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests += 1
+        if self.failures:
+            self.failures -= 1
+            return httpx.Response(503)
+        self.applied.setdefault(request.headers["Idempotency-Key"], json.loads(request.content))
+        return httpx.Response(200)
+
+
+def dispatcher(engine: Engine, clock: FakeClock, receiver: Receiver | None, max_attempts: int = 3) -> Dispatcher:
+    return Dispatcher(engine, clock, notify_url="http://receiver.test/messages" if receiver else None,
+                      max_attempts=max_attempts, backoff=timedelta(seconds=1),
+                      transport=httpx.MockTransport(receiver) if receiver else None)
+
+
+def enqueue(engine: Engine, clock: FakeClock, owner: str, text: str = "hello") -> str:
+    with write(engine) as conn:
+        return outbox.enqueue(conn, user_id=owner, body={"text": text}, now=clock.now())
+
+
+def test_a_message_is_delivered_once_with_its_id_as_the_idempotency_key(engine: Engine, clock: FakeClock,
+                                                                        owner: str) -> None:
+    receiver = Receiver()
+    message_id = enqueue(engine, clock, owner)
+    d = dispatcher(engine, clock, receiver)
+    assert d.drain() == 1
+    assert d.drain() == 0
+    assert receiver.applied[message_id]["body"] == {"text": "hello"}
+    assert [m["state"] for m in messages(engine)] == ["sent"]
+
+
+def test_a_failed_delivery_backs_off_and_is_retried(engine: Engine, clock: FakeClock, owner: str) -> None:
+    receiver = Receiver(failures=2)
+    message_id = enqueue(engine, clock, owner)
+    d = dispatcher(engine, clock, receiver, max_attempts=5)
+    d.drain()
+    assert d.drain() == 0  # not due again before the backoff
+    clock.advance(timedelta(seconds=1))
+    d.drain()
+    clock.advance(timedelta(seconds=2))  # the backoff doubled
+    d.drain()
+    assert list(receiver.applied) == [message_id]
+    assert receiver.requests == 3 and [m["state"] for m in messages(engine)] == ["sent"]
+
+
+def test_a_delivery_that_keeps_failing_is_marked_failed_at_the_cap(engine: Engine, clock: FakeClock,
+                                                                   owner: str) -> None:
+    receiver = Receiver(failures=100)
+    enqueue(engine, clock, owner)
+    d = dispatcher(engine, clock, receiver, max_attempts=3)
+    for _ in range(6):
+        d.drain()
+        clock.advance(timedelta(minutes=1))
+    assert receiver.requests == 3 and receiver.applied == {}
+    assert [m["state"] for m in messages(engine)] == ["failed"]
+
+
+def test_stop_holds_every_delivery_until_start(engine: Engine, clock: FakeClock, owner: str) -> None:
+    receiver = Receiver()
+    enqueue(engine, clock, owner)
+    with write(engine) as conn:
+        control.set_stop(conn, stopped=True, user_id=None, actor="cli", reason="", now=clock.now())
+    d = dispatcher(engine, clock, receiver)
+    assert d.drain() == 0 and receiver.requests == 0
+    with write(engine) as conn:
+        control.set_stop(conn, stopped=False, user_id=None, actor="cli", reason="", now=clock.now())
+    assert d.drain() == 1 and len(receiver.applied) == 1
+
+
+def test_without_a_notify_url_messages_go_to_the_local_feed(engine: Engine, clock: FakeClock, owner: str) -> None:
+    enqueue(engine, clock, owner)
+    assert dispatcher(engine, clock, None).drain() == 1
+    assert [m["state"] for m in messages(engine)] == ["sent"]

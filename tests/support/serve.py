@@ -1,0 +1,138 @@
+"""Run a real `wakeful serve` process for a test, and make sure it never outlives the test.
+
+    with ServeProcess({"WAKEFUL_DATA_DIR": str(tmp_path)}, log_path=tmp_path / "serve.log") as server:
+        httpx.get(f"{server.url}/healthz")
+
+The process is started from the venv's `wakeful` console script (the CLI module has no `__main__`), listens on a
+fresh loopback port, and writes stdout and stderr to `log_path` so a failing test can show what the server said.
+It is only ever signalled by its own PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from tests.support.polling import wait_until
+
+__all__ = ["WAKEFUL", "ServeProcess", "ServerExited", "free_port"]
+
+WAKEFUL = Path(sys.executable).parent / "wakeful"
+READY_TIMEOUT = 30.0
+KILL_GRACE = 15.0
+
+
+class ServerExited(RuntimeError):
+    """The server process ended while we were waiting for it to become ready."""
+
+    def __init__(self, returncode: int, log: str) -> None:
+        super().__init__(f"wakeful serve exited with code {returncode} before it was ready; its log:\n{log}")
+        self.returncode = returncode
+        self.log = log
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the kernel picks it; the tiny reuse race is acceptable in tests)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _clean_environ() -> dict[str, str]:
+    # A developer's own WAKEFUL_* settings must not leak into the server under test.
+    return {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}
+
+
+class ServeProcess:
+    def __init__(self, env: Mapping[str, str], *, log_path: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.log_path = log_path
+        self._env = {**_clean_environ(), **env, "WAKEFUL_HOST": "127.0.0.1", "WAKEFUL_PORT": str(self.port)}
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.poll()
+
+    @property
+    def _process(self) -> subprocess.Popen[bytes]:
+        if self._proc is None:
+            raise RuntimeError("the server has not been started")
+        return self._proc
+
+    def start(self) -> ServeProcess:
+        """Start the process and return once `GET /healthz` answers; raises ServerExited if it dies first."""
+        with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+            self._proc = subprocess.Popen([str(WAKEFUL), "serve"], env=self._env, stdin=subprocess.DEVNULL,
+                                          stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(self._healthy, READY_TIMEOUT, f"wakeful serve (pid {self.pid}) to answer /healthz")
+        except AssertionError as exc:
+            self.kill()
+            raise AssertionError(f"{exc}; its log:\n{self.log()}") from None
+        return self
+
+    def _healthy(self) -> bool:
+        code = self._process.poll()
+        if code is not None:
+            raise ServerExited(code, self.log())
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit code once the process has ended, or None if it is still running after `timeout` seconds."""
+        try:
+            return self._process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def terminate(self, grace: float = KILL_GRACE) -> tuple[int, bool]:
+        """SIGTERM, then SIGKILL if it has not exited after `grace` seconds. Returns (exit code, had to kill)."""
+        process = self._process
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # Popen signals its own PID, never a name
+        code = self.wait_exit(grace)
+        if code is not None:
+            return code, False
+        self.kill()
+        return process.returncode, True
+
+    def kill(self) -> None:
+        process = self._process
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=KILL_GRACE)
+
+    def log(self, tail: int = 8000) -> str:
+        """The end of what the process wrote (stdout and stderr), for failure messages."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log written)"
+        return text if len(text) <= tail else "…" + text[-tail:]
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._proc is not None:
+            self.kill()
