@@ -41,8 +41,10 @@ __all__ = [
     "percentile",
     "print_and_save",
     "render",
+    "reproduce",
     "serve",
     "signed_headers",
+    "start_serve",
     "verdict",
 ]
 
@@ -245,10 +247,11 @@ def render(table: Table) -> str:
     return "\n".join(out)
 
 
-def print_and_save(tables: Iterable[Table], filename: str, header: str = "") -> None:
-    """Print every table and write the same text to bench/results/<filename> (git-ignored)."""
+def print_and_save(tables: Iterable[Table], filename: str, header: str = "", echo: bool = True) -> None:
+    """Print every table (unless the caller already did) and write the same text to bench/results/<filename>."""
     text = "\n\n".join(([header] if header else []) + [render(t) for t in tables]) + "\n"
-    print(text, end="", flush=True)
+    if echo:
+        print(text, end="", flush=True)
     RESULTS_DIR.mkdir(exist_ok=True)
     (RESULTS_DIR / filename).write_text(text)
 

@@ -14,6 +14,7 @@ the server's no-op endpoint, which would make the baseline measure the client.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import subprocess
 import sys
@@ -156,6 +157,7 @@ def open_loop(spec: LoadSpec) -> LoadResult:
 
 def _main() -> None:
     spec = LoadSpec(**json.loads(sys.stdin.read()))
+    gc.disable()  # a collection pause would show up as dispatch lag; the process is short-lived
     try:
         import uvloop  # a faster event loop keeps the generator's own lag well under the server's latency
     except ImportError:

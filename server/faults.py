@@ -8,6 +8,8 @@ dictionary lookup that finds nothing. The points:
     before_run_commit      the run did its work, its commit has not happened
     after_outbox_write     the run committed its outbox rows, nothing was dispatched
     after_dispatch         the receiver accepted a message, it is not yet marked sent
+    after_attempt_persisted  an action's attempt is committed, its request has not been sent
+    after_send             the remote answered an action's request, the outcome is not yet recorded
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import sys
 
 __all__ = ["POINTS", "configure", "crash_point"]
 
-POINTS = ("after_event_commit", "after_claim", "before_run_commit", "after_outbox_write", "after_dispatch")
+POINTS = ("after_event_commit", "after_claim", "before_run_commit", "after_outbox_write", "after_dispatch",
+          "after_attempt_persisted", "after_send")
 EXIT_CODE = 77
 
 _armed: dict[str, float] = {}

@@ -32,29 +32,45 @@ from sqlalchemy import (
 
 __all__ = [
     "APPEND_ONLY",
+    "ApprovalDecision",
     "ControlKind",
+    "Effect",
     "EventKind",
     "EventStatus",
+    "Outcome",
     "OutboxKind",
     "OutboxState",
     "RunOutcome",
     "TaskState",
     "TimerKind",
+    "Risk",
     "TimerState",
+    "VerdictKind",
     "WaitState",
+    "actions",
     "append_only_ddl",
+    "approval_uses",
+    "approvals",
+    "attempts",
+    "attempts_guard_ddl",
     "control",
+    "decisions",
     "events",
+    "evidence",
     "metadata",
+    "objects",
     "outbox",
+    "refusals",
     "runs",
     "session_keys",
     "sessions",
+    "task_versions",
     "tasks",
     "timers",
     "todos",
     "usage_daily",
     "users",
+    "verdicts",
     "waits",
 ]
 
@@ -110,6 +126,7 @@ class WaitState(StrEnum):
 class TaskState(StrEnum):
     ACTIVE = "active"
     PAUSED = "paused"
+    REVOKED = "revoked"   # the user withdrew the delegation: nothing more is dispatched for it
     CLOSED = "closed"
 
 
@@ -140,7 +157,40 @@ class ControlKind(StrEnum):
     START = "start"
     PAUSE = "pause"
     RESUME = "resume"
+    REVOKE = "revoke"
     CLOSE = "close"
+    REOPEN = "reopen"
+    STEER = "steer"       # a new task version
+    APPROVE = "approve"
+    DENY = "deny"
+
+
+class Effect(StrEnum):
+    READ = "read"
+    WRITE = "write"
+
+
+class Risk(StrEnum):
+    AUTO = "auto"   # policy approves, recorded as the approver
+    ASK = "ask"     # the user approves
+    DENY = "deny"
+
+
+class VerdictKind(StrEnum):
+    ADMITTED = "admitted"
+    NEEDS_APPROVAL = "needs_approval"
+    REFUSED = "refused"
+
+
+class Outcome(StrEnum):
+    ACCEPTED = "accepted"   # the remote did it; the evidence says where
+    BLOCKED = "blocked"     # certain that nothing happened
+    UNKNOWN = "unknown"     # it may have happened: reconcile, never retry blindly
+
+
+class ApprovalDecision(StrEnum):
+    APPROVED = "approved"
+    DENIED = "denied"
 
 
 def _check(column: str, enum: type[StrEnum]) -> CheckConstraint:
@@ -198,9 +248,24 @@ tasks = Table(
     Column("session_id", String(40), ForeignKey("sessions.id"), nullable=False),
     Column("title", Text, nullable=False),
     Column("state", String(16), nullable=False, default=TaskState.ACTIVE.value),
+    Column("current_version", Integer, nullable=False, default=1, server_default="1"),
     _now_col("created_at", nullable=False),
     _now_col("closed_at"),
     _check("state", TaskState),
+)
+
+task_versions = Table(
+    "task_versions",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("goal", Text, nullable=False),
+    Column("constraints", Text, nullable=False, default="{}"),   # JSON
+    Column("completion", Text, nullable=False, default="[]"),    # JSON: conditions checked against evidence
+    Column("created_by", String(100), nullable=False),
+    _now_col("created_at", nullable=False),
+    UniqueConstraint("task_id", "version"),
 )
 
 events = Table(
@@ -340,7 +405,141 @@ usage_daily = Table(
     Column("steps", Integer, nullable=False, default=0),
 )
 
-APPEND_ONLY = ("control",)
+decisions = Table(
+    "decisions",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("run_id", String(40), ForeignKey("runs.id"), nullable=False),
+    Column("session_id", String(40), ForeignKey("sessions.id"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("proposal", Text, nullable=False),  # JSON, exactly as the model proposed it
+    _now_col("created_at", nullable=False),
+    UniqueConstraint("run_id", "step"),
+)
+
+objects = Table(
+    "objects",
+    metadata,
+    Column("id", String(40), primary_key=True),  # opaque, minted by the server
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("task_version", Integer, nullable=False),
+    Column("kind", String(64), nullable=False),
+    Column("connector", String(64), nullable=False),
+    Column("ref", String(500), nullable=False),  # the external reference it stands for
+    Column("operation", String(130), nullable=False),  # the read that returned it
+    Column("snapshot", Text, nullable=False),  # JSON: the fields kept when it was read (price, expiry …)
+    _now_col("created_at", nullable=False),
+    _now_col("expires_at", nullable=False),
+)
+
+actions = Table(
+    "actions",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("task_version", Integer, nullable=False),
+    Column("run_id", String(40)),
+    Column("decision_id", String(40), unique=True),  # one action per model decision, even when it is replayed
+    Column("tool", String(130), nullable=False),
+    Column("content", Text, nullable=False),  # canonical JSON; never changes
+    Column("content_hash", String(64), nullable=False),
+    Column("risk", String(8), nullable=False),
+    Column("amount_cents", BigInteger),
+    Column("currency", String(8)),
+    _now_col("created_at", nullable=False),
+    Index(None, "task_id", "created_at"),
+    _check("risk", Risk),
+)
+
+verdicts = Table(
+    "verdicts",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("action_id", String(40), ForeignKey("actions.id"), nullable=False),
+    Column("verdict", String(16), nullable=False),
+    Column("code", String(40), nullable=False),
+    Column("reasons", Text, nullable=False),  # JSON list of the checks, in order, with their results
+    Column("approver", String(120)),          # user:<id> or policy:<rule>
+    Column("approval_id", String(40)),
+    _now_col("created_at", nullable=False),
+    Index(None, "action_id", "created_at"),
+    _check("verdict", VerdictKind),
+)
+
+approvals = Table(
+    "approvals",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("action_id", String(40), ForeignKey("actions.id"), nullable=False),
+    Column("content_hash", String(64), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("task_version", Integer, nullable=False),
+    Column("decision", String(16), nullable=False),
+    Column("approver", String(120), nullable=False),
+    Column("amount_ceiling_cents", BigInteger),
+    _now_col("valid_until", nullable=False),
+    _now_col("created_at", nullable=False),
+    Index(None, "action_id"),
+    _check("decision", ApprovalDecision),
+)
+
+approval_uses = Table(
+    "approval_uses",
+    metadata,
+    Column("approval_id", String(40), ForeignKey("approvals.id"), primary_key=True),  # single use, by the schema
+    Column("action_id", String(40), ForeignKey("actions.id"), nullable=False),
+    _now_col("used_at", nullable=False),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("action_id", String(40), ForeignKey("actions.id"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("request", Text, nullable=False),  # JSON: method, url, body digest, idempotency key — never a secret
+    _now_col("created_at", nullable=False),
+    Column("outcome", String(16)),            # written once
+    _now_col("outcome_at"),
+    Column("status_code", Integer),
+    Column("external_ref", String(500)),
+    Column("detail", Text),
+    UniqueConstraint("action_id", "seq"),
+    CheckConstraint("outcome IS NULL OR outcome IN ('accepted', 'blocked', 'unknown')", name="outcome_valid"),
+)
+
+evidence = Table(
+    "evidence",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("action_id", String(40), ForeignKey("actions.id")),
+    Column("attempt_id", String(40), ForeignKey("attempts.id")),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("source", String(32), nullable=False),   # response | reconcile | read | webhook
+    Column("verdict", String(16), nullable=False),
+    Column("observed", Text, nullable=False),       # JSON: what was seen, and where
+    _now_col("checked_at", nullable=False),
+    Index(None, "task_id", "checked_at"),
+    _check("verdict", Outcome),
+)
+
+refusals = Table(
+    "refusals",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40)),
+    Column("run_id", String(40)),
+    Column("tool", String(130), nullable=False),
+    Column("code", String(40), nullable=False),
+    Column("detail", Text, nullable=False),
+    _now_col("created_at", nullable=False),
+)
+
+APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
+               "approval_uses", "evidence", "refusals")
 """History tables: the schema refuses UPDATE and DELETE on them."""
 
 
@@ -359,6 +558,31 @@ def append_only_ddl(table: str, dialect: str) -> list[str]:
         "FOR EACH ROW EXECUTE FUNCTION wakeful_append_only()",
     ]
 
+
+def attempts_guard_ddl(dialect: str) -> list[str]:
+    """An attempt's request never changes, its outcome is written once, and attempts are never deleted."""
+    if dialect == "sqlite":
+        return [
+            "CREATE TRIGGER attempts_outcome_once BEFORE UPDATE ON attempts WHEN OLD.outcome IS NOT NULL "
+            "OR NEW.request IS NOT OLD.request OR NEW.action_id IS NOT OLD.action_id OR NEW.seq IS NOT OLD.seq "
+            "OR NEW.created_at IS NOT OLD.created_at BEGIN SELECT RAISE(ABORT, 'attempts are write-once'); END",
+            "CREATE TRIGGER attempts_no_delete BEFORE DELETE ON attempts "
+            "BEGIN SELECT RAISE(ABORT, 'attempts are write-once'); END",
+        ]
+    return [
+        "CREATE OR REPLACE FUNCTION wakeful_attempt_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "IF TG_OP = 'DELETE' OR OLD.outcome IS NOT NULL OR NEW.request IS DISTINCT FROM OLD.request "
+        "OR NEW.action_id IS DISTINCT FROM OLD.action_id OR NEW.seq IS DISTINCT FROM OLD.seq "
+        "THEN RAISE EXCEPTION 'attempts are write-once'; END IF; RETURN NEW; END $$",
+        "CREATE TRIGGER attempts_outcome_once BEFORE UPDATE OR DELETE ON attempts "
+        "FOR EACH ROW EXECUTE FUNCTION wakeful_attempt_once()",
+    ]
+
+
+for _dialect in ("sqlite", "postgresql"):
+    for _stmt in attempts_guard_ddl(_dialect):
+        event.listen(metadata.tables["attempts"], "after_create",
+                     DDL(_stmt).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]
 
 for _name in APPEND_ONLY:
     for _dialect in ("sqlite", "postgresql"):

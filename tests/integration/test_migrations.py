@@ -25,7 +25,7 @@ def schema(engine: Engine) -> dict[str, object]:
         for kind, name, table, sql in objects:
             if kind == "table":
                 out[name] = {
-                    "columns": conn.exec_driver_sql(f"PRAGMA table_info({name})").all(),
+                    "columns": sorted(tuple(c)[1:] for c in conn.exec_driver_sql(f"PRAGMA table_info({name})")),
                     "foreign_keys": sorted(
                         tuple(fk)[2:] for fk in conn.exec_driver_sql(f"PRAGMA foreign_key_list({name})")),
                     "checks": sorted(re.findall(r"CONSTRAINT (\w+) CHECK \((.*?)\)(?=,|\s*\)$|\s*,)", sql)),

@@ -13,6 +13,7 @@ dispatcher called it: a call count cannot tell a retry from a duplicate effect.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,7 +35,7 @@ class Sink:
         """Requests refused by `fail_next` (they changed nothing)."""
         self._responses: dict[str, bytes] = {}
         self._failures_left = 0
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
+        self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="sink", daemon=True)
 
@@ -91,6 +92,13 @@ class Sink:
             response = json.dumps({"id": key, "status": "applied"}).encode()
             self._responses[key] = response
             return 200, response
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A sender that dies mid-request (the crash tests kill it on purpose) is normal here, not a sink failure.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 def _handler_for(sink: Sink) -> type[BaseHTTPRequestHandler]:

@@ -1,0 +1,283 @@
+"""Signed-webhook ingest: throughput and ack latency, beside the same server's `/v1/noop` at the same loads.
+
+Fixed offered loads (200, 500, 1000 req/s) use the open-loop generator in `_loadgen.py` (latency from each request's
+intended send time); saturation uses wrk with a Lua script that gives every request a unique delivery ID. Each load
+gets a fresh server: every accepted webhook starts a run, and a backlog of runs left by one phase would load the
+next. On each server the no-op phase runs first, while the server is idle, then the webhook phase.
+
+Targets (issue, 2-core machine): fsync-durable ingest >= 0.6x the no-op endpoint's throughput at saturation;
+ack p99 <= 10 ms at 1,000 req/s offered.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sqlite3
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from _common import (
+    Row,
+    Serve,
+    Table,
+    bench_args,
+    fmt_ms,
+    fmt_rate,
+    fmt_ratio,
+    percentile,
+    print_and_save,
+    reproduce,
+    serve,
+    signed_headers,
+    verdict,
+)
+from _loadgen import LoadResult, LoadSpec, open_loop
+
+TARGET_RATIO = 0.6
+TARGET_P99 = 0.010
+BODY = '{"bench":"ingest","note":"a constant body: the generic scheme signs the body only"}'
+WRK = "/usr/bin/wrk"
+
+
+@dataclass(frozen=True)
+class Durations:
+    loads: tuple[int, ...]
+    fixed: float
+    warmup: float
+    saturation: float
+    sqlite_loop: float
+    drain: float  # how long an overloaded server gets to answer what was offered before the window closed
+
+
+FULL = Durations(loads=(200, 500, 1000), fixed=10.0, warmup=1.0, saturation=10.0, sqlite_loop=2.0, drain=10.0)
+# Each load needs a fresh server (~5 s of start, stop and drain on a busy machine): the smoke run keeps the one
+# load that has a target, so that all benchmarks together stay under a minute.
+QUICK = Durations(loads=(1000,), fixed=1.5, warmup=0.5, saturation=2.0, sqlite_loop=0.3, drain=1.0)
+
+
+# -- fixed offered load ---------------------------------------------------------------------------------------------
+
+
+def _spec(server: Serve, *, hook: bool, rate: float, d: Durations) -> LoadSpec:
+    if not hook:
+        return LoadSpec(host="127.0.0.1", port=server.port, path="/v1/noop", body="{}", headers={}, rate=rate,
+                        duration=d.fixed, warmup=d.warmup, drain_timeout=d.drain)
+    return LoadSpec(host="127.0.0.1", port=server.port, path="/v1/hooks/hook", body=BODY,
+                    headers=signed_headers(BODY.encode()), rate=rate, duration=d.fixed, warmup=d.warmup,
+                    drain_timeout=d.drain, unique_header="X-Wakeful-Delivery",
+                    unique_prefix=f"fixed-{uuid.uuid4().hex[:8]}-")
+
+
+def fixed_load(rate: float, d: Durations) -> tuple[LoadResult, LoadResult]:
+    """(no-op, webhook) at one offered rate, on one fresh server."""
+    with serve() as server:
+        noop = open_loop(_spec(server, hook=False, rate=rate, d=d))
+        hook = open_loop(_spec(server, hook=True, rate=rate, d=d))
+    return noop, hook
+
+
+def _fixed_rows(rate: int, noop: LoadResult, hook: LoadResult) -> list[Row]:
+    p99_target = rate == 1000
+    hook_p99 = percentile(hook.latencies, 99)
+    return [
+        Row(f"achieved rate @ {rate}/s offered", fmt_rate(hook.achieved), fmt_rate(noop.achieved)),
+        Row(f"ack p50 @ {rate}/s", fmt_ms(percentile(hook.latencies, 50)), fmt_ms(percentile(noop.latencies, 50))),
+        Row(f"ack p99 @ {rate}/s", fmt_ms(hook_p99), fmt_ms(percentile(noop.latencies, 99)),
+            "<= 10 ms" if p99_target else "-",
+            verdict(hook_p99 <= TARGET_P99 and hook.unfinished == 0) if p99_target else "-"),
+    ]
+
+
+def _fixed_notes(rate: int, noop: LoadResult, hook: LoadResult) -> list[str]:
+    notes = []
+    for name, r in (("no-op", noop), ("webhook", hook)):
+        if r.failed or r.unfinished:
+            notes.append(f"@ {rate}/s {name}: {r.failed} failed and {r.unfinished} unanswered of {r.sent} sent "
+                         "(unanswered ones are not in the percentiles, so the true tail is worse)")
+    return notes
+
+
+def generator_note(noop: LoadResult) -> str:
+    """Whether the client could offer the top load at all; if not, the fixed-load figures mean nothing.
+
+    Its lag counts in every latency (they run from the intended time), so it must stay well under the 10 ms
+    target; on these VMs even a spinning thread sees 2-8 ms stalls, so the bar is half the target."""
+    lag = percentile(noop.lag, 99)
+    ok = noop.achieved >= 0.98 * noop.offered and lag <= TARGET_P99 / 2
+    head = "the generator sustained" if ok else "WARNING: the generator could NOT sustain"
+    tail = "so the fixed-load figures are valid" if ok else "so the fixed-load figures are MEANINGLESS"
+    return (f"{head} {noop.offered:.0f}/s against /v1/noop (achieved {noop.achieved:,.0f}/s, its own dispatch "
+            f"lag p99 {fmt_ms(lag)}), {tail}")
+
+
+# -- saturation (wrk) -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WrkResult:
+    requests: int
+    rps: float
+    p50: float
+    p99: float
+    non_2xx: int
+    socket_errors: int
+    output: str
+
+
+_NOOP_LUA = 'wrk.method = "POST"\nwrk.body = "{}"\nwrk.headers["Content-Type"] = "application/json"\n'
+
+# Each wrk thread has its own Lua state: `setup` numbers them so (run, thread, counter) is a unique delivery ID.
+_HOOK_LUA = """wrk.method = "POST"
+wrk.body = [==[{body}]==]
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["X-Wakeful-Signature"] = "{signature}"
+local threads = 0
+function setup(thread) thread:set("tid", threads); threads = threads + 1 end
+local counter = 0
+function request()
+  counter = counter + 1
+  wrk.headers["X-Wakeful-Delivery"] = "{run}-" .. tid .. "-" .. counter
+  return wrk.format()
+end
+"""
+
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def _duration(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
+    return float(value) * _UNITS[unit]
+
+
+def parse_wrk(output: str) -> WrkResult:
+    def grab(pattern: str, default: str = "0") -> str:
+        match = re.search(pattern, output, re.MULTILINE)
+        return match.group(1) if match else default
+
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output)
+    return WrkResult(
+        requests=int(grab(r"^\s*(\d+) requests in")),
+        rps=float(grab(r"^Requests/sec:\s*([\d.]+)", "nan")),
+        p50=_duration(grab(r"^\s*50%\s+(\S+)", "nanus")) if "50%" in output else math.nan,
+        p99=_duration(grab(r"^\s*99%\s+(\S+)", "nanus")) if "99%" in output else math.nan,
+        non_2xx=int(grab(r"Non-2xx or 3xx responses: (\d+)")),
+        socket_errors=sum(int(g) for g in errors.groups()) if errors else 0,
+        output=output,
+    )
+
+
+def run_wrk(url: str, script: Path, seconds: float) -> WrkResult:
+    cmd = [WRK, "-t2", "-c32", f"-d{seconds:.0f}s", "--latency", "-s", str(script), url]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=seconds + 60)
+    return parse_wrk(proc.stdout)
+
+
+def saturation(d: Durations) -> tuple[WrkResult, WrkResult, tuple[int, int]]:
+    """(no-op, webhook, (events recorded, group-commit batches)) under wrk on one fresh server."""
+    with tempfile.TemporaryDirectory(prefix="wakeful-bench-wrk-") as tmp:
+        noop_lua, hook_lua = Path(tmp) / "noop.lua", Path(tmp) / "hook.lua"
+        noop_lua.write_text(_NOOP_LUA)
+        signature = signed_headers(BODY.encode())["X-Wakeful-Signature"]
+        hook_lua.write_text(_HOOK_LUA.format(body=BODY, signature=signature, run=f"sat-{uuid.uuid4().hex[:8]}"))
+        with serve() as server:
+            noop = run_wrk(f"{server.url}/v1/noop", noop_lua, d.saturation)
+            hook = run_wrk(f"{server.url}/v1/hooks/hook", hook_lua, d.saturation)
+            with server.db() as conn:  # one batch shares one `received_at`: the committer reads the clock once
+                events, batches = conn.execute(
+                    "SELECT count(*), count(DISTINCT received_at) FROM events WHERE source = 'hook'").fetchone()
+    return noop, hook, (int(events), int(batches))
+
+
+def _saturation_rows(noop: WrkResult, hook: WrkResult) -> list[Row]:
+    ratio = hook.rps / noop.rps if noop.rps else math.nan
+    clean = hook.non_2xx == 0 and hook.socket_errors == 0
+    return [
+        Row("throughput at saturation (wrk -t2 -c32)", fmt_rate(hook.rps), fmt_rate(noop.rps)),
+        Row("ingest / no-op throughput", fmt_ratio(ratio), fmt_ratio(1.0), f">= {TARGET_RATIO:.2f}x",
+            verdict(ratio >= TARGET_RATIO and clean)),
+        Row("latency p50 at saturation (closed loop)", fmt_ms(hook.p50), fmt_ms(noop.p50)),
+        Row("latency p99 at saturation (closed loop)", fmt_ms(hook.p99), fmt_ms(noop.p99)),
+    ]
+
+
+def _saturation_notes(hook: WrkResult, recorded: tuple[int, int]) -> list[str]:
+    events, batches = recorded
+    accepted = hook.requests - hook.non_2xx
+    notes = [f"saturation: {accepted:,} webhooks acknowledged, {events:,} distinct events in the database "
+             f"(in-flight requests at wrk's stop can make these differ by up to 32), "
+             f"{events / batches if batches else math.nan:.1f} deliveries per group commit on average"]
+    if hook.non_2xx or hook.socket_errors:
+        notes.append(f"saturation: {hook.non_2xx} non-2xx responses and {hook.socket_errors} socket errors")
+    return notes
+
+
+# -- durability baseline: what group commit buys ---------------------------------------------------------------------
+
+
+def _sqlite_rate(path: Path, per_commit: int, seconds: float) -> float:
+    """Rows/s inserting event-sized rows with the server's pragmas (WAL, synchronous=FULL): fsync per commit."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE IF NOT EXISTS ev (id TEXT PRIMARY KEY, source_id TEXT UNIQUE, payload TEXT)")
+    rows, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.executemany("INSERT INTO ev VALUES (?, ?, ?)",
+                         [(uuid.uuid4().hex, uuid.uuid4().hex, BODY) for _ in range(per_commit)])
+        conn.execute("COMMIT")
+        rows += per_commit
+    elapsed = time.perf_counter() - start
+    conn.close()
+    return rows / elapsed
+
+
+def durability_table(d: Durations, noop_rps: float, quick: bool) -> Table:
+    with tempfile.TemporaryDirectory(prefix="wakeful-bench-sqlite-") as tmp:
+        one = _sqlite_rate(Path(tmp) / "one.db", 1, d.sqlite_loop)
+        batched = _sqlite_rate(Path(tmp) / "batch.db", 32, d.sqlite_loop)
+    return Table(
+        title="ingest durability baseline: in-process sqlite3 insert, fsync per commit (WAL, synchronous=FULL)",
+        rows=[
+            Row("rows/s, 32 rows per commit vs 1 per commit", fmt_rate(batched), fmt_rate(one)),
+            Row("commit-per-row ceiling / no-op saturation", fmt_ratio(one / noop_rps if noop_rps else math.nan),
+                fmt_ratio(1.0)),
+        ],
+        reproduce=reproduce("ingest.py", quick),
+        notes=["the per-row figure is the most a server committing each request on its own could reach, before any "
+               "HTTP or Python cost (the issue's note puts that server at ~0.24x no-op)"],
+    )
+
+
+# -- the benchmark --------------------------------------------------------------------------------------------------
+
+
+def run(quick: bool = False) -> list[Table]:
+    d = QUICK if quick else FULL
+    rows: list[Row] = []
+    notes: list[str] = []
+    top_noop: LoadResult | None = None
+    for rate in d.loads:
+        noop, hook = fixed_load(rate, d)
+        rows += _fixed_rows(rate, noop, hook)
+        notes += _fixed_notes(rate, noop, hook)
+        top_noop = noop
+    assert top_noop is not None
+    notes.insert(0, generator_note(top_noop))
+    sat_noop, sat_hook, recorded = saturation(d)
+    rows = _saturation_rows(sat_noop, sat_hook) + rows
+    notes += _saturation_notes(sat_hook, recorded)
+    window = f"{d.fixed:.0f} s per fixed load after {d.warmup:.1f} s warm-up, {d.saturation:.0f} s wrk"
+    main = Table(title=f"ingest: signed webhook (fsync-durable) vs /v1/noop on the same server ({window})",
+                 rows=rows, reproduce=reproduce("ingest.py", quick), notes=notes)
+    return [main, durability_table(d, sat_noop.rps, quick)]
+
+
+if __name__ == "__main__":
+    args = bench_args(__doc__.splitlines()[0])
+    print_and_save(run(args.quick), "ingest.txt")

@@ -1,0 +1,318 @@
+"""The action dispatcher and the reconciler: where an admitted action meets the outside world.
+
+Dispatch, per intent:
+    lock the task; re-check STOP, pause, revocation, close and the task version  → held or voided, never sent
+    persist the attempt (request, idempotency key)                                → committed BEFORE the send
+    send; normalise the outcome to accepted | blocked | unknown; record it once, with evidence
+    unknown → a reconcile wait; never a blind retry
+An attempt found without an outcome (the process died between persisting and recording) is unknown by
+definition: it is reconciled, not re-sent. Reconciliation queries the remote (by idempotency key or by reading the
+object) and adds evidence rows; only when the remote says the effect did not happen and the operation carries an
+idempotency key may the same request, with the same key, be sent again. Past the reconcile window the user is
+told exactly what is and is not known.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy import Connection, Engine, and_, select, update
+
+from server import control, faults, inbox, outbox, waits
+from server.acting import lock_task
+from server.actions import Action, content_hash, load_action
+from server.clock import Clock
+from server.connectors import DoneWhen, done_when_holds
+from server.db import read, upsert, write
+from server.ids import new_id
+from server.policy import Policy
+from server.tables import (
+    EventKind,
+    OutboxKind,
+    OutboxState,
+    Outcome,
+    TaskState,
+    VerdictKind,
+    WaitState,
+    attempts,
+    evidence,
+    verdicts,
+)
+from server.tables import (
+    outbox as outbox_table,
+)
+from server.tables import (
+    waits as waits_table,
+)
+
+__all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
+
+log = logging.getLogger(__name__)
+
+_REF_FIELDS = ("id", "cancellation_id", "order_id", "booking_id", "reference")
+
+
+def reconcile_key(action_id: str) -> str:
+    return f"reconcile:{action_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    outcome: Outcome
+    status_code: int | None
+    external_ref: str | None
+    detail: str
+    body: Any = None
+
+
+def classify(response: httpx.Response | None, error: Exception | None) -> Result:
+    """Normalise what came back to exactly one of accepted, blocked, unknown."""
+    if error is not None:
+        if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail=f"no connection was made ({type(error).__name__}); the request did not leave")
+        return Result(outcome=Outcome.UNKNOWN, status_code=None, external_ref=None,
+                      detail=f"{type(error).__name__} after the request was sent; it may have been applied")
+    assert response is not None
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = None
+    status = response.status_code
+    if 200 <= status < 300:
+        ref = next((str(body[k]) for k in _REF_FIELDS if isinstance(body, dict) and body.get(k)), None)
+        return Result(outcome=Outcome.ACCEPTED, status_code=status, external_ref=ref, body=body,
+                      detail="processing" if status == 202 else "accepted")
+    if 400 <= status < 500 and status not in (408, 429):
+        return Result(outcome=Outcome.BLOCKED, status_code=status, external_ref=None, body=body,
+                      detail=f"refused by the remote: HTTP {status} {json.dumps(body)[:200] if body else ''}".strip())
+    return Result(outcome=Outcome.UNKNOWN, status_code=status, external_ref=None, body=body,
+                  detail=f"HTTP {status}: the remote may or may not have applied it")
+
+
+class ActionDispatcher:
+    def __init__(self, engine: Engine, clock: Clock, *, policy: Policy, timeout: float = 10.0,
+                 resend_after: timedelta = timedelta(seconds=10), transport: httpx.BaseTransport | None = None,
+                 on_event: Any = lambda: None) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._policy = policy
+        self._resend_after = resend_after
+        self._http = httpx.Client(transport=transport, timeout=timeout)
+        self._on_event = on_event
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+
+    def drain(self, limit: int = 50) -> int:
+        now = self._clock.now()
+        with read(self._engine) as conn:
+            due = conn.execute(select(outbox_table.c.id, outbox_table.c.body).where(and_(
+                outbox_table.c.kind == OutboxKind.DISPATCH.value, outbox_table.c.state == OutboxState.PENDING.value,
+                outbox_table.c.next_attempt_at <= now)).order_by(outbox_table.c.created_at).limit(limit)).all()
+        done = 0
+        for row in due:
+            try:
+                done += self.dispatch(row.id, json.loads(row.body)["action_id"])
+            except Exception:
+                log.exception("dispatch of %s failed unexpectedly; it stays pending", row.id)
+        return done
+
+    def dispatch(self, intent_id: str, action_id: str) -> int:
+        """Returns 1 when the intent was settled (sent, voided or handed to reconciliation), 0 when held."""
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            action = load_action(conn, action_id)
+            prepared = self._prepare(conn, intent_id, action, now)
+            if prepared is None:
+                return 0 if self._held(conn, action) else 1
+        faults.crash_point("after_attempt_persisted")
+        response, error = self._send(action.content["request"])
+        faults.crash_point("after_send")
+        self._record(prepared, action, classify(response, error), intent_id=intent_id)
+        return 1
+
+    def _held(self, conn: Connection, action: Action) -> bool:
+        task = lock_task(conn, action.task_id)
+        return control.stop_state(conn).blocks(action.user_id) or task.state == TaskState.PAUSED.value
+
+    def _prepare(self, conn: Connection, intent_id: str, action: Action, now: datetime) -> str | None:
+        """Re-check everything and persist the attempt; None when nothing may be sent now."""
+        task = lock_task(conn, action.task_id)
+        if content_hash(action.content) != action.content_hash:
+            self._void(conn, intent_id, action, "content_tampered", "the stored content no longer matches its hash",
+                       now)
+            return None
+        if control.stop_state(conn).blocks(action.user_id) or task.state == TaskState.PAUSED.value:
+            return None  # held: released again by START / resume, never sent while held
+        if task.state in (TaskState.REVOKED.value, TaskState.CLOSED.value):
+            self._void(conn, intent_id, action, task.state, f"the task was {task.state} before this was sent", now)
+            return None
+        if task.current_version != action.task_version:
+            self._void(conn, intent_id, action, "task_version_changed",
+                       f"the task moved to version {task.current_version}", now)
+            return None
+        previous = conn.execute(select(attempts).where(attempts.c.action_id == action.id)
+                                .order_by(attempts.c.seq.desc())).all()
+        open_attempt = next((a for a in previous if a.outcome is None), None)
+        if open_attempt is not None:
+            # The process died between persisting this attempt and recording its outcome: it may have left.
+            self._settle_attempt(conn, open_attempt.id, action, Result(
+                outcome=Outcome.UNKNOWN, status_code=None, external_ref=None,
+                detail="the dispatcher stopped after persisting the attempt; the request may or may not have left"),
+                now=now, intent_id=intent_id)
+            return None
+        if any(a.outcome == Outcome.ACCEPTED.value for a in previous):
+            self._finish_intent(conn, intent_id, now)
+            return None
+        attempt_id = new_id("att")
+        request = dict(action.content["request"])
+        request["idempotency_key"] = action.content.get("idempotency_key")
+        conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,
+                                              request=json.dumps(request, sort_keys=True), created_at=now))
+        return attempt_id
+
+    def _send(self, request: Mapping[str, Any]) -> tuple[httpx.Response | None, Exception | None]:
+        headers = dict(request.get("headers", {}))  # the idempotency key is among them; no credential ever is
+        body = request.get("body")
+        try:
+            return self._http.request(request["method"], request["url"], headers=headers,
+                                      content=body.encode() if isinstance(body, str) else None), None
+        except httpx.HTTPError as exc:
+            return None, exc
+
+    def _record(self, attempt_id: str, action: Action, result: Result, *, intent_id: str) -> None:
+        with write(self._engine) as conn:
+            self._settle_attempt(conn, attempt_id, action, result, now=self._clock.now(), intent_id=intent_id)
+        self._on_event()
+
+    def _settle_attempt(self, conn: Connection, attempt_id: str, action: Action, result: Result, *,
+                        now: datetime, intent_id: str) -> None:
+        written = conn.execute(update(attempts).where(and_(attempts.c.id == attempt_id, attempts.c.outcome.is_(None)))
+                               .values(outcome=result.outcome.value, outcome_at=now, status_code=result.status_code,
+                                       external_ref=result.external_ref, detail=result.detail)).rowcount
+        if written != 1:
+            return  # someone recorded it first; history is written once
+        add_evidence(conn, action=action, attempt_id=attempt_id, source="response", verdict=result.outcome,
+                     observed={"status_code": result.status_code, "detail": result.detail,
+                               "external_ref": result.external_ref, "body": result.body}, now=now)
+        self._finish_intent(conn, intent_id, now)
+        task = lock_task(conn, action.task_id)
+        if result.outcome is Outcome.UNKNOWN:
+            exists = conn.execute(select(waits_table.c.id).where(and_(
+                waits_table.c.user_id == action.user_id,
+                waits_table.c.match_key == reconcile_key(action.id)))).first()
+            if exists is None:
+                waits.register(conn, user_id=action.user_id, session_id=task.session_id,
+                               match_key=reconcile_key(action.id), kind="reconcile", task_id=action.task_id,
+                               deadline=now + self._policy.reconcile_window, now=now)
+        inbox.record(conn, inbox.Delivery(
+            user_id=action.user_id, source="dispatch", source_id=attempt_id, kind=EventKind.WEBHOOK, trust="system",
+            session_id=task.session_id,
+            payload={"action_id": action.id, "tool": action.tool, "outcome": result.outcome.value,
+                     "detail": result.detail, "external_ref": result.external_ref},
+        ), now=now)
+
+    def _finish_intent(self, conn: Connection, intent_id: str, now: datetime) -> None:
+        conn.execute(update(outbox_table).where(and_(outbox_table.c.id == intent_id,
+                                                     outbox_table.c.state == OutboxState.PENDING.value))
+                     .values(state=OutboxState.SENT.value, sent_at=now, attempts=outbox_table.c.attempts + 1))
+
+    def _void(self, conn: Connection, intent_id: str, action: Action, code: str, detail: str, now: datetime) -> None:
+        conn.execute(verdicts.insert().values(
+            id=new_id("vrd"), action_id=action.id, verdict=VerdictKind.REFUSED.value, code=code,
+            reasons=json.dumps([{"check": "dispatch_recheck", "ok": False, "detail": detail}]), created_at=now))
+        conn.execute(update(outbox_table).where(and_(outbox_table.c.id == intent_id,
+                                                     outbox_table.c.state == OutboxState.PENDING.value))
+                     .values(state=OutboxState.FAILED.value, last_error=code))
+        task = lock_task(conn, action.task_id)
+        outbox.enqueue(conn, user_id=action.user_id, session_id=task.session_id, now=now,
+                       message_id=f"void_{action.id}",
+                       body={"kind": "action_voided", "action_id": action.id, "code": code,
+                             "text": f"I did not send {action.tool}: {detail}. Nothing was sent for it."})
+
+    # -- reconcile ---------------------------------------------------------------------------------------------
+
+    def reconcile_due(self, limit: int = 50) -> int:
+        """Query the remote for every action whose outcome is still unknown; returns how many were checked."""
+        with read(self._engine) as conn:
+            pending = conn.execute(select(waits_table.c.match_key).where(and_(
+                waits_table.c.kind == "reconcile", waits_table.c.state == WaitState.PENDING.value)).limit(limit)
+            ).scalars().all()
+        for key in pending:
+            self.reconcile(key.removeprefix("reconcile:"))
+        self._tell_timed_out()
+        return len(pending)
+
+    def reconcile(self, action_id: str) -> Outcome:
+        with read(self._engine) as conn:
+            action = load_action(conn, action_id)
+            last = conn.execute(select(attempts).where(attempts.c.action_id == action_id)
+                                .order_by(attempts.c.seq.desc()).limit(1)).one()
+        spec = action.content.get("reconcile")
+        if spec is None:
+            return Outcome.UNKNOWN
+        try:
+            response = self._http.request(spec["request"]["method"], spec["request"]["url"])
+            body = response.json() if response.is_success else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.info("reconcile of %s could not reach the remote: %s", action_id, exc)
+            return Outcome.UNKNOWN
+        found = body is not None and done_when_holds(DoneWhen.model_validate(spec["done_when"]), body)
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            add_evidence(conn, action=action, attempt_id=last.id, source="reconcile",
+                         verdict=Outcome.ACCEPTED if found else Outcome.UNKNOWN,
+                         observed={"query": spec["request"], "status_code": response.status_code, "body": body,
+                                   "found": found}, now=now)
+            if found:
+                inbox.record(conn, inbox.Delivery(
+                    user_id=action.user_id, source="reconcile", source_id=f"{action.id}:found", trust="system",
+                    corr_key=reconcile_key(action.id),
+                    payload={"action_id": action.id, "outcome": Outcome.ACCEPTED.value,
+                             "detail": "the remote shows the effect"},
+                ), now=now)
+            elif action.content.get("idempotency_key") and now - last.created_at >= self._resend_after and \
+                    response.is_success:
+                # The remote says it did not happen and deduplicates by key: the same request may go again.
+                outbox.enqueue(conn, user_id=action.user_id, kind=OutboxKind.DISPATCH, now=now,
+                               message_id=f"dsp_{action.id}_{last.seq + 1}", body={"action_id": action.id})
+        self._on_event()
+        return Outcome.ACCEPTED if found else Outcome.UNKNOWN
+
+    def _tell_timed_out(self) -> None:
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            expired = conn.execute(select(waits_table.c.match_key, waits_table.c.user_id, waits_table.c.session_id)
+                                   .where(and_(waits_table.c.kind == "reconcile",
+                                               waits_table.c.state == WaitState.TIMED_OUT.value))).all()
+            for w in expired:
+                action_id = w.match_key.removeprefix("reconcile:")
+                stmt = upsert(conn, outbox_table).values(
+                    id=f"unk_{action_id}", user_id=w.user_id, kind=OutboxKind.USER_MESSAGE.value,
+                    session_id=w.session_id, state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now,
+                    created_at=now, body=json.dumps({"kind": "outcome_unknown", "action_id": action_id, "text": (
+                        f"I cannot confirm whether {action_id} took effect. The request was sent, the reply was "
+                        "lost, and the remote has not shown the effect since. I have not sent it again. Please "
+                        "check with the provider.")}))
+                conn.execute(stmt.on_conflict_do_nothing())
+
+
+def add_evidence(conn: Connection, *, action: Action | None, task_id: str | None = None, attempt_id: str | None,
+                 source: str, verdict: Outcome, observed: Mapping[str, Any], now: datetime) -> str:
+    evidence_id = new_id("evd")
+    conn.execute(evidence.insert().values(
+        id=evidence_id, action_id=action.id if action else None, attempt_id=attempt_id,
+        task_id=action.task_id if action else task_id, source=source, verdict=verdict.value,
+        observed=json.dumps(observed, sort_keys=True, default=str), checked_at=now))
+    return evidence_id
+
+

@@ -1,0 +1,164 @@
+"""Acting safely, end to end against simulators on loopback: assertions read the simulators' own records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, select
+
+from server import approvals, control
+from server.clock import FakeClock
+from server.db import read, write
+from server.errors import Conflict, Refused
+from server.objects import UnknownObject
+from server.policy import Policy
+from server.tables import ControlKind, Outcome, attempts, refusals
+from tests.support.acting import CANCEL_VERIFIED, World, world
+from tests.support.records import messages
+
+
+@pytest.fixture
+def w(engine: Engine, clock: FakeClock, owner: str) -> Iterator[World]:
+    with world(engine, clock, owner) as w:
+        yield w
+
+
+def approve(w: World, action_id: str) -> str:
+    with write(w.engine) as conn:
+        decided = approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
+                                   policy=w.policy, now=w.clock.now())
+    return decided.verdict.code
+
+
+def outcomes(w: World) -> list[str | None]:
+    with read(w.engine) as conn:
+        return [r.outcome for r in conn.execute(select(attempts).order_by(attempts.c.created_at, attempts.c.seq))]
+
+
+def test_a_cancellation_waits_for_approval_then_is_sent_exactly_once(w: World) -> None:
+    task = w.task(completion=CANCEL_VERIFIED)
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    assert sub["kind"] == "subscription" and sub["id"].startswith("obj_") and sub["renewal"] == "on"
+    proposed = w.call(task, "merchant__cancel_renewal", subscription=sub["id"], reason="keep this month")
+    assert (proposed["status"], proposed["code"]) == ("needs_approval", "approval_required")
+    assert w.dispatcher.drain() == 0 and w.merchant.effects == []  # nothing leaves before the approval
+    (card,) = [m for m in messages(w.engine) if m.get("kind") == "approval_request"]
+    assert card["card"]["action_id"] == proposed["action_id"] and "amount: 19.99 EUR" in card["card"]["lines"]
+    assert approve(w, proposed["action_id"]) == "admitted"
+    assert w.dispatcher.drain() == 1
+    assert [e["kind"] for e in w.merchant.effects] == ["cancel_renewal"]
+    assert w.merchant.subscription("sub_1")["renewal"] == "off"
+    assert outcomes(w) == [Outcome.ACCEPTED]
+    assert w.dispatcher.drain() == 0 and len(w.merchant.effects) == 1
+
+
+def test_an_approval_is_single_use(w: World) -> None:
+    task = w.task()
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    approve(w, action)
+    with pytest.raises(Conflict) as second:
+        approve(w, action)
+    assert second.value.code == "not_awaiting_approval"
+
+
+@pytest.mark.parametrize("forged", ["sub_1", "obj_00000000000000000000000000", "", "../sub_1"])
+def test_a_forged_object_id_from_an_email_is_refused_and_recorded(w: World, forged: str) -> None:
+    task = w.task()
+    with pytest.raises(UnknownObject) as refused:
+        w.call(task, "merchant__cancel_renewal", subscription=forged)
+    assert refused.value.code == "unknown_object"
+    with read(w.engine) as conn:
+        assert conn.execute(select(refusals.c.code)).scalars().all() == ["unknown_object"]
+    assert w.merchant.effects == []
+
+
+def test_an_object_from_another_task_is_unknown_here(w: World) -> None:
+    first, second = w.task(), w.task()
+    (sub,) = w.call(first, "merchant__list_subscriptions")["objects"]
+    with pytest.raises(UnknownObject) as refused:
+        w.call(second, "merchant__cancel_renewal", subscription=sub["id"])
+    assert refused.value.code == "unknown_object"
+    with read(w.engine) as conn:
+        recorded = conn.execute(select(refusals.c.code, refusals.c.task_id)).all()
+    assert [(r.code, r.task_id) for r in recorded] == [("unknown_object", second.task_id)]
+    assert w.merchant.effects == []
+
+
+def test_an_approval_from_before_the_user_steered_the_task_is_void(w: World) -> None:
+    task = w.task()
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    with write(w.engine) as conn:
+        control.steer(conn, user_id=w.owner, task_id=task.task_id, goal="actually, keep it", actor="user:test",
+                      now=w.clock.now())
+    assert approve(w, action) == "task_version_changed"
+    assert w.dispatcher.drain() == 0 and w.merchant.effects == []
+
+
+def test_revoking_while_the_dispatch_is_queued_sends_nothing(w: World) -> None:
+    task = w.task()
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    approve(w, action)
+    with write(w.engine) as conn:
+        control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.REVOKE,
+                               actor="user:test", reason="changed my mind", now=w.clock.now())
+    w.dispatcher.drain()
+    assert w.merchant.effects == [] and outcomes(w) == []
+    assert any(m.get("kind") == "action_voided" for m in messages(w.engine))
+
+
+def test_a_pause_holds_the_dispatch_and_resume_releases_it(w: World) -> None:
+    task = w.task()
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    approve(w, w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"])
+    for kind in (ControlKind.PAUSE,):
+        with write(w.engine) as conn:
+            control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=kind, actor="user:test",
+                                   reason="", now=w.clock.now())
+    assert w.dispatcher.drain() == 0 and w.merchant.effects == []
+    with write(w.engine) as conn:
+        control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.RESUME,
+                               actor="user:test", reason="", now=w.clock.now())
+    assert w.dispatcher.drain() == 1 and len(w.merchant.effects) == 1
+
+
+def test_tools_refuse_to_act_for_a_paused_task(w: World) -> None:
+    task = w.task()
+    with write(w.engine) as conn:
+        control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.PAUSE,
+                               actor="user:test", reason="", now=w.clock.now())
+    with pytest.raises(Refused) as refused:
+        w.call(task, "merchant__list_subscriptions")
+    assert refused.value.code == "paused"
+
+
+def test_a_lost_response_is_reconciled_and_never_sent_twice(engine: Engine, clock: FakeClock, owner: str) -> None:
+    with world(engine, clock, owner, client_timeout=0.3) as w:
+        w.merchant.faults.update({"commit_then_timeout": 1, "stall_seconds": 2.0})
+        task = w.task()
+        (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+        approve(w, w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"])
+        w.dispatcher.drain()
+        assert outcomes(w) == [Outcome.UNKNOWN]
+        assert len(w.merchant.effects) == 1  # the merchant did it; we do not know yet
+        assert w.dispatcher.drain() == 0  # never a blind retry
+        assert w.dispatcher.reconcile_due() == 1
+        assert len(w.merchant.effects) == 1 and outcomes(w) == [Outcome.UNKNOWN]  # history is not rewritten
+        assert w.dispatcher.reconcile_due() == 0  # the reconcile wait was satisfied by the evidence
+
+
+def test_an_approval_after_the_quote_expired_is_refused(engine: Engine, clock: FakeClock, owner: str) -> None:
+    with world(engine, clock, owner, policy=Policy()) as w:
+        task = w.task(title="book the hotel")
+        (quote,) = w.call(task, "hotel__quote_stay", hotel="Grand", nights=2)["objects"]
+        action = w.call(task, "hotel__book_quote", quote_id=quote["id"])["action_id"]
+        w.hotel.clock.advance(timedelta(minutes=16))
+        w.clock.advance(timedelta(minutes=16))
+        assert approve(w, action) == "quote_expired"
+        assert w.dispatcher.drain() == 0 and w.hotel.effects == []
+
+

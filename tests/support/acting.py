@@ -1,0 +1,75 @@
+"""A world to act in: the merchant, airline and hotel simulators on loopback, the real connector declarations
+pointed at them, and the tool layer and dispatcher over a real SQLite file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from server import control, sessions
+from server.clock import FakeClock
+from server.connectors import load_connectors
+from server.db import write
+from server.dispatch import ActionDispatcher
+from server.policy import Policy
+from server.tools import Binding, ToolLayer
+from tests.sims import Airline, Hotel, Merchant, SimClock, create_airline, create_hotel, create_merchant, serve
+
+POLICIES = Path(__file__).resolve().parents[2] / "policies"
+
+CANCEL_VERIFIED = [{"effect": "merchant__cancel_renewal",
+                    "verify": {"read": "merchant__get_subscription", "with": {"subscription": "subscription"},
+                               "done_when": {"at": "renewal", "equals": "off"}}}]
+
+
+@dataclass
+class World:
+    engine: Engine
+    clock: FakeClock
+    owner: str
+    merchant: Merchant
+    airline: Airline
+    hotel: Hotel
+    tools: ToolLayer
+    dispatcher: ActionDispatcher
+    policy: Policy
+
+    def task(self, title: str = "cancel my subscription but keep this month",
+             completion: list[dict[str, Any]] | None = None, constraints: dict[str, Any] | None = None) -> Binding:
+        with write(self.engine) as conn:
+            session_id = sessions.create_session(conn, user_id=self.owner, now=self.clock.now())
+            task_id = control.create_task(conn, user_id=self.owner, session_id=session_id, title=title,
+                                          now=self.clock.now(), completion=completion or [],
+                                          constraints=constraints)
+        return Binding(user_id=self.owner, task_id=task_id, session_id=session_id)
+
+    def call(self, binding: Binding, tool: str, **args: Any) -> dict[str, Any]:
+        return self.tools.call(binding, tool, args)
+
+
+@contextmanager
+def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None = None,
+          client_timeout: float = 2.0) -> Iterator[World]:
+    sim_clock = SimClock()
+    clock.set(sim_clock.now())  # one notion of "now" for quote expiry on both sides
+    merchant_app, merchant = create_merchant(clock=sim_clock)
+    airline_app, airline = create_airline(clock=sim_clock)
+    hotel_app, hotel = create_hotel(clock=sim_clock)
+    policy = policy or Policy(reconcile_window=timedelta(minutes=30))
+    with ExitStack() as stack:
+        urls = {"merchant": stack.enter_context(serve(merchant_app)), "airline": stack.enter_context(serve(airline_app)),
+                "hotel": stack.enter_context(serve(hotel_app))}
+        registry = load_connectors(POLICIES / "connectors", base_urls=urls)
+        tools = ToolLayer(engine, clock, registry=registry, policy=policy)
+        dispatcher = ActionDispatcher(engine, clock, policy=policy, timeout=client_timeout,
+                                      resend_after=timedelta(seconds=10))
+        stack.callback(tools.close)
+        stack.callback(dispatcher.close)
+        yield World(engine=engine, clock=clock, owner=owner, merchant=merchant, airline=airline, hotel=hotel,
+                    tools=tools, dispatcher=dispatcher, policy=policy)

@@ -1,0 +1,422 @@
+"""The simulators behave as documented: every assertion reads the simulator's own records (what it applied).
+
+Apps run in-process (TestClient); the commit-then-timeout cases use httpx's ASGITransport under `asyncio.wait_for`,
+so the client really gives up while the simulator is holding its answer back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from tests.sims import Sim, SimClock, create_airline, create_hotel, create_merchant
+from tests.sims.hotel import DEFAULT_NIGHTLY_CENTS
+
+SECRET = "whsec_sim_test"
+
+
+@dataclass(frozen=True)
+class EffectCase:
+    """One simulator's effect endpoint, its stall knob, its reconciliation lookup and the effect kind it records."""
+
+    name: str
+    create: Callable[[], tuple[FastAPI, Sim]]
+    request: Callable[[Sim], tuple[str, dict[str, Any]]]
+    stall_knob: str
+    lookup: str
+    listed: str
+    kind: str
+
+
+def _merchant_cancel(sim: Sim) -> tuple[str, dict[str, Any]]:
+    return "/v1/subscriptions/sub_1/cancel_renewal", {"reason": "too expensive"}
+
+
+def _airline_order(sim: Sim) -> tuple[str, dict[str, Any]]:
+    return "/v1/orders", {"pnr": "PNR123", "flight": "AB102"}
+
+
+def _hotel_booking(sim: Sim) -> tuple[str, dict[str, Any]]:
+    return "/v1/bookings", {"quote_id": sim.quote("hotel-lisboa", 2)["quote_id"]}  # type: ignore[attr-defined]
+
+
+CASES = [
+    EffectCase("merchant", create_merchant, _merchant_cancel, "commit_then_timeout", "/v1/cancellations",
+               "cancellations", "cancel_renewal"),
+    EffectCase("airline", create_airline, _airline_order, "ticketing_timeout", "/v1/orders", "orders", "ticket"),
+    EffectCase("hotel", create_hotel, _hotel_booking, "commit_then_timeout", "/v1/bookings", "bookings", "booking"),
+]
+effect_cases = pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+
+
+def key(k: str) -> dict[str, str]:
+    return {"Idempotency-Key": k}
+
+
+def signature(body: bytes) -> str:
+    return "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
+
+
+def capture_webhooks(sim: Sim) -> list[httpx.Request]:
+    """Point the sim's webhooks at an in-process receiver that accepts everything; returns what it receives."""
+    received: list[httpx.Request] = []
+
+    def receive(request: httpx.Request) -> httpx.Response:
+        received.append(request)
+        return httpx.Response(204)
+
+    sim.webhooks.configure("http://receiver.test/hooks", SECRET)
+    sim.webhooks.transport = httpx.MockTransport(receive)
+    return received
+
+
+# --- idempotency, shared by all three simulators -------------------------------------------------------------------
+
+
+@effect_cases
+def test_a_repeat_with_the_same_key_gets_the_stored_response_and_applies_once(case: EffectCase) -> None:
+    app, sim = case.create()
+    client = TestClient(app)
+    path, body = case.request(sim)
+
+    first = client.post(path, json=body, headers=key("k1"))
+    second = client.post(path, json=body, headers=key("k1"))
+
+    assert first.status_code in (200, 201)
+    assert (second.status_code, second.json()) == (first.status_code, first.json())
+    assert [(e["kind"], e["idempotency_key"]) for e in sim.effects] == [(case.kind, "k1")]
+    assert len(client.get(case.lookup, params={"idempotency_key": "k1"}).json()[case.listed]) == 1
+
+
+@effect_cases
+def test_with_dedupe_off_a_repeat_with_the_same_key_applies_twice(case: EffectCase) -> None:
+    app, sim = case.create()
+    client = TestClient(app)
+    assert client.post("/_sim/faults", json={"dedupe": False}).json()["dedupe"] is False
+    path, body = case.request(sim)
+
+    first = client.post(path, json=body, headers=key("k1"))
+    second = client.post(path, json=body, headers=key("k1"))
+
+    assert first.status_code in (200, 201) and second.status_code in (200, 201)
+    assert [e["seq"] for e in sim.effects_of(case.kind)] == [1, 2]
+    assert len(client.get(case.lookup, params={"idempotency_key": "k1"}).json()[case.listed]) == 2
+
+
+@effect_cases
+def test_a_request_without_an_idempotency_key_is_refused_and_applies_nothing(case: EffectCase) -> None:
+    app, sim = case.create()
+    client = TestClient(app)
+    path, body = case.request(sim)
+
+    response = client.post(path, json=body)
+
+    assert (response.status_code, response.json()) == (400, {"error": "idempotency_key_required"})
+    assert sim.effects == []
+
+
+@effect_cases
+def test_fail_before_commit_answers_503_and_applies_nothing_until_it_is_used_up(case: EffectCase) -> None:
+    app, sim = case.create()
+    client = TestClient(app)
+    client.post("/_sim/faults", json={"fail_before_commit": 2})
+    path, body = case.request(sim)
+
+    statuses = [client.post(path, json=body, headers=key("k1")).status_code for _ in range(3)]
+
+    assert statuses[:2] == [503, 503] and statuses[2] in (200, 201)
+    assert len(sim.effects) == 1
+    assert sim.faults.fail_before_commit == 0
+
+
+@effect_cases
+def test_commit_then_timeout_records_the_effect_although_the_client_gave_up(case: EffectCase) -> None:
+    app, sim = case.create()
+    sim.faults.update({case.stall_knob: 1, "stall_seconds": 5.0})
+    path, body = case.request(sim)
+
+    async def call_and_give_up() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://sim.test") as client:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.post(path, json=body, headers=key("k1")), timeout=0.2)
+
+    asyncio.run(call_and_give_up())
+
+    assert [(e["kind"], e["idempotency_key"]) for e in sim.effects] == [(case.kind, "k1")]
+    client = TestClient(app)
+    assert len(client.get(case.lookup, params={"idempotency_key": "k1"}).json()[case.listed]) == 1
+    retry = client.post(path, json=body, headers=key("k1"))  # the knob is used up: the stored answer, at once
+    assert retry.status_code in (200, 201)
+    assert len(sim.effects) == 1
+
+
+# --- merchant ------------------------------------------------------------------------------------------------------
+
+
+def test_the_merchant_lists_the_seeded_subscription_and_404s_an_unknown_one() -> None:
+    clock = SimClock()
+    app, _ = create_merchant(clock=clock)
+    client = TestClient(app)
+
+    [sub] = client.get("/v1/subscriptions").json()["subscriptions"]
+
+    assert sub | {"period_end": None} == {"id": "sub_1", "plan": "Pro", "status": "active", "renewal": "on",
+                                           "price_cents": 1999, "currency": "EUR", "period_end": None}
+    assert datetime.fromisoformat(sub["period_end"]) == clock.now() + timedelta(days=30)
+    assert client.get("/v1/subscriptions/sub_1").json() == sub
+    missing = client.get("/v1/subscriptions/sub_404")
+    assert (missing.status_code, missing.json()) == (404, {"error": "not_found"})
+
+
+def test_a_cancelled_renewal_is_off_and_effective_at_the_end_of_the_period() -> None:
+    app, sim = create_merchant()
+    client = TestClient(app)
+
+    response = client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k1"), json={"reason": "moving"})
+
+    period_end = client.get("/v1/subscriptions/sub_1").json()["period_end"]
+    assert response.json() == {"id": "sub_1", "renewal": "off", "cancellation_id": "can_1", "effective_at": period_end}
+    assert client.get("/v1/subscriptions/sub_1").json()["renewal"] == "off"
+    [effect] = sim.effects
+    assert effect | {"at": None} == {"seq": 1, "kind": "cancel_renewal", "target": "sub_1", "idempotency_key": "k1",
+                                     "at": None, "cancellation_id": "can_1", "reason": "moving"}
+    assert client.get("/_sim/records").json() == {"effects": sim.effects}
+
+
+def test_cancelling_an_already_cancelled_renewal_with_a_new_key_is_a_conflict_and_applies_nothing() -> None:
+    app, sim = create_merchant()
+    client = TestClient(app)
+    client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k1"))
+
+    response = client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k2"))
+
+    assert (response.status_code, response.json()["error"]) == (409, "already_cancelled")
+    assert len(sim.effects) == 1
+    assert client.get("/v1/cancellations", params={"idempotency_key": "k2"}).json() == {"cancellations": []}
+
+
+def test_a_key_reused_for_a_different_request_is_refused_and_applies_nothing_more() -> None:
+    app, sim = create_merchant([{"id": "sub_1"}, {"id": "sub_2"}])
+    client = TestClient(app)
+    client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k1"), json={"reason": "moving"})
+
+    other_body = client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k1"), json={"reason": "price"})
+    other_target = client.post("/v1/subscriptions/sub_2/cancel_renewal", headers=key("k1"), json={"reason": "moving"})
+
+    for response in (other_body, other_target):
+        assert (response.status_code, response.json()) == (422, {"error": "idempotency_key_reused"})
+    assert [e["target"] for e in sim.effects] == ["sub_1"]
+    assert client.get("/v1/subscriptions/sub_2").json()["renewal"] == "on"
+
+
+def test_a_processing_cancellation_turns_off_once_the_sim_clock_passes_the_processing_time() -> None:
+    app, sim = create_merchant()
+    client = TestClient(app)
+    client.post("/_sim/faults", json={"processing_seconds": 60})
+
+    response = client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k1"))
+
+    assert response.status_code == 202 and response.json()["status"] == "processing"
+    assert len(sim.effects) == 1  # recorded at request time, not when processing ends
+    assert client.get("/v1/subscriptions/sub_1").json()["renewal"] == "processing"
+    client.post("/_sim/clock/advance", json={"seconds": 59})
+    assert client.get("/v1/subscriptions/sub_1").json()["renewal"] == "processing"
+    client.post("/_sim/clock/advance", json={"seconds": 1})
+    assert client.get("/v1/subscriptions/sub_1").json()["renewal"] == "off"
+    [cancellation] = client.get("/v1/cancellations", params={"idempotency_key": "k1"}).json()["cancellations"]
+    assert cancellation["status"] == "completed"
+    assert len(sim.effects) == 1
+
+
+def test_a_late_webhook_is_queued_by_the_cancellation_and_sent_signed_only_on_flush() -> None:
+    app, sim = create_merchant()
+    received = capture_webhooks(sim)
+    sim.faults.late_webhook = True
+    client = TestClient(app)
+
+    client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k1"))
+    assert received == [] and len(sim.webhooks.pending) == 1
+
+    [result] = client.post("/_sim/webhooks/flush").json()["delivered"]
+
+    [request] = received
+    assert result["status_code"] == 204 and result["delivery_id"] == request.headers["X-Wakeful-Delivery"]
+    assert hmac.compare_digest(request.headers["X-Wakeful-Signature"], signature(request.content))
+    assert json.loads(request.content) == {"type": "subscription.renewal_cancelled", "subscription": "sub_1",
+                                           "cancellation_id": "can_1"}
+    assert client.get("/_sim/webhooks").json()["pending"] == []
+
+
+def test_seeded_subscriptions_replace_the_default_one() -> None:
+    app, _ = create_merchant([{"id": "sub_a", "plan": "Basic", "price_cents": 499, "renewal": "off"}])
+
+    subs = TestClient(app).get("/v1/subscriptions").json()["subscriptions"]
+
+    assert [(s["id"], s["plan"], s["price_cents"], s["renewal"]) for s in subs] == [("sub_a", "Basic", 499, "off")]
+
+
+# --- airline -------------------------------------------------------------------------------------------------------
+
+
+def test_a_flight_cancellation_cancels_its_bookings_and_queues_a_webhook_whose_signature_verifies() -> None:
+    app, sim = create_airline()
+    received = capture_webhooks(sim)
+    client = TestClient(app)
+
+    assert client.post("/_sim/cancel_flight", json={"flight": "AB100"}).json() == {"flight": "AB100",
+                                                                                  "pnrs": ["PNR123"]}
+    assert client.get("/v1/bookings/PNR123").json()["status"] == "cancelled"
+    assert received == []
+    sim.webhooks.flush()
+
+    [request] = received
+    assert hmac.compare_digest(request.headers["X-Wakeful-Signature"], signature(request.content))
+    assert request.headers["X-Wakeful-Delivery"]
+    assert json.loads(request.content) == {"type": "flight.cancelled", "pnr": "PNR123", "flight": "AB100"}
+    assert sim.effects == []  # the airline's own decision is not an effect we caused
+
+
+def test_alternatives_leave_out_the_cancelled_flight_and_an_order_rebooks_with_a_new_ticket() -> None:
+    app, sim = create_airline()
+    client = TestClient(app)
+    booking = client.get("/v1/bookings/PNR123").json()
+    sim.cancel_flight("AB100")
+
+    flights = client.get("/v1/flights", params={"from": "AMS", "to": "LIS", "date": booking["date"]}).json()["flights"]
+    assert [(f["flight"], f["price_cents"]) for f in flights] == [("AB102", 14900), ("CD310", 17900)]
+
+    order = client.post("/v1/orders", headers=key("k1"), json={"pnr": "PNR123", "flight": "AB102"})
+
+    assert order.status_code == 201
+    assert order.json()["ticket"]["number"] != booking["ticket"]["number"]
+    rebooked = client.get("/v1/bookings/PNR123").json()
+    assert (rebooked["flight"], rebooked["status"], rebooked["ticket"]) == ("AB102", "confirmed",
+                                                                           order.json()["ticket"])
+    [effect] = sim.effects
+    assert (effect["kind"], effect["target"], effect["flight"]) == ("ticket", "PNR123", "AB102")
+
+
+def test_an_order_onto_a_cancelled_flight_is_a_conflict_and_applies_nothing() -> None:
+    app, sim = create_airline()
+    client = TestClient(app)
+    sim.cancel_flight("AB100")
+
+    response = client.post("/v1/orders", headers=key("k1"), json={"pnr": "PNR123", "flight": "AB100"})
+
+    assert (response.status_code, response.json()) == (409, {"error": "flight_cancelled"})
+    assert sim.effects == []
+    assert client.get("/v1/orders", params={"idempotency_key": "k1"}).json() == {"orders": []}
+
+
+# --- hotel ---------------------------------------------------------------------------------------------------------
+
+
+def test_an_expired_quote_is_refused_and_applies_nothing() -> None:
+    app, sim = create_hotel()
+    client = TestClient(app)
+    quote = client.post("/v1/quotes", json={"hotel": "hotel-lisboa", "nights": 2}).json()
+    assert quote["price_cents"] == 2 * DEFAULT_NIGHTLY_CENTS
+
+    client.post("/_sim/clock/advance", json={"seconds": 15 * 60})
+    response = client.post("/v1/bookings", headers=key("k1"), json={"quote_id": quote["quote_id"]})
+
+    assert (response.status_code, response.json()) == (409, {"error": "quote_expired"})
+    assert client.get(f"/v1/quotes/{quote['quote_id']}").json()["expired"] is True
+    assert sim.effects == []
+    assert client.get("/v1/bookings", params={"idempotency_key": "k1"}).json() == {"bookings": []}
+
+
+def test_a_quote_is_bookable_until_just_before_it_expires() -> None:
+    app, sim = create_hotel()
+    client = TestClient(app)
+    quote = client.post("/v1/quotes", json={"hotel": "hotel-lisboa", "nights": 1}).json()
+    assert datetime.fromisoformat(quote["expires_at"]) == sim.clock.now() + timedelta(minutes=15)
+
+    sim.clock.advance(timedelta(minutes=15) - timedelta(seconds=1))
+    response = client.post("/v1/bookings", headers=key("k1"), json={"quote_id": quote["quote_id"]})
+
+    assert response.status_code == 201
+    assert response.json()["price_cents"] == quote["price_cents"]
+    assert [(e["kind"], e["target"]) for e in sim.effects] == [("booking", quote["quote_id"])]
+
+
+def test_a_new_nightly_rate_changes_the_price_of_later_quotes_only() -> None:
+    app, _ = create_hotel()
+    client = TestClient(app)
+    before = client.post("/v1/quotes", json={"hotel": "hotel-lisboa", "nights": 2}).json()
+
+    client.post("/_sim/rates", json={"hotel": "hotel-lisboa", "nightly_cents": 15000})
+    after = client.post("/v1/quotes", json={"hotel": "hotel-lisboa", "nights": 2}).json()
+
+    assert (before["price_cents"], after["price_cents"]) == (2 * DEFAULT_NIGHTLY_CENTS, 30000)
+    assert client.get(f"/v1/quotes/{before['quote_id']}").json()["price_cents"] == before["price_cents"]
+
+
+# --- the /_sim endpoints -------------------------------------------------------------------------------------------
+
+
+def test_the_sim_clock_only_moves_forward_when_advanced() -> None:
+    clock = SimClock()
+    app, _ = create_hotel(clock=clock)
+    client = TestClient(app)
+    start = clock.now()
+
+    moved = client.post("/_sim/clock/advance", json={"seconds": 90}).json()
+
+    assert datetime.fromisoformat(moved["now"]) == start + timedelta(seconds=90) == clock.now()
+    assert client.get("/_sim/clock").json() == moved
+    with pytest.raises(ValueError):
+        clock.advance(timedelta(seconds=-1))
+
+
+@pytest.mark.parametrize("knobs", [{"dedup": False}, {"dedupe": 1}, {"fail_before_commit": -1},
+                                   {"fail_before_commit": True}, {"processing_seconds": "soon"}])
+def test_an_unknown_knob_or_a_wrong_type_is_refused_and_changes_nothing(knobs: dict[str, Any]) -> None:
+    app, _ = create_merchant()
+    client = TestClient(app)
+    before = client.get("/_sim/faults").json()
+
+    response = client.post("/_sim/faults", json=knobs)
+
+    assert (response.status_code, response.json()["error"]) == (400, "bad_knob")
+    assert client.get("/_sim/faults").json() == before
+
+
+def test_flushing_webhooks_before_a_target_is_configured_is_a_conflict() -> None:
+    app, sim = create_airline()
+    sim.cancel_flight("AB100")
+
+    response = TestClient(app).post("/_sim/webhooks/flush")
+
+    assert (response.status_code, response.json()) == (409, {"error": "webhook_not_configured"})
+    assert len(sim.webhooks.pending) == 1
+
+
+def test_a_webhook_the_receiver_refuses_stays_pending_and_is_resent_with_the_same_delivery_id() -> None:
+    _, sim = create_airline()
+    seen: list[str] = []
+    answers = iter([503, 200])
+
+    def receive(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers["X-Wakeful-Delivery"])
+        return httpx.Response(next(answers))
+
+    sim.webhooks.configure("http://receiver.test/hooks", SECRET)
+    sim.webhooks.transport = httpx.MockTransport(receive)
+    sim.cancel_flight("AB100")
+
+    assert [r["status_code"] for r in sim.webhooks.flush()] == [503]
+    assert [r["status_code"] for r in sim.webhooks.flush()] == [200]
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert sim.webhooks.pending == [] and len(sim.webhooks.delivered) == 1
