@@ -63,8 +63,8 @@ def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None
     hotel_app, hotel = create_hotel(clock=sim_clock)
     policy = policy or Policy(reconcile_window=timedelta(minutes=30))
     with ExitStack() as stack:
-        urls = {"merchant": stack.enter_context(serve(merchant_app)), "airline": stack.enter_context(serve(airline_app)),
-                "hotel": stack.enter_context(serve(hotel_app))}
+        apps = {"merchant": merchant_app, "airline": airline_app, "hotel": hotel_app}
+        urls = {name: stack.enter_context(serve(app)) for name, app in apps.items()}
         registry = load_connectors(POLICIES / "connectors", base_urls=urls)
         tools = ToolLayer(engine, clock, registry=registry, policy=policy)
         dispatcher = ActionDispatcher(engine, clock, policy=policy, timeout=client_timeout,
