@@ -42,14 +42,13 @@ from server.tables import (
     WaitState,
     attempts,
     evidence,
+    task_versions,
     verdicts,
 )
-from server.tables import (
-    outbox as outbox_table,
-)
-from server.tables import (
-    waits as waits_table,
-)
+from server.tables import actions as actions_table
+from server.tables import outbox as outbox_table
+from server.tables import tasks as tasks_table
+from server.tables import waits as waits_table
 
 __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 
@@ -288,6 +287,66 @@ class ActionDispatcher:
         self._on_event()
         return Outcome.ACCEPTED if found else Outcome.UNKNOWN
 
+    # -- verify and complete -------------------------------------------------------------------------------------
+
+    def verify_due(self, limit: int = 50) -> int:
+        """Re-read the world for accepted actions whose task version asks for it; then check completion."""
+        with read(self._engine) as conn:
+            accepted = _accepted_actions(conn)
+            verified = set(conn.execute(select(evidence.c.action_id).where(and_(
+                evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))).scalars())
+            candidates = [load_action(conn, a) for a in accepted if a not in verified][:limit]
+        checked = 0
+        for action in candidates:
+            spec = action.content.get("verify")
+            if spec is None:
+                continue
+            checked += 1
+            try:
+                response = self._http.request(spec["request"]["method"], spec["request"]["url"])
+                body = response.json() if response.is_success else None
+            except (httpx.HTTPError, ValueError):
+                continue
+            holds = body is not None and done_when_holds(DoneWhen.model_validate(spec["done_when"]), body)
+            with write(self._engine) as conn:
+                add_evidence(conn, action=action, attempt_id=None, source="verify",
+                             verdict=Outcome.ACCEPTED if holds else Outcome.UNKNOWN,
+                             observed={"query": spec["request"], "status_code": response.status_code, "body": body,
+                                       "holds": holds}, now=self._clock.now())
+        self.complete_due()
+        return checked
+
+    def complete_due(self) -> int:
+        """Tasks whose current version's completion conditions all hold on recorded evidence get their receipt."""
+        now = self._clock.now()
+        done = 0
+        with write(self._engine) as conn:
+            accepted = _accepted_actions(conn)
+            verified = set(conn.execute(select(evidence.c.action_id).where(and_(
+                evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))).scalars())
+            rows = conn.execute(select(tasks_table, task_versions.c.completion, task_versions.c.goal).join(
+                task_versions, and_(task_versions.c.task_id == tasks_table.c.id,
+                                    task_versions.c.version == tasks_table.c.current_version)).where(
+                tasks_table.c.state == TaskState.ACTIVE.value)).all()
+            for task in rows:
+                conditions = json.loads(task.completion)
+                receipt_id = f"rcpt_{task.id}_v{task.current_version}"
+                if not conditions or conn.execute(select(outbox_table.c.id).where(
+                        outbox_table.c.id == receipt_id)).first() is not None:
+                    continue
+                proof = _completion_proof(conn, task, conditions, accepted, verified)
+                if proof is None:
+                    continue
+                done += 1
+                add_evidence(conn, action=None, task_id=task.id, attempt_id=None, source="completion",
+                             verdict=Outcome.ACCEPTED, observed={"version": task.current_version, "proof": proof},
+                             now=now)
+                outbox.enqueue(conn, user_id=task.user_id, session_id=task.session_id, now=now, message_id=receipt_id,
+                               body={"kind": "receipt", "task_id": task.id, "proof": proof,
+                                     "text": f"Done: {task.goal}. Verified against the provider's own records "
+                                             f"({', '.join(p['action_id'] for p in proof)})."})
+        return done
+
     def _tell_timed_out(self) -> None:
         now = self._clock.now()
         with write(self._engine) as conn:
@@ -316,3 +375,23 @@ def add_evidence(conn: Connection, *, action: Action | None, task_id: str | None
     return evidence_id
 
 
+def _accepted_actions(conn: Connection) -> set[str]:
+    """Actions the remote accepted, by its answer or by reconciliation."""
+    by_answer = select(attempts.c.action_id).where(attempts.c.outcome == Outcome.ACCEPTED.value)
+    by_reconcile = select(evidence.c.action_id).where(and_(evidence.c.source == "reconcile",
+                                                           evidence.c.verdict == Outcome.ACCEPTED.value))
+    return set(conn.execute(by_answer.union(by_reconcile)).scalars()) - {None}
+
+
+def _completion_proof(conn: Connection, task: Any, conditions: list[dict[str, Any]], accepted: set[str],
+                      verified: set[str]) -> list[dict[str, Any]] | None:
+    proof = []
+    for condition in conditions:
+        candidates = conn.execute(select(actions_table.c.id).where(and_(
+            actions_table.c.task_id == task.id, actions_table.c.task_version == task.current_version,
+            actions_table.c.tool == condition["effect"]))).scalars().all()
+        met = [a for a in candidates if a in accepted and (condition.get("verify") is None or a in verified)]
+        if not met:
+            return None
+        proof.append({"effect": condition["effect"], "action_id": met[0], "verified": met[0] in verified})
+    return proof

@@ -100,7 +100,7 @@ def four_facts(conn: Connection, *, task_id: str) -> dict[str, str | None]:
                                                             runs.c.ended_at.is_not(None)))
                          .order_by(runs.c.ended_at.desc()).limit(1)).scalar()
     verified = conn.execute(select(evidence.c.checked_at).where(and_(
-        evidence.c.task_id == task_id, evidence.c.source == "verify", evidence.c.verdict == "accepted"))
+        evidence.c.task_id == task_id, evidence.c.source == "completion", evidence.c.verdict == "accepted"))
         .order_by(evidence.c.checked_at).limit(1)).scalar()
     receipt = conn.execute(select(outbox.c.sent_at).where(and_(
         outbox.c.id.like(f"rcpt_{task_id}%"), outbox.c.state == "sent")).limit(1)).scalar()

@@ -17,13 +17,17 @@ from sqlalchemy import Engine, func, select
 
 from server import control, faults, timers, users, waits
 from server.clock import Clock, SystemClock
+from server.connectors import Registry, load_connectors
 from server.db import make_engine, migrate, read, write
+from server.dispatch import ActionDispatcher
 from server.inbox import GroupCommitter
 from server.outbox import Dispatcher
+from server.policy import load_policy
 from server.settings import Settings
 from server.sweeper import sweep
 from server.tables import TimerState
 from server.tables import timers as timers_table
+from server.tools import ToolLayer
 from server.worker import RunHandler, Worker
 
 __all__ = ["Runtime", "Signals"]
@@ -51,12 +55,18 @@ class Runtime:
         self.engine = engine or make_engine(settings.db_url)
         self.signals = Signals()
         self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set)
+        self.policy = load_policy(settings.policies / "policy.toml")
+        connectors_dir = settings.policies / "connectors"
+        self.registry = (load_connectors(connectors_dir, base_urls=settings.connector_urls)
+                         if connectors_dir.is_dir() else Registry(connectors={}))
+        self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy)
         self.workers = [
-            Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run)
+            Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools)
             for _ in range(settings.workers)
         ]
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
+        self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy, on_event=self.signals.work.set)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
 
@@ -82,6 +92,7 @@ class Runtime:
               for i, w in enumerate(self.workers)),
             ("scheduler", self._scheduler_loop),
             ("dispatcher", self._dispatcher_loop),
+            ("reconciler", self._reconciler_loop),
             ("sweeper", self._sweeper_loop),
         ]
         for name, target in loops:
@@ -97,6 +108,8 @@ class Runtime:
             thread.join(timeout=30)
         self.committer.stop()
         self.dispatcher.close()
+        self.actions.close()
+        self.tools.close()
 
     # -- loops -----------------------------------------------------------------------------------------------------
 
@@ -131,10 +144,22 @@ class Runtime:
 
     def _dispatcher_loop(self) -> None:
         while not self.signals.stop.is_set():
-            attempted = self._guarded("dispatcher", lambda: float(self.dispatcher.drain()))
+            attempted = self._guarded("dispatcher",
+                                      lambda: float(self.dispatcher.drain() + self.actions.drain()))
             if not attempted:
                 self.signals.dispatch.wait(self.settings.poll_interval)
                 self.signals.dispatch.clear()
+
+    def _reconciler_loop(self) -> None:
+        while not self.signals.stop.wait(self.settings.reconcile_interval):
+            self._guarded("reconciler", self.reconcile_once)
+
+    def reconcile_once(self) -> float:
+        """Query the remote for unknown outcomes, verify accepted effects, send receipts for completed tasks."""
+        self.actions.reconcile_due()
+        self.actions.verify_due()
+        self.signals.dispatch.set()
+        return 0.0
 
     def _sweeper_loop(self) -> None:
         while not self.signals.stop.wait(self.settings.sweep_interval):

@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     port: int = 8787
     sources: dict[str, SourceSettings] = Field(default_factory=dict)
     """Webhook sources by name: `POST /v1/hooks/<name>`."""
+    policies_dir: Path | None = None
+    """Connector declarations (`connectors/*.toml`) and the user's `policy.toml`; default `<data_dir>/policies`."""
+    connector_urls: dict[str, str] = Field(default_factory=dict)
+    """Base URL per connector name, overriding the declared one (simulators, staging)."""
+    reconcile_interval: float = 5.0
+    """How often unknown outcomes are reconciled and accepted effects verified, in seconds."""
     notify_url: str | None = None
     """Where messages to the user are delivered (POST, JSON, `Idempotency-Key` header). None: the local feed only."""
     max_body_bytes: int = 1 << 20
@@ -123,6 +129,10 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=_config_path()))
+
+    @property
+    def policies(self) -> Path:
+        return self.policies_dir or self.data_dir / "policies"
 
     @property
     def db_url(self) -> str:

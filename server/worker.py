@@ -29,6 +29,8 @@ from server.ids import new_id
 from server.schedule import Misfire
 from server.settings import Settings
 from server.tables import EventStatus, RunOutcome, events, runs, usage_daily
+from server.tables import decisions as decisions_table
+from server.tools import Binding, ToolLayer
 
 __all__ = ["EventView", "RunContext", "RunHandler", "RunInterrupted", "Worker"]
 
@@ -78,9 +80,36 @@ class RunContext:
     steps: int = 0
     effects: list[Effect] = field(default_factory=list)
     ended_by: str | None = None
+    prior: dict[int, tuple[str, Any]] = field(default_factory=dict)
+    """Decisions of the run this one resumes (it died mid-way), by step: replayed, never asked again."""
+    decisions: int = 0
 
     def now(self) -> datetime:
         return self._worker.clock.now()
+
+    def propose(self, ask: Callable[[], Any]) -> tuple[str, Any]:
+        """The next decision: the stored one when resuming a run that made it, else `ask()`'s answer (the model's
+        proposal), persisted under this run and step before anything acts on it. Returns (decision ID, proposal)."""
+        step = self.decisions
+        self.decisions += 1
+        if step in self.prior:
+            return self.prior[step]
+        proposal = ask()
+        decision_id = new_id("dec")
+        with write(self._worker.engine) as conn:
+            sessions.fence(conn, session_id=self.session_id, token=self.token)
+            conn.execute(decisions_table.insert().values(
+                id=decision_id, run_id=self.run_id, session_id=self.session_id, step=step,
+                proposal=json.dumps(proposal, sort_keys=True, default=str), created_at=self.now()))
+        return decision_id, proposal
+
+    def call_tool(self, *, task_id: str, tool: str, args: dict[str, Any], decision_id: str | None = None) -> Any:
+        """Run one tool through the tool layer and admission, under this run's fencing token."""
+        if self._worker.tools is None:
+            raise RuntimeError("this worker has no tool layer (no connectors are declared)")
+        binding = Binding(user_id=self.user_id, task_id=task_id, run_id=self.run_id, session_id=self.session_id,
+                          token=self.token, decision_id=decision_id)
+        return self._worker.tools.call(binding, tool, args)
 
     def step(self) -> None:
         """Call before each step: refuses to go on under STOP, preemption or an exhausted budget; renews the lease."""
@@ -133,7 +162,9 @@ class RunContext:
 
 class Worker:
     def __init__(self, engine: Engine, settings: Settings, clock: Clock, handler: RunHandler, *,
-                 name: str | None = None, on_commit: Callable[[], None] = lambda: None) -> None:
+                 name: str | None = None, on_commit: Callable[[], None] = lambda: None,
+                 tools: ToolLayer | None = None) -> None:
+        self.tools = tools
         self.engine = engine
         self.settings = settings
         self.clock = clock
@@ -216,7 +247,7 @@ class Worker:
                 )
                 return RunContext(run_id=run_id, session_id=session_id, user_id=user_id, token=token, events=views,
                                   todo_version=sessions.todo_version(conn, session_id), _worker=self,
-                                  _started=time.monotonic())
+                                  _started=time.monotonic(), prior=_resumable_decisions(conn, session_id, run_id))
         return None
 
     def _over_daily_budget(self, conn: Connection, user_id: str, now: datetime) -> bool:
@@ -286,6 +317,17 @@ class Worker:
                          .values(outcome=outcome.value, ended_at=now, steps=ctx.steps,
                                  reason=reason or ctx.ended_by or "silence: the handler sent nothing"))
             sessions.release(conn, session_id=ctx.session_id, token=ctx.token)
+
+
+def _resumable_decisions(conn: Connection, session_id: str, run_id: str) -> dict[int, tuple[str, Any]]:
+    """When the session's previous run died mid-way, its decisions, to be replayed by the run that picks up."""
+    previous = conn.execute(select(runs.c.id, runs.c.outcome).where(and_(runs.c.session_id == session_id,
+                                                                         runs.c.id != run_id))
+                            .order_by(runs.c.started_at.desc(), runs.c.id.desc()).limit(1)).first()
+    if previous is None or previous.outcome not in (RunOutcome.ABANDONED.value, RunOutcome.RUNNING.value):
+        return {}
+    rows = conn.execute(select(decisions_table).where(decisions_table.c.run_id == previous.id))
+    return {r.step: (r.id, json.loads(r.proposal)) for r in rows}
 
 
 def fail_poison_events(conn: Connection, *, session_id: str | None, cap: int, now: datetime) -> int:

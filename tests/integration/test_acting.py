@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, select
 
-from server import approvals, control
+from server import approvals, control, ledger
 from server.clock import FakeClock
 from server.db import read, write
 from server.errors import Conflict, Refused
@@ -162,3 +162,32 @@ def test_an_approval_after_the_quote_expired_is_refused(engine: Engine, clock: F
         assert w.dispatcher.drain() == 0 and w.hotel.effects == []
 
 
+
+
+def test_completion_is_judged_on_a_fresh_read_and_the_receipt_is_sent_once(w: World) -> None:
+    task = w.task(completion=CANCEL_VERIFIED)
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    approve(w, w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"])
+    with read(w.engine) as conn:
+        assert ledger.four_facts(conn, task_id=task.task_id)["goal_verified"] is None
+    w.dispatcher.drain()
+    assert w.dispatcher.verify_due() == 1
+    assert w.dispatcher.verify_due() == 0 and w.dispatcher.complete_due() == 0  # once
+    receipts = [m for m in messages(w.engine) if m.get("kind") == "receipt"]
+    assert len(receipts) == 1 and receipts[0]["proof"][0]["verified"] is True
+    with read(w.engine) as conn:
+        facts = ledger.four_facts(conn, task_id=task.task_id)
+    assert facts["goal_verified"] is not None and facts["receipt_delivered"] is None  # not dispatched yet
+
+
+def test_an_accepted_effect_that_the_fresh_read_does_not_show_is_not_complete(w: World) -> None:
+    w.merchant.faults.update({"processing_seconds": 3600.0})
+    task = w.task(completion=CANCEL_VERIFIED)
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    approve(w, w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"])
+    w.dispatcher.drain()
+    w.dispatcher.verify_due()
+    assert not [m for m in messages(w.engine) if m.get("kind") == "receipt"]
+    w.merchant.clock.advance(timedelta(hours=2))
+    w.dispatcher.verify_due()
+    assert [m["kind"] for m in messages(w.engine) if m.get("kind") == "receipt"] == ["receipt"]
