@@ -91,18 +91,20 @@ class Serve:
         """A read connection to the server's database (stdlib sqlite3, so it measures nothing of ours)."""
         return sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30)
 
-    def pending_events(self) -> int:
+    def busy(self) -> int:
+        """Events no run has settled yet plus runs still running: 0 once the server has caught up."""
         with self.db() as conn:
-            return int(conn.execute("SELECT count(*) FROM events WHERE status = 'pending'").fetchone()[0])
+            return int(conn.execute("SELECT (SELECT count(*) FROM events WHERE status = 'pending') + "
+                                    "(SELECT count(*) FROM runs WHERE outcome = 'running')").fetchone()[0])
 
-    def wait_drained(self, timeout: float = 120.0) -> bool:
-        """Wait until runs have picked up every event, so one phase's backlog does not load the next phase."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.pending_events() == 0:
-                return True
+    def wait_drained(self, timeout: float) -> float | None:
+        """Seconds until the server caught up with its backlog, or None if it did not within the timeout."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.busy() == 0:
+                return time.monotonic() - start
             time.sleep(0.2)
-        return False
+        return None
 
     def stop(self) -> None:
         """SIGTERM by PID (never by name), then SIGKILL if it does not go within 20 s."""

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
-from sqlalchemy import func, select
+from sqlalchemy import Engine, func, select
 
-from server import control, users
+from server import approvals, control, ledger, users
 from server.clock import SystemClock
 from server.db import make_engine, migrate, read, write
 from server.errors import WakefulError
+from server.policy import load_policy
 from server.settings import Settings, load_settings
-from server.tables import EventStatus, OutboxState, RunOutcome, events, outbox, runs
+from server.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
 
 app = typer.Typer(help="wakeful: a runtime for always-on personal agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -34,7 +36,7 @@ def _settings(data_dir: Path | None, database_url: str | None, **more: object) -
         raise typer.Exit(2) from None
 
 
-def _engine(settings: Settings):  # type: ignore[no-untyped-def]
+def _engine(settings: Settings) -> Engine:
     engine = make_engine(settings.db_url)
     migrate(engine)
     return engine
@@ -142,3 +144,133 @@ def migrate_cmd(data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Create or upgrade the database schema."""
     _engine(_settings(data_dir, database_url))
     typer.echo("schema is up to date")
+
+
+Target = Annotated[str, typer.Argument(help="The task or action ID.")]
+UserOpt = Annotated[str, typer.Option("--user", help="Whose records (the CLI acts as that user).")]
+Reason = Annotated[str, typer.Option(help="Why, for the record.")]
+
+
+def _as_user(data_dir: Path | None, database_url: str | None, user: str) -> tuple[Settings, Engine, str]:
+    settings = _settings(data_dir, database_url)
+    engine = _engine(settings)
+    with read(engine) as conn:
+        return settings, engine, users.user_id_by_name(conn, user)
+
+
+def _control(kind: ControlKind, task: str, reason: str, user: str, data_dir: Path | None,
+             database_url: str | None) -> None:
+    try:
+        _, engine, user_id = _as_user(data_dir, database_url, user)
+        with write(engine) as conn:
+            state = control.set_task_state(conn, user_id=user_id, task_id=task, kind=kind, actor=f"cli:{user}",
+                                           reason=reason, now=SystemClock().now())
+    except WakefulError as exc:
+        _fail(exc)
+    typer.echo(f"{task} is {state.value}.")
+
+
+def _fail(exc: WakefulError) -> NoReturn:
+    err.print(f"[red]wakeful: {exc.code}:[/red] {exc.message}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def pause(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
+          database_url: DbUrl = None) -> None:
+    """Pause a task: a run in progress stops at its next step; nothing is dispatched for it until resume."""
+    _control(ControlKind.PAUSE, task, reason, user, data_dir, database_url)
+
+
+@app.command()
+def resume(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
+           database_url: DbUrl = None) -> None:
+    """Resume a paused task."""
+    _control(ControlKind.RESUME, task, reason, user, data_dir, database_url)
+
+
+@app.command()
+def revoke(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
+           database_url: DbUrl = None) -> None:
+    """Withdraw a delegation: queued dispatches are voided, timers and waits end. Effects already sent stand."""
+    _control(ControlKind.REVOKE, task, reason, user, data_dir, database_url)
+
+
+@app.command("close")
+def close_task(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
+               database_url: DbUrl = None) -> None:
+    """Close a task (only the user closes or reopens one)."""
+    _control(ControlKind.CLOSE, task, reason, user, data_dir, database_url)
+
+
+@app.command()
+def reopen(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
+           database_url: DbUrl = None) -> None:
+    """Reopen a closed task."""
+    _control(ControlKind.REOPEN, task, reason, user, data_dir, database_url)
+
+
+def _decide(action: str, approve: bool, reason: str, user: str, data_dir: Path | None,
+            database_url: str | None) -> None:
+    try:
+        settings, engine, user_id = _as_user(data_dir, database_url, user)
+        policy = load_policy(settings.policies / "policy.toml")
+        with write(engine) as conn:
+            decided = approvals.decide(conn, user_id=user_id, action_id=action, approve=approve,
+                                       actor=f"cli:{user}", policy=policy, now=SystemClock().now(), reason=reason)
+    except WakefulError as exc:
+        _fail(exc)
+    typer.echo(f"{action}: {decided.verdict.kind.value} ({decided.verdict.code}): {decided.verdict.reason}")
+
+
+@app.command()
+def approve(action: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
+            database_url: DbUrl = None) -> None:
+    """Approve an action waiting for approval; it is re-admitted against the facts as they are now."""
+    _decide(action, True, reason, user, data_dir, database_url)
+
+
+@app.command()
+def deny(action: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
+         database_url: DbUrl = None) -> None:
+    """Deny an action waiting for approval."""
+    _decide(action, False, reason, user, data_dir, database_url)
+
+
+@app.command("ledger")
+def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID, or `export` for every task as JSON Lines.")],
+               output: Annotated[Path | None, typer.Option("--output", "-o", help="For export: a file.")] = None,
+               user: UserOpt = "owner", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """A task's whole history in order; `wakeful ledger export` writes every task's as JSON Lines."""
+    try:
+        _, engine, user_id = _as_user(data_dir, database_url, user)
+        with read(engine) as conn:
+            if task == "export":
+                task_ids = conn.execute(select(tasks.c.id).where(tasks.c.user_id == user_id)
+                                        .order_by(tasks.c.created_at)).scalars().all()
+                lines = [json.dumps({"task_id": t, **e}, sort_keys=True)
+                         for t in task_ids for e in ledger.entries(conn, task_id=t, user_id=user_id)]
+                text = "\n".join(lines) + ("\n" if lines else "")
+                if output is None:
+                    typer.echo(text, nl=False)
+                else:
+                    output.write_text(text)
+                    err.print(f"wrote {len(lines)} entries for {len(task_ids)} tasks to {output}")
+                return
+            entries = ledger.entries(conn, task_id=task, user_id=user_id)
+    except WakefulError as exc:
+        _fail(exc)
+    for entry in entries:
+        typer.echo(ledger.describe(entry))
+
+
+@app.command()
+def demo(data_dir: DataDir = None) -> None:
+    """Run the subscription-cancellation delegation end to end against the merchant simulator, print the ledger."""
+    from server.demo import run_demo
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    count = run_demo(data_dir)
+    if count != 1:
+        err.print(f"[red]wakeful demo: the merchant recorded {count} cancellations; exactly 1 was expected[/red]")
+        raise typer.Exit(1)

@@ -85,6 +85,11 @@ def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, 
         id=new_id("tv"), task_id=task_id, version=1, goal=goal or title, created_by=actor, created_at=now,
         constraints=json.dumps(dict(constraints or {}), sort_keys=True), completion=json.dumps(list(completion)),
     ))
+    # The delegation itself is the first event: it wakes the agent, and its time is "request received".
+    inbox.record(conn, inbox.Delivery(user_id=user_id, source="delegation", source_id=task_id, kind=EventKind.CONTROL,
+                                      trust="user", session_id=session_id,
+                                      payload={"task_id": task_id, "title": title, "goal": goal or title,
+                                               "constraints": dict(constraints or {})}), now=now)
     return task_id
 
 

@@ -17,7 +17,7 @@ class EchoHandler:
 
     def __call__(self, ctx: RunContext) -> None:
         ctx.step()
-        if all(e.kind == "control" for e in ctx.events):
+        if all(e.kind == "control" and e.source != "delegation" for e in ctx.events):
             ctx.silence("only control events: nothing to tell the user")
             return
         listed = ", ".join(f"{e.source}:{e.source_id}" for e in ctx.events)

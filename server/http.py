@@ -1,10 +1,7 @@
-"""The HTTP API: webhook inbox, control endpoints, the message feed. Errors map to JSON in one function.
+"""The HTTP app: the webhook inbox here, the user's control channel in `server.routes`. Errors map to JSON in
+exactly one function.
 
     POST /v1/hooks/{source}        a signed webhook delivery (no token: the signature authenticates it)
-    POST /v1/control/stop|start    STOP / START for the caller                       (bearer token)
-    POST /v1/tasks                 create a task                                     (bearer token)
-    POST /v1/tasks/{id}/pause|resume|close                                           (bearer token)
-    GET  /v1/tasks/{id}, /v1/events/{id}, /v1/messages                               (bearer token)
     POST /v1/noop                  does nothing: the baseline the benchmarks compare ingest against
     GET  /healthz
 """
@@ -15,21 +12,17 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
-from sqlalchemy import and_, select
 
-from server import control, sessions, users
-from server.db import read, write
 from server.errors import BadRequest, NotFound, PayloadTooLarge, Unauthorized, WakefulError
 from server.inbox import Delivery
+from server.routes import router
 from server.runtime import Runtime
 from server.signatures import SignatureError, verify_signature
-from server.tables import ControlKind, events, outbox, tasks
 
 __all__ = ["create_app", "error_response"]
 
@@ -54,26 +47,8 @@ def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
     return str(node)
 
 
-def current_user(request: Request, authorization: Annotated[str | None, Header()] = None) -> str:
-    """The bearer token's user; every record a request touches is filtered by it."""
-    scheme, _, token = (authorization or "").partition(" ")
-    with read(request.app.state.runtime.engine) as conn:
-        return users.authenticate(conn, token if scheme.lower() == "bearer" else None)
-
-
-User = Annotated[str, Depends(current_user)]
-
-
-class TaskIn(BaseModel):
-    title: str = Field(min_length=1, max_length=2000)
-
-
-class ControlIn(BaseModel):
-    reason: str = Field(default="", max_length=2000)
-
-
 def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
-    settings, engine, clock = runtime.settings, runtime.engine, runtime.clock
+    settings, clock = runtime.settings, runtime.clock
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -141,79 +116,5 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
         return JSONResponse({"event_id": recorded.event_id, "duplicate": recorded.duplicate,
                              "status": recorded.status.value})
 
-    @app.post("/v1/control/stop")
-    def stop(user: User, body: ControlIn | None = None) -> dict[str, Any]:
-        with write(engine) as conn:
-            record = control.set_stop(conn, stopped=True, user_id=user, actor=f"user:{user}",
-                                      reason=body.reason if body else "", now=clock.now())
-        return {"stopped": True, "record_id": record}
-
-    @app.post("/v1/control/start")
-    def start(user: User, body: ControlIn | None = None) -> dict[str, Any]:
-        with write(engine) as conn:
-            record = control.set_stop(conn, stopped=False, user_id=user, actor=f"user:{user}",
-                                      reason=body.reason if body else "", now=clock.now())
-        runtime.signals.work.set()
-        runtime.signals.dispatch.set()
-        return {"stopped": False, "record_id": record}
-
-    @app.get("/v1/control")
-    def control_state(user: User) -> dict[str, Any]:
-        with read(engine) as conn:
-            state = control.stop_state(conn)
-        return {"stopped": state.blocks(user), "global_stop": state.everything}
-
-    @app.post("/v1/tasks", status_code=201)
-    def create_task(user: User, body: TaskIn) -> dict[str, Any]:
-        now = clock.now()
-        with write(engine) as conn:
-            session_id = sessions.create_session(conn, user_id=user, now=now)
-            task_id = control.create_task(conn, user_id=user, session_id=session_id, title=body.title, now=now)
-        return {"task_id": task_id, "session_id": session_id}
-
-    def _transition(user: str, task_id: str, kind: ControlKind, body: ControlIn | None) -> dict[str, Any]:
-        with write(engine) as conn:
-            state = control.set_task_state(conn, user_id=user, task_id=task_id, kind=kind, actor=f"user:{user}",
-                                           reason=body.reason if body else "", now=clock.now())
-        runtime.signals.work.set()
-        return {"task_id": task_id, "state": state.value}
-
-    @app.post("/v1/tasks/{task_id}/pause")
-    def pause(user: User, task_id: str, body: ControlIn | None = None) -> dict[str, Any]:
-        return _transition(user, task_id, ControlKind.PAUSE, body)
-
-    @app.post("/v1/tasks/{task_id}/resume")
-    def resume(user: User, task_id: str, body: ControlIn | None = None) -> dict[str, Any]:
-        return _transition(user, task_id, ControlKind.RESUME, body)
-
-    @app.post("/v1/tasks/{task_id}/close")
-    def close(user: User, task_id: str, body: ControlIn | None = None) -> dict[str, Any]:
-        return _transition(user, task_id, ControlKind.CLOSE, body)
-
-    @app.get("/v1/tasks/{task_id}")
-    def get_task(user: User, task_id: str) -> dict[str, Any]:
-        with read(engine) as conn:
-            row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user))).first()
-        if row is None:
-            raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
-        return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state}
-
-    @app.get("/v1/events/{event_id}")
-    def get_event(user: User, event_id: str) -> dict[str, Any]:
-        with read(engine) as conn:
-            row = conn.execute(select(events).where(and_(events.c.id == event_id, events.c.user_id == user))).first()
-        if row is None:
-            raise NotFound("unknown_event", f"no event {event_id} for this user", event_id=event_id)
-        return {"event_id": row.id, "source": row.source, "source_id": row.source_id, "session_id": row.session_id,
-                "status": row.status, "attempts": row.attempts, "run_id": row.run_id,
-                "received_at": row.received_at.isoformat()}
-
-    @app.get("/v1/messages")
-    def messages(user: User, limit: int = 100) -> dict[str, Any]:
-        with read(engine) as conn:
-            rows = conn.execute(select(outbox).where(outbox.c.user_id == user)
-                                .order_by(outbox.c.created_at.desc()).limit(min(limit, 1000))).all()
-        return {"messages": [{"id": r.id, "state": r.state, "created_at": r.created_at.isoformat(),
-                              "body": json.loads(r.body)} for r in rows]}
-
+    app.include_router(router)
     return app

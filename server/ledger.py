@@ -8,7 +8,7 @@ refusals, and messages to the user. Enough to answer "why did this effect happen
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -31,7 +31,7 @@ from server.tables import (
     verdicts,
 )
 
-__all__ = ["entries", "four_facts"]
+__all__ = ["describe", "entries", "four_facts"]
 
 _JSON = {"content", "payload", "reasons", "observed", "request", "proposal", "constraints", "completion", "body"}
 
@@ -110,3 +110,31 @@ def four_facts(conn: Connection, *, task_id: str) -> dict[str, str | None]:
         "goal_verified": verified.isoformat() if verified else None,
         "receipt_delivered": receipt.isoformat() if receipt else None,
     }
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """One line per entry, for people reading the ledger in a terminal."""
+    kind = entry["type"]
+    formats: dict[str, Callable[[dict[str, Any]], str]] = {
+        "task": lambda e: f"{e['id']} {e['title']!r}",
+        "task_version": lambda e: f"v{e['version']}: {e['goal']} (by {e['created_by']})",
+        "control": lambda e: f"{e['kind']} by {e['actor']} {e.get('reason', '')}".rstrip(),
+        "event": lambda e: f"{e['source']}:{e['source_id']} [{e['status']}] trust={e['trust']}",
+        "run": lambda e: f"{e['id']} token={e['fencing_token']} → {e['outcome']} ({e.get('reason', '')})",
+        "decision": lambda e: f"run {e['run_id']} step {e['step']}: {json.dumps(e['proposal'])[:100]}",
+        "action": lambda e: f"{e['id']} {e['tool']} sha256={e['content_hash'][:16]}… risk={e['risk']}"
+                            + (f" amount={e['amount_cents']} {e.get('currency', '')}" if "amount_cents" in e else ""),
+        "verdict": lambda e: f"{e['action_id']}: {e['verdict']} ({e['code']})"
+                             + (f" approver={e['approver']}" if "approver" in e else ""),
+        "approval": lambda e: f"{e['action_id']}: {e['decision']} by {e['approver']} for sha256="
+                              f"{e['content_hash'][:16]}… until {e['valid_until']}",
+        "attempt": lambda e: f"{e['id']} #{e['seq']} of {e['action_id']} persisted before sending",
+        "outcome": lambda e: f"{e['id']}: {e['outcome']} {e.get('status_code', '')} {e.get('detail', '')}",
+        "evidence": lambda e: f"{e['source']} → {e['verdict']}"
+                              + (f" for {e['action_id']}" if "action_id" in e else ""),
+        "refusal": lambda e: f"{e['tool']}: {e['code']}: {e['detail']}",
+        "message": lambda e: f"to user [{e['state']}]: {str(e['body'].get('text') or e['body'].get('kind'))[:100]}",
+        "dispatch_intent": lambda e: f"{e['id']} [{e['state']}]",
+    }
+    detail = formats.get(kind)
+    return f"{entry['at']}  {kind:<15} {detail(entry) if detail else ''}"

@@ -59,7 +59,8 @@ class Dispatcher:
         with write(self._engine) as conn:
             stop = control.stop_state(conn)
             due = conn.execute(
-                select(outbox).where(and_(outbox.c.state == OutboxState.PENDING.value,
+                select(outbox).where(and_(outbox.c.kind == OutboxKind.USER_MESSAGE.value,
+                                          outbox.c.state == OutboxState.PENDING.value,
                                           outbox.c.next_attempt_at <= now))
                 .order_by(outbox.c.created_at).limit(limit)
             ).all()

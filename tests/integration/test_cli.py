@@ -54,3 +54,12 @@ def test_a_typo_in_the_config_file_is_reported_with_the_field(tmp_path: Path) ->
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
     assert "schema is up to date" in run(tmp_path, "migrate").stdout
     assert (tmp_path / "wakeful.db").exists()
+
+
+def test_the_demo_runs_the_cancellation_end_to_end_with_a_dropped_response(tmp_path: Path) -> None:
+    out = run(tmp_path, "demo").stdout
+    for line in ("approval_required", "approved by user:owner", "persisted before sending",
+                 "unknown None ReadTimeout", "reconcile → accepted", "verify → accepted", "completion → accepted",
+                 "merchant's own records: 1 cancellation(s) of sub_1; renewal is now off"):
+        assert line in out, line
+    assert "receipt_delivered=None" not in out

@@ -12,6 +12,7 @@ from server import control, outbox
 from server.clock import FakeClock
 from server.db import write
 from server.outbox import Dispatcher
+from server.tables import OutboxKind
 from tests.support.records import messages
 
 
@@ -96,3 +97,12 @@ def test_without_a_notify_url_messages_go_to_the_local_feed(engine: Engine, cloc
     enqueue(engine, clock, owner)
     assert dispatcher(engine, clock, None).drain() == 1
     assert [m["state"] for m in messages(engine)] == ["sent"]
+
+
+def test_the_message_dispatcher_never_touches_an_action_dispatch_intent(engine: Engine, clock: FakeClock,
+                                                                        owner: str) -> None:
+    # Regression: the message dispatcher once "delivered" dispatch intents to the feed, so actions were never sent.
+    with write(engine) as conn:
+        outbox.enqueue(conn, user_id=owner, body={"action_id": "act_x"}, now=clock.now(), kind=OutboxKind.DISPATCH)
+    assert dispatcher(engine, clock, None).drain() == 0
+    assert [m["state"] for m in messages(engine)] == ["pending"]
