@@ -274,3 +274,29 @@ def demo(data_dir: DataDir = None) -> None:
     if count != 1:
         err.print(f"[red]wakeful demo: the merchant recorded {count} cancellations; exactly 1 was expected[/red]")
         raise typer.Exit(1)
+
+
+@app.command()
+def mcp(user: Annotated[str, typer.Option(help="The local user the tools act for.")] = "owner",
+        data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """The MCP server over stdio (for `claude mcp add wakeful -- wakeful mcp`). Logs go to stderr."""
+    import anyio
+    from mcp.server.stdio import stdio_server
+
+    from server.handlers import EchoHandler
+    from server.mcpserver import WakefulMCP
+    from server.runtime import Runtime
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    settings = _settings(data_dir, database_url)
+    runtime = Runtime(settings, handler=EchoHandler())
+    if runtime.prepare():
+        err.print("Created user 'owner'; `wakeful token` issues its API token.")
+    server = WakefulMCP(engine=runtime.engine, clock=runtime.clock, settings=settings, tools=runtime.tools,
+                        local_user=user).server
+
+    async def serve_stdio() -> None:
+        async with stdio_server() as (reader, writer):
+            await server.run(reader, writer, server.create_initialization_options())
+
+    anyio.run(serve_stdio)

@@ -3,6 +3,7 @@ exactly one function.
 
     POST /v1/hooks/{source}        a signed webhook delivery (no token: the signature authenticates it)
     POST /v1/noop                  does nothing: the baseline the benchmarks compare ingest against
+    /mcp                           the MCP server over streamable HTTP (bearer token)
     GET  /healthz
 """
 
@@ -17,9 +18,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from mcp.server.auth.settings import AuthSettings
+from pydantic import AnyHttpUrl
 
 from server.errors import BadRequest, NotFound, PayloadTooLarge, Unauthorized, WakefulError
 from server.inbox import Delivery
+from server.mcpserver import TokenVerifier, WakefulMCP
 from server.routes import router
 from server.runtime import Runtime
 from server.signatures import SignatureError, verify_signature
@@ -50,12 +54,19 @@ def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
 def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
     settings, clock = runtime.settings, runtime.clock
 
+    mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None)
+    base = f"http://{settings.host}:{settings.port}"
+    mcp_app = mcp.server.streamable_http_app(
+        streamable_http_path="/mcp", host=settings.host, token_verifier=TokenVerifier(runtime.engine),
+        auth=AuthSettings(issuer_url=AnyHttpUrl(base), resource_server_url=AnyHttpUrl(f"{base}/mcp")))
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if manage_runtime:
             runtime.start()
         try:
-            yield
+            async with mcp.server.session_manager.run():
+                yield
         finally:
             if manage_runtime:
                 await asyncio.to_thread(runtime.stop)
@@ -117,4 +128,5 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
                              "status": recorded.status.value})
 
     app.include_router(router)
+    app.mount("/", mcp_app)  # last: `/mcp`, streamable HTTP, bearer token required
     return app

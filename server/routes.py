@@ -27,6 +27,7 @@ from sqlalchemy import and_, select
 from server import approvals, control, ledger, sessions, users
 from server.acting import gather_facts, render_card
 from server.actions import load_action
+from server.connectors import Registry
 from server.db import read, write
 from server.errors import BadRequest, NotFound
 from server.runtime import Runtime
@@ -73,12 +74,12 @@ class ControlIn(BaseModel):
     reason: str = Field(default="", max_length=2000)
 
 
-def check_completion(rt: Runtime, completion: list[Completion]) -> list[dict[str, Any]]:
+def check_completion(registry: Registry, completion: list[Completion]) -> list[dict[str, Any]]:
     """Completion conditions must name declared tools: a write as the effect, a read to verify it."""
     for condition in completion:
-        if rt.registry.operation(condition.effect).effect != "write":
+        if registry.operation(condition.effect).effect != "write":
             raise BadRequest("invalid_completion", f"{condition.effect} is not a write tool")
-        if condition.verify is not None and rt.registry.operation(condition.verify.read).effect != "read":
+        if condition.verify is not None and registry.operation(condition.verify.read).effect != "read":
             raise BadRequest("invalid_completion", f"{condition.verify.read} is not a read tool")
     return [c.model_dump(by_alias=True, exclude_none=True) for c in completion]
 
@@ -110,7 +111,7 @@ def control_state(user: User, rt: Rt) -> dict[str, Any]:
 
 @router.post("/v1/tasks", status_code=201)
 def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
-    completion = check_completion(rt, body.completion)
+    completion = check_completion(rt.registry, body.completion)
     now = rt.clock.now()
     with write(rt.engine) as conn:
         session_id = sessions.create_session(conn, user_id=user, now=now)
@@ -122,7 +123,7 @@ def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
 
 @router.post("/v1/tasks/{task_id}/steer")
 def steer(user: User, rt: Rt, task_id: str, body: SteerIn) -> dict[str, Any]:
-    completion = check_completion(rt, body.completion)
+    completion = check_completion(rt.registry, body.completion)
     with write(rt.engine) as conn:
         version = control.steer(conn, user_id=user, task_id=task_id, goal=body.goal, constraints=body.constraints,
                                 completion=completion, actor=f"user:{user}", now=rt.clock.now())

@@ -81,19 +81,22 @@ class ServeProcess:
         with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
             self._proc = subprocess.Popen([str(WAKEFUL), "serve"], env=self._env, stdin=subprocess.DEVNULL,
                                           stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until(self._healthy, READY_TIMEOUT, f"wakeful serve (pid {self.pid}) to answer /healthz")
-        except AssertionError as exc:
-            self.kill()
-            raise AssertionError(f"{exc}; its log:\n{self.log()}") from None
+        # One client for all the polls: building one per poll (TLS context included) costs more than the poll.
+        with httpx.Client(timeout=1.0) as client:
+            try:
+                wait_until(lambda: self._healthy(client), READY_TIMEOUT,
+                           f"wakeful serve (pid {self.pid}) to answer /healthz")
+            except AssertionError as exc:
+                self.kill()
+                raise AssertionError(f"{exc}; its log:\n{self.log()}") from None
         return self
 
-    def _healthy(self) -> bool:
+    def _healthy(self, client: httpx.Client) -> bool:
         code = self._process.poll()
         if code is not None:
             raise ServerExited(code, self.log())
         try:
-            return httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200
+            return client.get(f"{self.url}/healthz").status_code == 200
         except httpx.HTTPError:
             return False
 
