@@ -53,9 +53,10 @@ def _clean_environ() -> dict[str, str]:
 
 class ServeProcess:
     def __init__(self, env: Mapping[str, str], *, log_path: Path, port: int | None = None) -> None:
+        self._fixed_port = port is not None
         self.port = port or free_port()
         self.log_path = log_path
-        self._env = {**_clean_environ(), **env, "WAKEFUL_HOST": "127.0.0.1", "WAKEFUL_PORT": str(self.port)}
+        self._env = {**_clean_environ(), **env, "WAKEFUL_HOST": "127.0.0.1"}
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -78,8 +79,20 @@ class ServeProcess:
 
     def start(self) -> ServeProcess:
         """Start the process and return once `GET /healthz` answers; raises ServerExited if it dies first."""
+        for attempt in range(3):
+            try:
+                return self._launch()
+            except ServerExited as died:
+                # Someone took the port between our probe and the server's bind: pick another, unless it was given.
+                if self._fixed_port or attempt == 2 or "address already in use" not in died.log[-2000:]:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _launch(self) -> ServeProcess:
+        env = {**self._env, "WAKEFUL_PORT": str(self.port)}
         with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
-            self._proc = subprocess.Popen([str(WAKEFUL), "serve"], env=self._env, stdin=subprocess.DEVNULL,
+            self._proc = subprocess.Popen([str(WAKEFUL), "serve"], env=env, stdin=subprocess.DEVNULL,
                                           stdout=log, stderr=subprocess.STDOUT)
         # One client for all the polls: building one per poll (TLS context included) costs more than the poll.
         with httpx.Client(timeout=1.0) as client:
