@@ -52,14 +52,17 @@ def serve(
     """Run HTTP, workers, scheduler, dispatcher and sweeper in one process (the embedded default)."""
     import uvicorn
 
-    from server.handlers import EchoHandler
     from server.http import create_app
-    from server.runtime import Runtime
+    from server.runtime import Runtime, load_registry, make_handler
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _settings(data_dir, database_url, host=host, port=port)
-    runtime = Runtime(settings, handler=EchoHandler())
+    try:
+        registry = load_registry(settings)
+    except WakefulError as exc:
+        _fail(exc)
+    runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry)
     try:
         token = runtime.prepare()
     except WakefulError as exc:

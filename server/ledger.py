@@ -29,9 +29,10 @@ from server.tables import (
     task_versions,
     tasks,
     verdicts,
+    waits,
 )
 
-__all__ = ["describe", "entries", "four_facts"]
+__all__ = ["describe", "entries", "four_facts", "task_status"]
 
 _JSON = {"content", "payload", "reasons", "observed", "request", "proposal", "constraints", "completion", "body"}
 
@@ -138,3 +139,26 @@ def describe(entry: dict[str, Any]) -> str:
     }
     detail = formats.get(kind)
     return f"{entry['at']}  {kind:<15} {detail(entry) if detail else ''}"
+
+
+def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, Any]:
+    """A task's state from its records: the four facts, pending waits, actions with verdicts and outcomes."""
+    row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
+    if row is None:
+        raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
+    pending = conn.execute(select(waits.c.id, waits.c.kind, waits.c.match_key, waits.c.deadline)
+                           .where(and_(waits.c.task_id == task_id, waits.c.state == "pending"))).all()
+    action_rows = []
+    for a in conn.execute(select(actions).where(actions.c.task_id == task_id).order_by(actions.c.created_at)):
+        verdict = conn.execute(select(verdicts.c.verdict, verdicts.c.code).where(verdicts.c.action_id == a.id)
+                               .order_by(verdicts.c.created_at.desc(), verdicts.c.id.desc()).limit(1)).first()
+        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.action_id == a.id)
+                               .order_by(attempts.c.seq.desc()).limit(1)).scalar()
+        action_rows.append({"action_id": a.id, "tool": a.tool, "version": a.task_version,
+                            "content_hash": a.content_hash, "verdict": verdict.verdict if verdict else None,
+                            "code": verdict.code if verdict else None, "outcome": outcome})
+    return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state,
+            "version": row.current_version, "facts": four_facts(conn, task_id=task_id),
+            "waits": [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key,
+                       "deadline": w.deadline.isoformat() if w.deadline else None} for w in pending],
+            "actions": action_rows}

@@ -34,7 +34,7 @@ from server.clock import Clock
 from server.connectors import Registry
 from server.db import read, write
 from server.errors import BadRequest, NotFound, WakefulError
-from server.routes import check_completion, status
+from server.routes import check_completion
 from server.settings import Settings
 from server.tables import actions, tasks, verdicts
 from server.tools import Binding, Completion, ToolLayer
@@ -213,7 +213,7 @@ class WakefulMCP:
 
     def _status(self, user: str, args: dict[str, Any]) -> dict[str, Any]:
         with read(self.engine) as conn:
-            return status(conn, user_id=user, task_id=str(args["task_id"]))
+            return ledger.task_status(conn, user_id=user, task_id=str(args["task_id"]))
 
     def _own_task(self, conn: Any, user: str, task_id: str) -> Any:
         row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user))).first()
@@ -277,7 +277,7 @@ class WakefulMCP:
             if parts == ["approvals"]:
                 return {"pending": pending_approvals(conn, user)}
             if len(parts) == 2 and parts[0] == "tasks":
-                return status(conn, user_id=user, task_id=parts[1])
+                return ledger.task_status(conn, user_id=user, task_id=parts[1])
             if len(parts) == 3 and parts[0] == "tasks" and parts[2] == "ledger":
                 return {"entries": ledger.entries(conn, task_id=parts[1], user_id=user)}
         raise NotFound("unknown_resource", f"no resource {uri}")

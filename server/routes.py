@@ -31,7 +31,7 @@ from server.connectors import Registry
 from server.db import read, write
 from server.errors import BadRequest, NotFound
 from server.runtime import Runtime
-from server.tables import ControlKind, actions, attempts, events, outbox, tasks, verdicts, waits
+from server.tables import ControlKind, events, outbox
 from server.tools import Completion
 
 __all__ = ["User", "current_user", "router"]
@@ -152,29 +152,7 @@ def task_control(user: User, rt: Rt, task_id: str, operation: str, body: Control
 @router.get("/v1/tasks/{task_id}")
 def task_status(user: User, rt: Rt, task_id: str) -> dict[str, Any]:
     with read(rt.engine) as conn:
-        return status(conn, user_id=user, task_id=task_id)
-
-
-def status(conn: Any, *, user_id: str, task_id: str) -> dict[str, Any]:
-    row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
-    if row is None:
-        raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
-    pending = conn.execute(select(waits.c.id, waits.c.kind, waits.c.match_key, waits.c.deadline)
-                           .where(and_(waits.c.task_id == task_id, waits.c.state == "pending"))).all()
-    action_rows = []
-    for a in conn.execute(select(actions).where(actions.c.task_id == task_id).order_by(actions.c.created_at)):
-        verdict = conn.execute(select(verdicts.c.verdict, verdicts.c.code).where(verdicts.c.action_id == a.id)
-                               .order_by(verdicts.c.created_at.desc(), verdicts.c.id.desc()).limit(1)).first()
-        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.action_id == a.id)
-                               .order_by(attempts.c.seq.desc()).limit(1)).scalar()
-        action_rows.append({"action_id": a.id, "tool": a.tool, "version": a.task_version,
-                            "content_hash": a.content_hash, "verdict": verdict.verdict if verdict else None,
-                            "code": verdict.code if verdict else None, "outcome": outcome})
-    return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state,
-            "version": row.current_version, "facts": ledger.four_facts(conn, task_id=task_id),
-            "waits": [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key,
-                       "deadline": w.deadline.isoformat() if w.deadline else None} for w in pending],
-            "actions": action_rows}
+        return ledger.task_status(conn, user_id=user, task_id=task_id)
 
 
 @router.get("/v1/tasks/{task_id}/ledger")

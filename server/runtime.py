@@ -20,6 +20,7 @@ from server.clock import Clock, SystemClock
 from server.connectors import Registry, load_connectors
 from server.db import make_engine, migrate, read, write
 from server.dispatch import ActionDispatcher
+from server.handlers import EchoHandler
 from server.inbox import GroupCommitter
 from server.outbox import Dispatcher
 from server.policy import load_policy
@@ -30,7 +31,7 @@ from server.tables import timers as timers_table
 from server.tools import ToolLayer
 from server.worker import RunHandler, Worker
 
-__all__ = ["Runtime", "Signals"]
+__all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,30 @@ class Signals:
         return (self.work, self.dispatch, self.timers)
 
 
+def load_registry(settings: Settings) -> Registry:
+    """The declared connectors (none when the policies folder has no `connectors/`)."""
+    directory = settings.policies / "connectors"
+    if not directory.is_dir():
+        return Registry(connectors={})
+    return load_connectors(directory, base_urls=settings.connector_urls)
+
+
+def make_handler(settings: Settings, registry: Registry) -> RunHandler:
+    """The model harness when a model is configured, else the echo handler (and a log line saying so)."""
+    if settings.anthropic_api_key is None:
+        log.warning("no model configured (WAKEFUL_ANTHROPIC_API_KEY): runs use the echo handler")
+        return EchoHandler()
+    from server.harness import Harness
+    from server.model_anthropic import AnthropicModel
+
+    model = AnthropicModel(api_key=settings.anthropic_api_key.get_secret_value(), model=settings.model)
+    return Harness(model, registry=registry, instructions=settings.instructions_file
+                   or settings.data_dir / "instructions.md", max_tokens_per_run=settings.run_max_tokens)
+
+
 class Runtime:
     def __init__(self, settings: Settings, *, handler: RunHandler, clock: Clock | None = None,
-                 engine: Engine | None = None) -> None:
+                 engine: Engine | None = None, registry: Registry | None = None) -> None:
         faults.configure(settings.crash_at)
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -56,9 +78,7 @@ class Runtime:
         self.signals = Signals()
         self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set)
         self.policy = load_policy(settings.policies / "policy.toml")
-        connectors_dir = settings.policies / "connectors"
-        self.registry = (load_connectors(connectors_dir, base_urls=settings.connector_urls)
-                         if connectors_dir.is_dir() else Registry(connectors={}))
+        self.registry = registry or load_registry(settings)
         self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy)
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools)

@@ -99,6 +99,14 @@ class Settings(BaseSettings):
     """Steps one run may take before it is ended and the user told."""
     run_max_seconds: float = 300.0
     """Wall-clock seconds one run may take."""
+    run_max_tokens: int = 200_000
+    """Model tokens (input + output) one run may use."""
+    anthropic_api_key: SecretStr | None = None
+    """Enables the Anthropic model for `wakeful serve`; without it runs use the echo handler. Never logged."""
+    model: str = "claude-sonnet-4-5"
+    """The Anthropic model to call."""
+    instructions_file: Path | None = None
+    """The user's standing instructions (the agent reads, never edits them); default `<data_dir>/instructions.md`."""
     daily_max_steps: int = 5000
     """Steps per user per UTC day across all runs."""
     event_max_attempts: int = 5

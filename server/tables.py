@@ -61,6 +61,7 @@ __all__ = [
     "objects",
     "outbox",
     "refusals",
+    "run_contexts",
     "runs",
     "session_keys",
     "sessions",
@@ -68,6 +69,7 @@ __all__ = [
     "tasks",
     "timers",
     "todos",
+    "tool_results",
     "usage_daily",
     "users",
     "verdicts",
@@ -538,8 +540,34 @@ refusals = Table(
     _now_col("created_at", nullable=False),
 )
 
+run_contexts = Table(
+    "run_contexts",
+    metadata,
+    Column("run_id", String(40), ForeignKey("runs.id"), primary_key=True),
+    Column("prefix_sha256", String(64), nullable=False),
+    Column("prefix", Text, nullable=False),  # the stable part: system prompt, instructions, tool definitions
+    Column("tail", Text, nullable=False),    # JSON: what this wake added (task state, events, time)
+    Column("model", String(100), nullable=False),
+    Column("harness_version", String(20), nullable=False),
+    _now_col("created_at", nullable=False),
+)
+
+tool_results = Table(
+    "tool_results",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("run_id", String(40), ForeignKey("runs.id"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("call_id", String(100), nullable=False),
+    Column("tool", String(130), nullable=False),
+    Column("args", Text, nullable=False),
+    Column("result", Text, nullable=False),  # JSON; errors as {"error": {"code", "message"}}
+    _now_col("created_at", nullable=False),
+    UniqueConstraint("run_id", "step", "call_id"),
+)
+
 APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
-               "approval_uses", "evidence", "refusals")
+               "approval_uses", "evidence", "refusals", "run_contexts", "tool_results")
 """History tables: the schema refuses UPDATE and DELETE on them."""
 
 

@@ -96,12 +96,16 @@ class RunContext:
             return self.prior[step]
         proposal = ask()
         decision_id = new_id("dec")
+        self.persist(lambda conn: conn.execute(decisions_table.insert().values(
+            id=decision_id, run_id=self.run_id, session_id=self.session_id, step=step,
+            proposal=json.dumps(proposal, sort_keys=True, default=str), created_at=self.now())))
+        return decision_id, proposal
+
+    def persist(self, write_rows: Callable[[Connection], Any]) -> None:
+        """Commit rows now, in a transaction that first checks this run still holds the session."""
         with write(self._worker.engine) as conn:
             sessions.fence(conn, session_id=self.session_id, token=self.token)
-            conn.execute(decisions_table.insert().values(
-                id=decision_id, run_id=self.run_id, session_id=self.session_id, step=step,
-                proposal=json.dumps(proposal, sort_keys=True, default=str), created_at=self.now()))
-        return decision_id, proposal
+            write_rows(conn)
 
     def call_tool(self, *, task_id: str, tool: str, args: dict[str, Any], decision_id: str | None = None) -> Any:
         """Run one tool through the tool layer and admission, under this run's fencing token."""
@@ -127,7 +131,8 @@ class RunContext:
     def silence(self, reason: str) -> None:
         """Nothing to send: an explicit, logged outcome with a one-line reason."""
         log.info("run %s: nothing to send: %s", self.run_id, reason)
-        self.ended_by = f"silence: {reason}"
+        if self.ended_by != "message":  # a run that sent a message ended in that message
+            self.ended_by = f"silence: {reason}"
 
     def wait_for(self, match_key: str, *, kind: str = "reply", deadline: datetime | None = None,
                  task_id: str | None = None) -> None:

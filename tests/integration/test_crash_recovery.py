@@ -317,10 +317,10 @@ class Outcome:
 
 
 def run_campaign(point: str, tmp_path: Path, sink: Sink) -> tuple[Campaign, Outcome]:
-    rng = random.Random(f"{SEED}:{point}")
-    campaign = Campaign(point, rng)
+    # Two streams, so the deliveries replay the same whatever the server's own dice did to the restarts.
+    campaign = Campaign(point, random.Random(f"{SEED}:{point}:deliveries"))
     records = Records(tmp_path)
-    supervisor = Supervisor(point, tmp_path, sink.url, rng)
+    supervisor = Supervisor(point, tmp_path, sink.url, random.Random(f"{SEED}:{point}:probabilities"))
     trials = counted = 0
     began = time.monotonic()
     try:

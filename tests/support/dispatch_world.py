@@ -187,7 +187,7 @@ class DispatchWorld:
         listed = self._tools.call(binding, "merchant__list_subscriptions", {})["objects"]
         with read(self.engine) as conn:
             refs = dict(conn.execute(select(objects.c.id, objects.c.ref).where(
-                objects.c.id.in_([o["id"] for o in listed]))).tuples().all())
+                objects.c.id.in_([o["id"] for o in listed]))).all())
         (object_id,) = [oid for oid, ref in refs.items() if ref == subscription]
         args: dict[str, Any] = {"subscription": object_id}
         if reason is not None:

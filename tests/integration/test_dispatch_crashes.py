@@ -1,0 +1,307 @@
+"""Unknown ≠ not happened, proven against a real `wakeful serve` killed in the middle of dispatching an action.
+
+Two crash points in `server/dispatch.py` (armed with `WAKEFUL_CRASH_AT=<point>:1`, the process calls `os._exit(77)`):
+
+    after_attempt_persisted   the attempt (request, idempotency key) is committed; the request never left
+    after_send                the merchant applied the cancellation and answered; the outcome is not recorded
+
+Each trial cancels a fresh subscription at the merchant simulator (in this process, on loopback): the test process
+creates the task and the `cancel_renewal` action through the real tool layer on the server's own SQLite file, the
+user approves it over the server's HTTP control API, the armed server dies at the point, and an unarmed server
+recovers. The pass bar, read from the merchant's own records and the server's database:
+
+    exactly one `cancel_renewal` effect for that subscription, and no more after further reconcile rounds;
+    the attempt that was open at the crash is recorded `unknown` (it is reconciled, never silently retried);
+    a later attempt exists only when reconciliation said "not found", and it reuses the same idempotency key.
+
+Replay with `WAKEFUL_FAULT_SEED=<seed>` (printed with each summary): it fixes which subscriptions are cancelled and
+the reason sent with them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import Engine
+from sqlalchemy.exc import IntegrityError
+
+from server import approvals, control
+from server.clock import FakeClock
+from server.db import write
+from server.faults import POINTS
+from server.tables import ControlKind
+from tests.support.acting import World, world
+from tests.support.dispatch_world import CANCEL_VERIFIED, DispatchWorld, Proposed, dispatch_world, holds_for
+from tests.support.polling import wait_until
+
+pytestmark = pytest.mark.faults
+
+SEED = int(os.environ.get("WAKEFUL_FAULT_SEED") or random.SystemRandom().randrange(1 << 32))
+
+TRIALS = {"after_attempt_persisted": 5, "after_send": 6}
+DEDUPE_OFF_TRIALS = 3
+RECONCILE_INTERVAL = 0.2
+RESEND_AFTER = timedelta(seconds=10)  # ActionDispatcher's default; `wakeful serve` does not make it configurable
+SETTLE_TIMEOUT = 40.0  # the kill-before-send path needs RESEND_AFTER from the first attempt, plus a restart
+RECEIPT_TIMEOUT = 15.0
+QUIET_ROUNDS = 6  # reconcile intervals watched after settling: nothing more may happen
+OPEN_DETAIL = "the dispatcher stopped after persisting the attempt"
+
+
+@dataclass
+class Trial:
+    point: str
+    proposed: Proposed
+    approve_reply_lost: bool
+    seconds_down_to_settled: float = 0.0  # from the death to settled (the restart included)
+    seconds_up_to_settled: float = 0.0  # from the unarmed server answering /healthz to settled
+    settled_by: str = ""
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    reconcile_misses: int = 0  # reconcile rounds that did not find the effect
+
+
+# -- one trial ----------------------------------------------------------------------------------------------------
+
+
+def crash_and_recover(w: DispatchWorld, point: str, subscription: str, rng: random.Random) -> Trial:
+    """The server is running armed at `point`. Approve a fresh cancellation, see the process die there, restart it
+    unarmed and wait until the action is settled; the server is left running unarmed."""
+    proposed = w.propose_cancel(subscription, reason=rng.choice([None, "keep this month"]),
+                                completion=CANCEL_VERIFIED)
+    reply = w.approve(proposed.action_id)
+    w.wait_crash(point)
+    died = time.monotonic()
+    trial = Trial(point, proposed, approve_reply_lost=reply is None)
+
+    # The moment of death, as the records show it.
+    (open_attempt,) = w.attempts(proposed.action_id)
+    assert open_attempt["outcome"] is None, f"the attempt open at the crash already has an outcome: {open_attempt}"
+    assert open_attempt["request"]["idempotency_key"] == proposed.idempotency_key
+    effects = w.merchant.effects_of("cancel_renewal", subscription)
+    if point == "after_attempt_persisted":
+        assert effects == [], f"the request left before the crash point that precedes the send: {effects}"
+    else:
+        assert [e["idempotency_key"] for e in effects] == [proposed.idempotency_key], (
+            f"after_send: the merchant should hold exactly the one effect the dead process caused: {effects}")
+
+    server = w.start()
+    up = time.monotonic()
+    trial.settled_by = wait_until(
+        lambda: w.settled(proposed.action_id), SETTLE_TIMEOUT,
+        f"{proposed.action_id} ({point}, {subscription}) to be settled after the restart; log:\n{server.log()}")
+    now = time.monotonic()
+    trial.seconds_down_to_settled, trial.seconds_up_to_settled = now - died, now - up
+    trial.attempts = w.attempts(proposed.action_id)
+    trial.reconcile_misses = sum(e["verdict"] != "accepted" for e in w.evidence(proposed.action_id, "reconcile"))
+    return trial
+
+
+def assert_exactly_one_effect(w: DispatchWorld, trial: Trial, *, resend_expected: bool) -> None:
+    p = trial.proposed
+    first, *later = trial.attempts
+    # The attempt open at the crash: unknown, never silently retried or assumed failed.
+    assert first["outcome"] == "unknown" and first["detail"].startswith(OPEN_DETAIL), first
+    assert first["status_code"] is None and first["outcome_at"] is not None
+    if resend_expected:
+        # Reconciliation said "not found", RESEND_AFTER passed: the same request, with the same key, went once more.
+        (resend,) = later
+        assert resend["seq"] == 2 and resend["outcome"] == "accepted" and resend["status_code"] == 200, resend
+        assert resend["request"] == first["request"], "the resend must be the same request"
+        assert resend["request"]["headers"]["Idempotency-Key"] == p.idempotency_key
+        assert resend["created_at"] - first["created_at"] >= RESEND_AFTER, (first["created_at"],
+                                                                            resend["created_at"])
+        assert trial.reconcile_misses >= 1, "a resend without reconciliation having looked first"
+    else:
+        assert later == [], f"resent although the effect had happened: {later}"
+        assert trial.settled_by == "reconcile" and trial.reconcile_misses == 0, (trial.settled_by,
+                                                                                  trial.reconcile_misses)
+    effects = w.merchant.effects_of("cancel_renewal", p.subscription)
+    assert [e["idempotency_key"] for e in effects] == [p.idempotency_key], (
+        f"{p.subscription}: {len(effects)} cancel_renewal effects, exactly one was expected: {effects}")
+    assert w.merchant.subscription(p.subscription)["renewal"] == "off"
+    wait = w.reconcile_wait(p.action_id)
+    assert wait is not None and wait["state"] == "satisfied", wait
+    intents = w.dispatch_intents(p.action_id)
+    assert [i["state"] for i in intents] == ["sent"] * (1 + resend_expected), intents
+
+
+def assert_nothing_more_happens(w: DispatchWorld, trial: Trial, total_effects: int) -> None:
+    """Further reconcile rounds: no new attempt, no pending intent, no new effect anywhere at the merchant."""
+    action_id = trial.proposed.action_id
+    seen = len(trial.attempts)
+
+    def violation() -> object:
+        attempts = w.attempts(action_id)
+        if len(attempts) != seen:
+            return f"a new attempt: {attempts[seen:]}"
+        pending = [i["id"] for i in w.dispatch_intents(action_id) if i["state"] == "pending"]
+        if pending:
+            return f"a pending dispatch intent: {pending}"
+        effects = w.merchant.effects_of("cancel_renewal")
+        return f"a new merchant effect: {effects[total_effects:]}" if len(effects) != total_effects else None
+
+    holds_for(violation, QUIET_ROUNDS * RECONCILE_INTERVAL, f"{action_id} to stay settled")
+
+
+def assert_user_told_the_truth(w: DispatchWorld, trial: Trial) -> None:
+    """Verified by a fresh read, the task gets its receipt; no "cannot confirm" message is ever sent."""
+    p = trial.proposed
+
+    def receipt() -> dict[str, Any] | None:
+        return next((m for m in w.messages(p.session_id) if m.get("kind") == "receipt"), None)
+
+    message = wait_until(receipt, RECEIPT_TIMEOUT, f"the receipt for {p.task_id}")
+    assert [proof["action_id"] for proof in message["proof"]] == [p.action_id], message
+    kinds = [m.get("kind") for m in w.messages(p.session_id)]
+    assert "outcome_unknown" not in kinds and "action_voided" not in kinds, kinds
+
+
+# -- a campaign per crash point -----------------------------------------------------------------------------------
+
+
+def recovery_path(entries: list[dict[str, Any]], action_id: str) -> str:
+    """The action's dispatch history from `wakeful ledger export`, repeated steps folded: `a → b ×n → c`."""
+    steps: list[str] = []
+    for e in entries:
+        if e.get("action_id") != action_id and not str(e.get("id", "")).startswith(f"dsp_{action_id}"):
+            continue
+        step = {"attempt": lambda e: f"attempt#{e['seq']}",
+                "outcome": lambda e: f"outcome {e['outcome']}",
+                "evidence": lambda e: f"{e['source']} {e['verdict']}",
+                "dispatch_intent": lambda e: f"intent {e['id'].removeprefix('dsp_' + action_id) or '(approval)'}",
+                }.get(e["type"], lambda e: "")(e)
+        if step:
+            steps.append(step)
+    folded: list[tuple[str, int]] = []
+    for step in steps:
+        if folded and folded[-1][0] == step:
+            folded[-1] = (step, folded[-1][1] + 1)
+        else:
+            folded.append((step, 1))
+    return " → ".join(s if n == 1 else f"{s} ×{n}" for s, n in folded)
+
+
+def run_campaign(point: str, w: DispatchWorld, trials: int, rng: random.Random,
+                 check: Any) -> list[Trial]:
+    free = sorted(f"sub_{i}" for i in range(trials))
+    rng.shuffle(free)
+    done: list[Trial] = []
+    w.start(crash_at=f"{point}:1")
+    for _ in range(trials):
+        trial = crash_and_recover(w, point, free.pop(), rng)
+        check(trial)
+        assert_nothing_more_happens(w, trial, total_effects=len(done) + 1)
+        assert_user_told_the_truth(w, trial)
+        done.append(trial)
+        log = w.stop()
+        assert "Traceback" not in log, f"the recovering server logged a traceback:\n{log}"
+        if len(done) < trials:
+            w.start(crash_at=f"{point}:1")
+    # Everything, once more: one effect per trial, each under its action's key.
+    effects = w.merchant.effects_of("cancel_renewal")
+    assert sorted(e["idempotency_key"] for e in effects) == sorted(t.proposed.idempotency_key for t in done)
+    return done
+
+
+def summarise(label: str, w: DispatchWorld, trials: list[Trial]) -> None:
+    entries = w.ledger_export()
+    for t in trials:  # the ledger the operator sees agrees with the tables
+        kinds = [e["type"] for e in entries if e.get("action_id") == t.proposed.action_id]
+        assert kinds.count("attempt") == len(t.attempts), kinds
+    down = [t.seconds_down_to_settled for t in trials]
+    up = [t.seconds_up_to_settled for t in trials]
+    print(f"\n[dispatch-faults] {label}: {len(trials)} trials, {len(trials)} crashes, {w.starts} server starts, "
+          f"time to settle after the death {min(down):.1f}/{statistics.median(down):.1f}/{max(down):.1f} s "
+          f"(min/median/max; after the restart answered: median {statistics.median(up):.1f} s), "
+          f"resends {sum(len(t.attempts) - 1 for t in trials)}, reconcile misses before settling "
+          f"{[t.reconcile_misses for t in trials]}, settled by {sorted({t.settled_by for t in trials})}, "
+          f"approve replies lost to the crash {sum(t.approve_reply_lost for t in trials)}, "
+          f"merchant effects {len(w.merchant.effects_of('cancel_renewal'))}, seed {SEED}")
+    print(f"[dispatch-faults] {label}: recovery path of {trials[-1].proposed.action_id} from `wakeful ledger "
+          f"export`: {recovery_path(entries, trials[-1].proposed.action_id)}")
+
+
+@pytest.fixture
+def dw(tmp_path: Path) -> Iterator[DispatchWorld]:
+    with dispatch_world(tmp_path, subscriptions=max(TRIALS.values()) + DEDUPE_OFF_TRIALS,
+                        reconcile_interval=RECONCILE_INTERVAL) as w:
+        yield w
+
+
+def test_a_crash_before_the_send_is_reconciled_then_resent_once_with_the_same_key(dw: DispatchWorld) -> None:
+    point = "after_attempt_persisted"
+    assert point in POINTS
+    rng = random.Random(f"{SEED}:{point}")
+    trials = run_campaign(point, dw, TRIALS[point], rng,
+                          lambda t: assert_exactly_one_effect(dw, t, resend_expected=True))
+    summarise(point, dw, trials)
+
+
+def test_a_crash_after_the_send_is_reconciled_and_never_resent(dw: DispatchWorld) -> None:
+    point = "after_send"
+    assert point in POINTS
+    rng = random.Random(f"{SEED}:{point}")
+    trials = run_campaign(point, dw, TRIALS[point], rng,
+                          lambda t: assert_exactly_one_effect(dw, t, resend_expected=False))
+    summarise(point, dw, trials)
+
+
+def test_a_crash_after_the_send_is_one_effect_even_when_the_merchant_does_not_deduplicate(
+        dw: DispatchWorld) -> None:
+    """Without the merchant's idempotency store a resend would be a second cancellation: only reconciliation,
+    finding the first one by its key, keeps it at one."""
+    point = "after_send"
+    rng = random.Random(f"{SEED}:{point}:dedupe-off")
+    reply = httpx.post(f"{dw.merchant_url}/_sim/faults", json={"dedupe": False}, timeout=10.0)
+    assert reply.status_code == 200 and reply.json()["dedupe"] is False, reply.text
+    trials = run_campaign(point, dw, DEDUPE_OFF_TRIALS, rng,
+                          lambda t: assert_exactly_one_effect(dw, t, resend_expected=False))
+    summarise(f"{point}, merchant dedupe off", dw, trials)
+
+
+# -- the resend path when the resend cannot go at once ------------------------------------------------------------
+
+
+@pytest.fixture
+def world_in_process(engine: Engine, clock: FakeClock, owner: str) -> Iterator[World]:
+    with world(engine, clock, owner) as w:
+        yield w
+
+
+@pytest.mark.xfail(strict=True, raises=IntegrityError, reason=(
+    "server/dispatch.py ActionDispatcher.reconcile enqueues the resend intent `dsp_<action>_<seq+1>` with a plain "
+    "INSERT every round while the remote says 'not found', without looking for the one it enqueued already: when "
+    "that intent is held (task paused, STOP) the next round raises IntegrityError, and reconcile_due aborts for "
+    "every other action and never tells the user about timed-out unknowns"))
+def test_a_held_resend_does_not_break_the_reconciler(world_in_process: World) -> None:
+    w = world_in_process
+    task = w.task()
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    with write(w.engine) as conn:
+        approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
+                         policy=w.policy, now=w.clock.now())
+    # The state a crash at after_attempt_persisted leaves behind: an attempt that never left, its outcome unknown.
+    # (In-process, a 503 that applied nothing gives the same records without killing the test process.)
+    w.merchant.faults.update({"fail_before_commit": 1})
+    assert w.dispatcher.drain() == 1
+    assert w.merchant.effects == []
+    with write(w.engine) as conn:
+        control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.PAUSE,
+                               actor="user:test", reason="hold everything", now=w.clock.now())
+    w.clock.advance(RESEND_AFTER + timedelta(seconds=1))
+    assert w.dispatcher.reconcile_due() == 1  # not found: the resend is enqueued …
+    assert w.dispatcher.drain() == 0  # … and held, because the task is paused
+    w.clock.advance(timedelta(seconds=1))
+    assert w.dispatcher.reconcile_due() == 1  # the next round must not fail
+    assert w.merchant.effects == []
