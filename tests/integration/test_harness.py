@@ -170,8 +170,8 @@ def test_tool_results_are_recorded_with_their_calls(w: World, settings: Settings
 
 
 def test_the_anthropic_request_caches_the_stable_prefix() -> None:
-    request = ModelRequest(prefix="SYSTEM", tools=({"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}}),
-                           messages=({"role": "user", "content": "tail"},))
+    tools = ({"name": "a", "input_schema": {}}, {"name": "b", "input_schema": {}})
+    request = ModelRequest(prefix="SYSTEM", tools=tools, messages=({"role": "user", "content": "tail"},))
     payload = request_payload(request, model="m", max_tokens=10)
     assert payload["system"] == [{"type": "text", "text": "SYSTEM", "cache_control": {"type": "ephemeral"}}]
     assert "cache_control" not in payload["tools"][0] and payload["tools"][1]["cache_control"]["type"] == "ephemeral"
