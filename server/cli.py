@@ -303,3 +303,24 @@ def mcp(user: Annotated[str, typer.Option(help="The local user the tools act for
             await server.run(reader, writer, server.create_initialization_options())
 
     anyio.run(serve_stdio)
+
+
+@app.command()
+def replay(run_id: Annotated[str, typer.Argument(help="The run to re-run from its records.")],
+           data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """Re-run a recorded model run with its recorded decisions and tool results; show where the outcome differs."""
+    from server.replay import replay as replay_run
+    from server.runtime import load_registry
+
+    settings = _settings(data_dir, database_url)
+    try:
+        registry = load_registry(settings)
+        with read(_engine(settings)) as conn:
+            report = replay_run(conn, run_id, registry=registry,
+                                instructions=settings.instructions_file or settings.data_dir / "instructions.md")
+    except WakefulError as exc:
+        _fail(exc)
+    for line in report.lines():
+        typer.echo(line)
+    if report.differences:
+        raise typer.Exit(1)

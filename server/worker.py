@@ -83,6 +83,7 @@ class RunContext:
     prior: dict[int, tuple[str, Any]] = field(default_factory=dict)
     """Decisions of the run this one resumes (it died mid-way), by step: replayed, never asked again."""
     decisions: int = 0
+    followups: int = 0
 
     def now(self) -> datetime:
         return self._worker.clock.now()
@@ -145,8 +146,10 @@ class RunContext:
 
     def follow_up(self, *, task_id: str, at: datetime, note: str) -> None:
         settings = self._worker.settings
-        with read(self._worker.engine) as conn:  # check the cap now, so the handler hears a refusal at once
-            timers.check_followup(conn, user_id=self.user_id, task_id=task_id, cap=settings.followup_cap)
+        with read(self._worker.engine) as conn:  # check the cap now, counting this run's own, so it is heard at once
+            timers.check_followup(conn, user_id=self.user_id, task_id=task_id,
+                                  cap=settings.followup_cap - self.followups)
+        self.followups += 1
 
         def effect(conn: Connection, now: datetime) -> None:
             timers.create_followup(conn, user_id=self.user_id, task_id=task_id, due_at=at, note=note, now=now,

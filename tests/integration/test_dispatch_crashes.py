@@ -32,14 +32,14 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 from sqlalchemy.exc import IntegrityError
 
 from server import approvals, control
 from server.clock import FakeClock
-from server.db import write
+from server.db import read, write
 from server.faults import POINTS
-from server.tables import ControlKind
+from server.tables import ControlKind, attempts
 from tests.support.acting import World, world
 from tests.support.dispatch_world import CANCEL_VERIFIED, DispatchWorld, Proposed, dispatch_world, holds_for
 from tests.support.polling import wait_until
@@ -305,3 +305,62 @@ def test_a_held_resend_does_not_break_the_reconciler(world_in_process: World) ->
     w.clock.advance(timedelta(seconds=1))
     assert w.dispatcher.reconcile_due() == 1  # the next round must not fail
     assert w.merchant.effects == []
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "server/dispatch.py ActionDispatcher.reconcile keeps resending while the reconcile wait is pending and the "
+    "remote's lookup says 'not found', even after a resend was answered with a definitive refusal (4xx, recorded "
+    "`blocked`): the same request goes again every resend_after until the reconcile window ends, and the final "
+    "message then says 'I have not sent it again'"))
+def test_a_refused_resend_is_not_sent_again_and_again(world_in_process: World) -> None:
+    w = world_in_process
+    task = w.task()
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    with write(w.engine) as conn:
+        approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
+                         policy=w.policy, now=w.clock.now())
+    # The outcome is unknown (as after a crash after the send), and nothing of ours was applied …
+    w.merchant.faults.update({"fail_before_commit": 1})
+    assert w.dispatcher.drain() == 1
+    # … while the user stopped the renewal themselves on the merchant's site: our request can only be refused now.
+    assert w.merchant.cancel_renewal("sub_1", "the-users-own-click", None).status == 200
+    for _ in range(3):
+        w.clock.advance(RESEND_AFTER + timedelta(seconds=1))
+        w.dispatcher.reconcile_due()
+        w.dispatcher.drain()
+    with read(w.engine) as conn:
+        outcomes = [r.outcome for r in conn.execute(select(attempts).where(attempts.c.action_id == action_id)
+                                                   .order_by(attempts.c.seq))]
+    assert outcomes[:2] == ["unknown", "blocked"], outcomes  # the one resend reconciliation allowed, refused: 409
+    assert len(outcomes) == 2, f"the refused request was sent again: {outcomes}"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "server/dispatch.py ActionDispatcher._prepare checks hold/void conditions (revoked, closed, task version "
+    "changed, paused, STOP) before it looks for an attempt left open by a crash: a task revoked or steered while "
+    "the server was down after the send is voided with 'Nothing was sent for it' although the request was sent "
+    "(and applied), and the open attempt is never settled nor reconciled"))
+@pytest.mark.parametrize("change", ["revoke", "steer"])
+def test_a_task_changed_while_the_server_was_down_after_the_send_is_still_reconciled(dw: DispatchWorld,
+                                                                                     change: str) -> None:
+    dw.start(crash_at="after_send:1")
+    p = dw.propose_cancel("sub_0")
+    dw.approve(p.action_id)
+    dw.wait_crash("after_send")
+    assert len(dw.merchant.effects_of("cancel_renewal", "sub_0")) == 1
+    with write(dw.engine) as conn:  # the user, through the CLI, while the server is down
+        if change == "revoke":
+            control.set_task_state(conn, user_id=dw.owner, task_id=p.task_id, kind=ControlKind.REVOKE,
+                                   actor="cli:owner", reason="never mind", now=dw.clock.now())
+        else:
+            control.steer(conn, user_id=dw.owner, task_id=p.task_id, goal="keep it after all", actor="cli:owner",
+                          now=dw.clock.now())
+    server = dw.start()
+    wait_until(lambda: all(i["state"] != "pending" for i in dw.dispatch_intents(p.action_id)), 15.0,
+               f"the restarted server to take up the dispatch intent of {p.action_id}; log:\n{server.log()}")
+    (attempt,) = dw.attempts(p.action_id)
+    told = [m["text"] for m in dw.messages(p.session_id) if m.get("kind") == "action_voided"]
+    assert attempt["outcome"] is not None and not told, (
+        f"the request was sent and applied, yet the attempt is {attempt['outcome']!r} and the user was told {told}")
+    wait_until(lambda: dw.accepted(p.action_id) == "reconcile", SETTLE_TIMEOUT, "reconciliation to find the effect")

@@ -6,6 +6,7 @@ import json
 import os
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, select
@@ -17,6 +18,7 @@ from server.harness import Harness
 from server.model import ModelReply, ModelRequest, ScriptedModel, calls, quiet
 from server.model_anthropic import request_payload
 from server.policy import Policy
+from server.replay import replay
 from server.settings import Settings
 from server.tables import RunOutcome, actions, decisions, run_contexts, runs, tool_results
 from server.worker import Worker
@@ -191,3 +193,23 @@ def test_the_real_anthropic_model_answers_with_tool_calls_only() -> None:
             "type": "object", "properties": {"reason": {"type": "string"}}, "required": ["reason"]}},),
         messages=({"role": "user", "content": "Go."},)))
     assert [c.name for c in reply.tool_calls] == ["stay_quiet"] and reply.input_tokens > 0
+
+
+def test_replay_re_runs_a_run_from_its_records_and_shows_where_it_differs(w: World, settings: Settings,
+                                                                          tmp_path: Path) -> None:
+    w.task()
+    instructions = tmp_path / "instructions.md"
+    instructions.write_text("Be brief.")
+    harness = Harness(ScriptedModel([calls(("merchant__list_subscriptions", {})),
+                                     calls(("send_to_user", {"text": "You have one subscription."}))]),
+                      registry=w.tools.registry, instructions=instructions, max_tokens_per_run=100_000)
+    Worker(w.engine, settings, w.clock, harness, tools=w.tools).run_once()
+    with read(w.engine) as conn:
+        run_id = conn.execute(select(runs.c.id)).scalar_one()
+        same = replay(conn, run_id, registry=w.tools.registry, instructions=instructions)
+    assert same.differences == [] and same.replayed_ending == same.recorded_ending == "message"
+    assert [s["calls"][0]["tool"] for s in same.steps[:2]] == ["merchant__list_subscriptions", "send_to_user"]
+    instructions.write_text("Be verbose.")  # the user edited their instructions since
+    with read(w.engine) as conn:
+        changed = replay(conn, run_id, registry=w.tools.registry, instructions=instructions)
+    assert not changed.prefix_same and changed.differences
