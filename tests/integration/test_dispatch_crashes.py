@@ -32,14 +32,14 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, and_, select
 from sqlalchemy.exc import IntegrityError
 
 from server import approvals, control
 from server.clock import FakeClock
 from server.db import read, write
 from server.faults import POINTS
-from server.tables import ControlKind, attempts
+from server.tables import ControlKind, attempts, evidence
 from tests.support.acting import World, world
 from tests.support.dispatch_world import CANCEL_VERIFIED, DispatchWorld, Proposed, dispatch_world, holds_for
 from tests.support.polling import wait_until
@@ -364,3 +364,30 @@ def test_a_task_changed_while_the_server_was_down_after_the_send_is_still_reconc
     assert attempt["outcome"] is not None and not told, (
         f"the request was sent and applied, yet the attempt is {attempt['outcome']!r} and the user was told {told}")
     wait_until(lambda: dw.accepted(p.action_id) == "reconcile", SETTLE_TIMEOUT, "reconciliation to find the effect")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "server/control.py set_task_state cancels every pending wait of a revoked or closed task, the reconcile wait of "
+    "an already-sent action among them: reconciliation of that unknown outcome stops for good, the action stays "
+    "`unknown` and the user is never told whether the effect happened (nor that it cannot be confirmed)"))
+def test_revoking_a_task_does_not_abandon_the_reconciliation_of_a_sent_request(engine: Engine, clock: FakeClock,
+                                                                               owner: str) -> None:
+    with world(engine, clock, owner, client_timeout=0.3) as w:
+        # The merchant applies the cancellation and the reply is lost: the same records as a crash after the send.
+        w.merchant.faults.update({"commit_then_timeout": 1, "stall_seconds": 2.0})
+        task = w.task()
+        (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+        action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+        with write(w.engine) as conn:
+            approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
+                             policy=w.policy, now=w.clock.now())
+        assert w.dispatcher.drain() == 1
+        assert len(w.merchant.effects) == 1
+        with write(w.engine) as conn:  # revoked before the first reconcile round: "effects already sent stand"
+            control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.REVOKE,
+                                   actor="user:test", reason="never mind", now=w.clock.now())
+        assert w.dispatcher.reconcile_due() == 1, "the sent request's unknown outcome is no longer reconciled"
+        with read(w.engine) as conn:
+            found = conn.execute(select(evidence.c.verdict).where(and_(
+                evidence.c.action_id == action_id, evidence.c.source == "reconcile"))).scalars().all()
+        assert found == ["accepted"]
