@@ -100,7 +100,11 @@ def test_dont_book_yet_racing_an_approval_over_a_thousand_random_interleavings(w
     def check(ok: bool, trial: int, what: str) -> None:
         assert ok, f"seed={seed} trial={trial}: {what}\n" + "\n".join(sequence[-12:])
 
+    import time as _t
+    _t0 = _t.perf_counter()
     for trial in range(TRIALS):
+        if trial % 100 == 0:
+            print("T", trial, round(_t.perf_counter() - _t0, 2))
         task = w.task(title=f"book the hotel, trial {trial}")
         act, quote = propose_booking(w, task)
         ops = ["approve", "pause", "drain"]
