@@ -30,6 +30,7 @@ __all__ = [
     "PYTHON",
     "RESULTS_DIR",
     "SECRET",
+    "WAKEFUL",
     "Row",
     "Serve",
     "Table",
@@ -44,7 +45,9 @@ __all__ = [
     "reproduce",
     "serve",
     "signed_headers",
+    "serving",
     "start_serve",
+    "start_servers",
     "verdict",
 ]
 
@@ -120,8 +123,9 @@ class Serve:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _serve_env(data_dir: Path, port: int) -> dict[str, str]:
+def _serve_env(data_dir: Path, port: int, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}  # the caller's config must not leak
+    env.update(extra)
     env.update({
         "WAKEFUL_DATA_DIR": str(data_dir),
         "WAKEFUL_PORT": str(port),
@@ -146,34 +150,76 @@ def _wait_healthy(server: Serve, timeout: float) -> None:
     raise RuntimeError(f"wakeful serve did not answer /healthz within {timeout} s:\n{server.log_tail()}")
 
 
-def start_serve(data_dir: Path, *, timeout: float = 60.0) -> Serve:
-    """Start `wakeful serve` on a free loopback port and wait for `/healthz`; one retry if the port was taken."""
-    for attempt in range(2):
-        port = free_port()
-        log_path = data_dir / f"serve-{port}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen([str(WAKEFUL), "serve"], env=_serve_env(data_dir, port), cwd=data_dir,
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        server = Serve(proc=proc, port=port, data_dir=data_dir, log_path=log_path)
-        try:
-            _wait_healthy(server, timeout)
-            return server
-        except RuntimeError:
+def _launch(data_dir: Path, env: dict[str, str]) -> Serve:
+    port = free_port()
+    log_path = data_dir / f"serve-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([str(WAKEFUL), "serve"], env=_serve_env(data_dir, port, env), cwd=data_dir,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    return Serve(proc=proc, port=port, data_dir=data_dir, log_path=log_path)
+
+
+def _ready(server: Serve, data_dir: Path, env: dict[str, str], timeout: float) -> Serve:
+    """Wait for `/healthz`; relaunch once on another port if the free port was taken meanwhile."""
+    try:
+        _wait_healthy(server, timeout)
+        return server
+    except RuntimeError:
+        server.stop()
+        if "address already in use" not in server.log_tail().lower():
+            raise
+    retry = _launch(data_dir, env)
+    try:
+        _wait_healthy(retry, timeout)
+    except RuntimeError:
+        retry.stop()
+        raise
+    return retry
+
+
+def start_servers(data_dirs: Sequence[Path], *, env: dict[str, str] | None = None,
+                  timeout: float = 60.0) -> list[Serve]:
+    """Start one `wakeful serve` per data dir, all at once (start-up is seconds of imports on a busy machine).
+
+    Each gets a free loopback port; `env` adds settings (`WAKEFUL_*`), while data dir, port and the `hook`
+    source are always the benchmark's. If any fails to come up, all are stopped."""
+    extra = env or {}
+    launched = [_launch(d, extra) for d in data_dirs]
+    ready: list[Serve] = []
+    try:
+        for server, data_dir in zip(launched, data_dirs, strict=True):
+            ready.append(_ready(server, data_dir, extra, timeout))
+    except BaseException:
+        for server in launched + ready:
             server.stop()
-            if attempt == 1 or "address already in use" not in server.log_tail().lower():
-                raise
-    raise AssertionError("unreachable")
+        raise
+    return ready
+
+
+def start_serve(data_dir: Path, *, env: dict[str, str] | None = None) -> Serve:
+    return start_servers([data_dir], env=env)[0]
 
 
 @contextmanager
-def serve(data_dir: Path | None = None) -> Iterator[Serve]:
-    """A server for the duration of the block; a temp data dir (removed afterwards) unless one is given."""
+def serving(count: int, *, env: dict[str, str] | None = None) -> Iterator[list[Serve]]:
+    """`count` servers, each with its own temp data dir (removed afterwards), stopped at the end of the block."""
     with tempfile.TemporaryDirectory(prefix="wakeful-bench-") as tmp:
-        server = start_serve(data_dir or Path(tmp))
+        dirs = [Path(tmp) / f"server-{i}" for i in range(count)]
+        for d in dirs:
+            d.mkdir()
+        servers = start_servers(dirs, env=env)
         try:
-            yield server
+            yield servers
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
+
+
+@contextmanager
+def serve(*, env: dict[str, str] | None = None) -> Iterator[Serve]:
+    """One server with a temp data dir for the duration of the block."""
+    with serving(1, env=env) as (server,):
+        yield server
 
 
 def signed_headers(body: bytes) -> dict[str, str]:

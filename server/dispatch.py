@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import Connection, Engine, and_, select, update
+from sqlalchemy import Connection, Engine, and_, func, select, update
 
 from server import control, faults, inbox, outbox, waits
 from server.acting import lock_task
@@ -51,6 +51,8 @@ from server.tables import tasks as tasks_table
 from server.tables import waits as waits_table
 
 __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
+
+HELD, SETTLED = "held", "settled"
 
 log = logging.getLogger(__name__)
 
@@ -131,47 +133,45 @@ class ActionDispatcher:
         with write(self._engine) as conn:
             action = load_action(conn, action_id)
             prepared = self._prepare(conn, intent_id, action, now)
-            if prepared is None:
-                return 0 if self._held(conn, action) else 1
+        if prepared in (HELD, SETTLED):
+            return 0 if prepared == HELD else 1
         faults.crash_point("after_attempt_persisted")
         response, error = self._send(action.content["request"])
         faults.crash_point("after_send")
         self._record(prepared, action, classify(response, error), intent_id=intent_id)
         return 1
 
-    def _held(self, conn: Connection, action: Action) -> bool:
-        task = lock_task(conn, action.task_id)
-        return control.stop_state(conn).blocks(action.user_id) or task.state == TaskState.PAUSED.value
-
-    def _prepare(self, conn: Connection, intent_id: str, action: Action, now: datetime) -> str | None:
-        """Re-check everything and persist the attempt; None when nothing may be sent now."""
+    def _prepare(self, conn: Connection, intent_id: str, action: Action, now: datetime) -> str:
+        """Re-check everything and persist the attempt. Returns the attempt's ID, or HELD (nothing may be sent
+        now; it will be once the hold lifts) or SETTLED (the intent needs no send: voided, recovered or done)."""
         task = lock_task(conn, action.task_id)
         if content_hash(action.content) != action.content_hash:
             self._void(conn, intent_id, action, "content_tampered", "the stored content no longer matches its hash",
                        now)
-            return None
-        if control.stop_state(conn).blocks(action.user_id) or task.state == TaskState.PAUSED.value:
-            return None  # held: released again by START / resume, never sent while held
-        if task.state in (TaskState.REVOKED.value, TaskState.CLOSED.value):
-            self._void(conn, intent_id, action, task.state, f"the task was {task.state} before this was sent", now)
-            return None
-        if task.current_version != action.task_version:
-            self._void(conn, intent_id, action, "task_version_changed",
-                       f"the task moved to version {task.current_version}", now)
-            return None
+            return SETTLED
         previous = conn.execute(select(attempts).where(attempts.c.action_id == action.id)
                                 .order_by(attempts.c.seq.desc())).all()
         open_attempt = next((a for a in previous if a.outcome is None), None)
         if open_attempt is not None:
-            # The process died between persisting this attempt and recording its outcome: it may have left.
+            # The process died between persisting this attempt and recording its outcome: it may have left. This
+            # comes before every hold or void: whatever the task's state now, that request must be reconciled.
             self._settle_attempt(conn, open_attempt.id, action, Result(
                 outcome=Outcome.UNKNOWN, status_code=None, external_ref=None,
                 detail="the dispatcher stopped after persisting the attempt; the request may or may not have left"),
-                now=now, intent_id=intent_id)
-            return None
+                now=now, intent_id=intent_id, source="recovery")
+            return SETTLED
+        if control.stop_state(conn).blocks(action.user_id) or task.state == TaskState.PAUSED.value:
+            return HELD  # released again by START / resume, never sent while held
+        if task.state in (TaskState.REVOKED.value, TaskState.CLOSED.value):
+            self._void(conn, intent_id, action, task.state, f"the task was {task.state} before this was sent", now)
+            return SETTLED
+        if task.current_version != action.task_version:
+            self._void(conn, intent_id, action, "task_version_changed",
+                       f"the task moved to version {task.current_version}", now)
+            return SETTLED
         if any(a.outcome == Outcome.ACCEPTED.value for a in previous):
             self._finish_intent(conn, intent_id, now)
-            return None
+            return SETTLED
         attempt_id = new_id("att")
         request = dict(action.content["request"])
         request["idempotency_key"] = action.content.get("idempotency_key")
@@ -194,18 +194,21 @@ class ActionDispatcher:
         self._on_event()
 
     def _settle_attempt(self, conn: Connection, attempt_id: str, action: Action, result: Result, *,
-                        now: datetime, intent_id: str) -> None:
+                        now: datetime, intent_id: str, source: str = "response") -> None:
         written = conn.execute(update(attempts).where(and_(attempts.c.id == attempt_id, attempts.c.outcome.is_(None)))
                                .values(outcome=result.outcome.value, outcome_at=now, status_code=result.status_code,
                                        external_ref=result.external_ref, detail=result.detail)).rowcount
         if written != 1:
             return  # someone recorded it first; history is written once
-        add_evidence(conn, action=action, attempt_id=attempt_id, source="response", verdict=result.outcome,
+        add_evidence(conn, action=action, attempt_id=attempt_id, source=source, verdict=result.outcome,
                      observed={"status_code": result.status_code, "detail": result.detail,
                                "external_ref": result.external_ref, "body": result.body}, now=now)
         self._finish_intent(conn, intent_id, now)
         task = lock_task(conn, action.task_id)
-        if result.outcome is Outcome.UNKNOWN:
+        if result.outcome is not Outcome.UNKNOWN:
+            # A definite answer (to a resend, say) settles what reconciliation was asking.
+            waits.settle(conn, user_id=action.user_id, match_key=reconcile_key(action.id), now=now)
+        else:
             exists = conn.execute(select(waits_table.c.id).where(and_(
                 waits_table.c.user_id == action.user_id,
                 waits_table.c.match_key == reconcile_key(action.id)))).first()
@@ -282,8 +285,11 @@ class ActionDispatcher:
             elif action.content.get("idempotency_key") and now - last.created_at >= self._resend_after and \
                     response.is_success:
                 # The remote says it did not happen and deduplicates by key: the same request may go again.
-                outbox.enqueue(conn, user_id=action.user_id, kind=OutboxKind.DISPATCH, now=now,
-                               message_id=f"dsp_{action.id}_{last.seq + 1}", body={"action_id": action.id})
+                intent = upsert(conn, outbox_table).values(
+                    id=f"dsp_{action.id}_{last.seq + 1}", user_id=action.user_id, kind=OutboxKind.DISPATCH.value,
+                    state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now, created_at=now,
+                    body=json.dumps({"action_id": action.id}))
+                conn.execute(intent.on_conflict_do_nothing())  # one resend per attempt, however often we look
         self._on_event()
         return Outcome.ACCEPTED if found else Outcome.UNKNOWN
 
@@ -355,13 +361,18 @@ class ActionDispatcher:
                                                waits_table.c.state == WaitState.TIMED_OUT.value))).all()
             for w in expired:
                 action_id = w.match_key.removeprefix("reconcile:")
+                sent = conn.execute(select(func.count()).select_from(attempts)
+                                    .where(attempts.c.action_id == action_id)).scalar_one()
+                resent = ("I have not sent it again." if sent <= 1 else
+                          f"I sent it {sent - 1} more time(s) with the same idempotency key after the provider showed "
+                          "no trace of it; none of those was confirmed either.")
                 stmt = upsert(conn, outbox_table).values(
                     id=f"unk_{action_id}", user_id=w.user_id, kind=OutboxKind.USER_MESSAGE.value,
                     session_id=w.session_id, state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now,
                     created_at=now, body=json.dumps({"kind": "outcome_unknown", "action_id": action_id, "text": (
                         f"I cannot confirm whether {action_id} took effect. The request was sent, the reply was "
-                        "lost, and the remote has not shown the effect since. I have not sent it again. Please "
-                        "check with the provider.")}))
+                        f"lost, and the remote has not shown the effect since. {resent} Please check with the "
+                        "provider.")}))
                 conn.execute(stmt.on_conflict_do_nothing())
 
 

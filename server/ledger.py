@@ -89,8 +89,8 @@ def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
         yield _row("evidence", r.checked_at, r)
     for r in conn.execute(select(refusals).where(refusals.c.task_id == task.id)):
         yield _row("refusal", r.created_at, r)
-    for r in conn.execute(select(outbox).where(or_(outbox.c.session_id == task.session_id,
-                                                   outbox.c.id.in_([f"dsp_{a}" for a in action_ids])))):
+    intents = [outbox.c.id.like(f"dsp_{a}%") for a in action_ids]  # the first intent and any resends
+    for r in conn.execute(select(outbox).where(or_(outbox.c.session_id == task.session_id, *intents))):
         yield _row("message" if r.kind == "user_message" else "dispatch_intent", r.created_at, r)
 
 

@@ -86,7 +86,8 @@ class Runtime:
         ]
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
-        self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy, on_event=self.signals.work.set)
+        self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy, on_event=self.signals.work.set,
+                                        resend_after=settings.resend_after)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
 

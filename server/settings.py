@@ -7,16 +7,27 @@ the environment: `WAKEFUL_SOURCES__GITHUB__SECRET=...` sets the secret of the so
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 __all__ = ["Settings", "SourceSettings", "load_settings"]
 
 SourceKind = Literal["github", "stripe", "slack", "generic"]
+
+
+def _seconds(value: Any) -> Any:
+    """Durations from the environment may be plain seconds (`30`, `0.5`) as well as ISO 8601 (`PT30S`)."""
+    if isinstance(value, str) and re.fullmatch(r"\d+(\.\d+)?", value.strip()):
+        return float(value)
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(_seconds)]
 
 # Where each provider puts the delivery ID and a natural session key, unless the source says otherwise.
 _DEFAULT_DELIVERY_ID: dict[str, str] = {
@@ -89,11 +100,14 @@ class Settings(BaseSettings):
     """Base URL per connector name, overriding the declared one (simulators, staging)."""
     reconcile_interval: float = 5.0
     """How often unknown outcomes are reconciled and accepted effects verified, in seconds."""
+    resend_after: Duration = timedelta(seconds=10)
+    """How long after an attempt whose outcome is unknown, and that the provider shows no trace of, the same request
+    may go again with the same idempotency key (only for operations that declare one)."""
     notify_url: str | None = None
     """Where messages to the user are delivered (POST, JSON, `Idempotency-Key` header). None: the local feed only."""
     max_body_bytes: int = 1 << 20
     """Webhook bodies larger than this are refused with 413."""
-    lease: timedelta = timedelta(seconds=30)
+    lease: Duration = timedelta(seconds=30)
     """How long a worker's claim on a session lasts without renewal; a dead worker's session is free after it."""
     run_max_steps: int = 50
     """Steps one run may take before it is ended and the user told."""
@@ -113,7 +127,7 @@ class Settings(BaseSettings):
     """Runs that may pick up one event before it is marked failed and the user told."""
     followup_cap: int = 20
     """Active follow-ups per user."""
-    schedule_min_interval: timedelta = timedelta(minutes=1)
+    schedule_min_interval: Duration = timedelta(minutes=1)
     """The shortest gap a recurring schedule may have."""
     workers: int = 2
     """Worker threads: different sessions run in parallel, one run per session at a time."""
@@ -122,7 +136,7 @@ class Settings(BaseSettings):
     sweep_interval: float = 5.0
     dispatch_max_attempts: int = 8
     """Deliveries of one outbox message before it is marked failed."""
-    dispatch_backoff: timedelta = timedelta(seconds=1)
+    dispatch_backoff: Duration = timedelta(seconds=1)
     """First retry delay for a failed delivery; doubles each time."""
     crash_at: str = ""
     """Fault injection for tests only: `point[:probability],...` makes the process `os._exit` there."""

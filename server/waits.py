@@ -18,7 +18,7 @@ from server.errors import Conflict
 from server.ids import new_id
 from server.tables import EventKind, EventStatus, WaitState, events, waits
 
-__all__ = ["cancel", "expire_due", "register"]
+__all__ = ["cancel", "expire_due", "register", "settle"]
 
 
 def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str,
@@ -58,6 +58,15 @@ def cancel(conn: Connection, *, wait_id: str, now: datetime) -> bool:
     return conn.execute(
         update(waits).where(and_(waits.c.id == wait_id, waits.c.state == WaitState.PENDING.value))
         .values(state=WaitState.CANCELLED.value, resolved_at=now)
+    ).rowcount == 1
+
+
+def settle(conn: Connection, *, user_id: str, match_key: str, now: datetime) -> bool:
+    """Mark the pending wait with this key satisfied (the answer came by another way); False if none was pending."""
+    return conn.execute(
+        update(waits).where(and_(waits.c.user_id == user_id, waits.c.match_key == match_key,
+                                 waits.c.state == WaitState.PENDING.value))
+        .values(state=WaitState.SATISFIED.value, resolved_at=now)
     ).rowcount == 1
 
 

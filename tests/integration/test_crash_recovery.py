@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,9 @@ from tests.support.polling import wait_until
 from tests.support.serve import ServeProcess, ServerExited
 from tests.support.sink import Sink
 
-pytestmark = pytest.mark.faults
+# The campaigns are bounded by their own deadlines; the project-wide 300 s per test is too tight for a campaign on
+# a loaded machine (each restart is ~1.5 CPU-seconds of imports), so they get a wider net.
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
 
 SECRET = "crash-test-secret"
 SEED = int(os.environ.get("WAKEFUL_FAULT_SEED") or random.SystemRandom().randrange(1 << 32))
@@ -307,35 +309,55 @@ def drain_unarmed(supervisor: Supervisor, records: Records) -> None:
     assert "Traceback" not in server.log(), f"the unarmed server logged a traceback:\n{server.log()}"
 
 
+class Aborted(Exception):
+    """Another test failed and the module is being torn down: stop this campaign early."""
+
+
 @dataclass(frozen=True)
 class Outcome:
+    campaign: Campaign
+    records: Records
+    sink: Sink
     trials: int
     counted: int
     crashes: int
     starts: int
     seconds: float
 
+    def summary(self) -> str:
+        statuses = Counter(row["status"] for row in self.records.rows("SELECT status FROM events"))
+        _, _, duplicates = self.sink.snapshot()
+        return (f"[faults] {self.campaign.point}: {self.counted} trials counted of {self.trials}, {self.crashes} "
+                f"crashes, {self.starts} starts, {len(self.campaign.acks)} deliveries acknowledged "
+                f"({len(self.campaign.resent)} re-sent), events {dict(statuses)}, {len(self.sink.applied)} messages "
+                f"applied, {sum(duplicates.values())} duplicate deliveries suppressed by the sink, "
+                f"{self.seconds:.0f} s, seed {SEED}")
 
-def run_campaign(point: str, tmp_path: Path, sink: Sink) -> tuple[Campaign, Outcome]:
+
+def run_campaign(point: str, data_dir: Path, abort: threading.Event) -> Outcome:
     # Two streams, so the deliveries replay the same whatever the server's own dice did to the restarts.
     campaign = Campaign(point, random.Random(f"{SEED}:{point}:deliveries"))
-    records = Records(tmp_path)
-    supervisor = Supervisor(point, tmp_path, sink.url, random.Random(f"{SEED}:{point}:probabilities"))
+    records = Records(data_dir)
     trials = counted = 0
     began = time.monotonic()
-    try:
-        with httpx.Client(timeout=10.0) as client, ThreadPoolExecutor(max_workers=8) as pool:
-            supervisor.start()
-            while counted < TRIALS_PER_POINT:
-                trials += 1
-                assert trials <= MAX_TRIALS_PER_POINT, f"only {counted} trials crashed at {point} in {trials - 1}"
-                crashes_before = supervisor.crashes
-                run_trial(campaign, trials, supervisor, records, client, pool)
-                counted += supervisor.crashes > crashes_before
-            drain_unarmed(supervisor, records)
-    finally:
-        supervisor.stop()
-    return campaign, Outcome(trials, counted, supervisor.crashes, supervisor.starts, time.monotonic() - began)
+    with Sink() as sink:
+        supervisor = Supervisor(point, data_dir, sink.url, random.Random(f"{SEED}:{point}:probabilities"))
+        try:
+            with httpx.Client(timeout=10.0) as client, ThreadPoolExecutor(max_workers=8) as pool:
+                supervisor.start()
+                while counted < TRIALS_PER_POINT:
+                    if abort.is_set():
+                        raise Aborted(point)
+                    trials += 1
+                    assert trials <= MAX_TRIALS_PER_POINT, f"only {counted} trials crashed at {point} in {trials - 1}"
+                    crashes_before = supervisor.crashes
+                    run_trial(campaign, trials, supervisor, records, client, pool)
+                    counted += supervisor.crashes > crashes_before
+                drain_unarmed(supervisor, records)
+        finally:
+            supervisor.stop()
+    return Outcome(campaign, records, sink, trials, counted, supervisor.crashes, supervisor.starts,
+                   time.monotonic() - began)
 
 
 # -- the pass bar -----------------------------------------------------------------------------------------------
@@ -394,43 +416,65 @@ def assert_every_message_applied_exactly_once(records: Records, sink: Sink) -> N
 # -- the tests --------------------------------------------------------------------------------------------------
 
 
-def crash_campaign(point: str, tmp_path: Path) -> tuple[Sink, Outcome]:
-    assert point in POINTS, f"{point} is not a crash point the server knows"
-    with Sink() as sink:
-        campaign, outcome = run_campaign(point, tmp_path, sink)
-    records = Records(tmp_path)
-    statuses = Counter(row["status"] for row in records.rows("SELECT status FROM events"))
-    _, _, duplicates = sink.snapshot()
-    print(f"\n[faults] {point}: {outcome.counted} trials counted of {outcome.trials}, {outcome.crashes} crashes, "
-          f"{outcome.starts} starts, {len(campaign.acks)} deliveries acknowledged ({len(campaign.resent)} re-sent), "
-          f"events {dict(statuses)}, {len(sink.applied)} messages applied, {sum(duplicates.values())} duplicate "
-          f"deliveries suppressed by the sink, {outcome.seconds:.0f} s, seed {SEED}")
-    assert_no_acknowledged_delivery_lost(records, campaign)
-    assert_every_event_settled_exactly_once(records, sink)
-    assert_every_message_applied_exactly_once(records, sink)
-    return sink, outcome
+PARALLEL_CAMPAIGNS = 2  # one per core: a campaign is mostly one server process starting at a time
+# The points a webhook passes on its way to a delivered reply. The action points (`after_attempt_persisted`,
+# `after_send`) need a run that dispatches an action, which the default echo handler never does.
+WEBHOOK_POINTS = ("after_event_commit", "after_claim", "before_run_commit", "after_outbox_write", "after_dispatch")
 
 
-def test_crash_after_event_commit_loses_no_acknowledged_event(tmp_path: Path) -> None:
-    crash_campaign("after_event_commit", tmp_path)
+@pytest.fixture(scope="module")
+def campaigns(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Outcome]]]:
+    """All five campaigns, started together two at a time; each test waits for its own and judges it."""
+    abort = threading.Event()
+    with ThreadPoolExecutor(max_workers=PARALLEL_CAMPAIGNS, thread_name_prefix="campaign") as pool:
+        futures = {point: pool.submit(run_campaign, point, tmp_path_factory.mktemp(point), abort)
+                   for point in WEBHOOK_POINTS}
+        try:
+            yield futures
+        finally:
+            abort.set()  # a campaign still running after a failure stops at its next trial and kills its server
+            for future in futures.values():
+                future.cancel()
 
 
-def test_crash_after_claim_leaves_every_event_processed_or_failed_once(tmp_path: Path) -> None:
-    crash_campaign("after_claim", tmp_path)
+def test_every_point_on_the_webhook_path_is_a_crash_point_the_server_knows() -> None:
+    assert set(WEBHOOK_POINTS) <= set(POINTS)
+    tests = [name for name in globals() if name.startswith("test_crash_")]
+    assert [p for p in WEBHOOK_POINTS if not any(t.startswith(f"test_crash_{p}_") for t in tests)] == []
 
 
-def test_crash_before_run_commit_replies_to_every_event_exactly_once(tmp_path: Path) -> None:
-    crash_campaign("before_run_commit", tmp_path)
+def judge(campaigns: dict[str, Future[Outcome]], point: str) -> Outcome:
+    outcome = campaigns[point].result()
+    print(f"\n{outcome.summary()}")
+    assert outcome.counted >= TRIALS_PER_POINT and outcome.crashes >= TRIALS_PER_POINT
+    assert_no_acknowledged_delivery_lost(outcome.records, outcome.campaign)
+    assert_every_event_settled_exactly_once(outcome.records, outcome.sink)
+    assert_every_message_applied_exactly_once(outcome.records, outcome.sink)
+    return outcome
 
 
-def test_crash_after_outbox_write_still_delivers_every_committed_message(tmp_path: Path) -> None:
-    crash_campaign("after_outbox_write", tmp_path)
+def test_crash_after_event_commit_loses_no_acknowledged_event(campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "after_event_commit")
 
 
-def test_crash_after_dispatch_redelivers_and_the_receiver_applies_each_message_once(tmp_path: Path) -> None:
-    sink, outcome = crash_campaign("after_dispatch", tmp_path)
-    _, _, duplicates = sink.snapshot()
-    # Each crash left exactly one message accepted but unmarked, and the next start sent it again.
+def test_crash_after_claim_leaves_every_event_processed_or_failed_once(campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "after_claim")
+
+
+def test_crash_before_run_commit_replies_to_every_event_exactly_once(campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "before_run_commit")
+
+
+def test_crash_after_outbox_write_still_delivers_every_committed_message(
+        campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "after_outbox_write")
+
+
+def test_crash_after_dispatch_redelivers_and_the_receiver_applies_each_message_once(
+        campaigns: dict[str, Future[Outcome]]) -> None:
+    outcome = judge(campaigns, "after_dispatch")
+    _, _, duplicates = outcome.sink.snapshot()
+    # Each crash left exactly one message accepted but not marked sent, and a later start sent it again.
     assert duplicates, "no crash after dispatch ever re-delivered a message"
     assert sum(duplicates.values()) == outcome.crashes, (
         f"{outcome.crashes} crashes after dispatch but {sum(duplicates.values())} re-deliveries: {duplicates}")

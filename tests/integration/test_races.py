@@ -1,9 +1,11 @@
-""""Don't book yet" racing an approval from another device: the pause wins whenever it committed first.
+"""The user's "don't book yet" racing an approval from another device: the pause wins whenever it committed first.
 
-One world (the simulators on loopback, one SQLite file) per test and a fresh task per trial, so a thousand
-interleavings stay fast. Each trial books a hotel quote that is awaiting approval, then runs approve / pause /
-dispatcher drain in an order drawn from a seeded `random.Random` (the seed is printed; set WAKEFUL_RACE_SEED to
-replay one), and checks the hotel's own records after every step.
+One world (the simulators on loopback, one SQLite file) per test, so a thousand interleavings stay fast. Each trial
+proposes a hotel booking (a new action, with its own idempotency key) that awaits approval, then runs approve /
+pause / dispatcher drain in an order drawn from a seeded `random.Random` (the seed is printed; set WAKEFUL_RACE_SEED
+to replay one), and ends with the user resuming or closing the task. A task (and the quote it read) is reused by
+the next trial until a trial closes it, so pause/resume cycles pile up on one task too. Bookings are told apart in
+the hotel's own records by their idempotency key.
 
 The invariant: once a pause has committed, nothing more leaves for that task until it is resumed — no attempt row,
 no effect at the hotel — and the hotel never holds more than one booking per action.
@@ -15,7 +17,8 @@ import itertools
 import os
 import random
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -33,8 +36,8 @@ from server.tables import control as control_table
 from server.tools import Binding
 from tests.support.acting import World, world
 
-TRIALS = 1000
-THREADED_TRIALS = 300
+TRIALS = int(os.environ.get("WAKEFUL_RACE_TRIALS", "1000"))
+THREADED_TRIALS = 250
 TICK = timedelta(milliseconds=1)
 
 
@@ -50,14 +53,32 @@ def seeded(name: str) -> tuple[int, random.Random]:
     return seed, random.Random(seed)
 
 
-def propose_booking(w: World, task: Binding) -> tuple[str, str]:
-    """(action ID, the hotel's quote ID) of a booking awaiting the user's approval."""
+@dataclass(frozen=True)
+class Desk:
+    """A task and a hotel quote it read (a server-issued object ID), reused until a trial closes the task."""
+
+    task: Binding
+    quote: str
+
+
+def open_desk(w: World, title: str) -> Desk:
+    task = w.task(title=title)
     (quote,) = w.call(task, "hotel__quote_stay", hotel="Grand", nights=2)["objects"]
-    proposed = w.call(task, "hotel__book_quote", quote_id=quote["id"])
+    return Desk(task=task, quote=quote["id"])
+
+
+def propose_booking(w: World, desk: Desk) -> tuple[str, str]:
+    """(action ID, its idempotency key) of a new booking of the desk's quote, awaiting the user's approval."""
+    proposed = w.call(desk.task, "hotel__book_quote", quote_id=desk.quote)
     assert proposed["status"] == VerdictKind.NEEDS_APPROVAL
     with read(w.engine) as conn:
-        ref = load_action(conn, proposed["action_id"]).content["refs"]["quote_id"]
-    return proposed["action_id"], ref
+        key = load_action(conn, proposed["action_id"]).content["idempotency_key"]
+    return proposed["action_id"], key
+
+
+def bookings(w: World, key: str) -> int:
+    """How many bookings the hotel itself applied under this action's idempotency key."""
+    return sum(1 for e in w.hotel.effects if e["idempotency_key"] == key)
 
 
 def attempt_rows(w: World, action_id: str) -> list[Any]:
@@ -100,20 +121,19 @@ def test_dont_book_yet_racing_an_approval_over_a_thousand_random_interleavings(w
     def check(ok: bool, trial: int, what: str) -> None:
         assert ok, f"seed={seed} trial={trial}: {what}\n" + "\n".join(sequence[-12:])
 
-    import time as _t
-    _t0 = _t.perf_counter()
+    desk: Desk | None = None
+    booked_total = 0
     for trial in range(TRIALS):
-        if trial % 100 == 0:
-            print("T", trial, round(_t.perf_counter() - _t0, 2))
-        task = w.task(title=f"book the hotel, trial {trial}")
-        act, quote = propose_booking(w, task)
+        desk = desk or open_desk(w, f"book the hotel, from trial {trial}")
+        task = desk.task
+        act, key = propose_booking(w, desk)
         ops = ["approve", "pause", "drain"]
         rng.shuffle(ops)
         if rng.random() < 0.5:
             ops.insert(rng.randrange(len(ops) + 1), "drain")
         ops += [rng.choice(["resume", "close"]), "drain"]
         model = Model()
-        frozen: tuple[int, int] | None = None  # (attempts, bookings) when the pause committed
+        frozen: tuple[int, int, int] | None = None  # (attempts, its bookings, all bookings) when the pause committed
         for op in ops:
             w.clock.advance(TICK)
             if op == "approve":
@@ -129,23 +149,29 @@ def test_dont_book_yet_racing_an_approval_over_a_thousand_random_interleavings(w
                     result = control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=kind,
                                                     actor="user:laptop", reason="don't book yet", now=w.clock.now())
             model.apply(op)
-            sent, booked = len(attempt_rows(w, act)), len(w.hotel.effects_of("booking", quote))
-            sequence.append(f"trial {trial}: {op} -> {result} (attempts={sent}, bookings={booked})")
-            check(sent <= 1 and booked <= 1, trial, "more than one attempt or booking for one action")
-            if op == "pause":
-                frozen = (sent, booked)
-            elif op == "resume":
+            if op == "drain" or op == "pause":  # only a drain sends anything, so it is counted around those
+                sent, booked, everything = len(attempt_rows(w, act)), bookings(w, key), len(w.hotel.effects)
+                check(sent <= 1 and booked <= 1, trial, "more than one attempt or booking for one action")
+                frozen = (sent, booked, everything) if op == "pause" else frozen
+                if frozen is not None:
+                    check((sent, booked, everything) == frozen, trial, "something left after the pause committed")
+                sequence.append(f"trial {trial}: {op} -> {result} (attempts={sent}, bookings={booked})")
+            else:
+                sequence.append(f"trial {trial}: {op} -> {result}")
+            if op == "resume":
                 frozen = None
-            if frozen is not None:
-                check((sent, booked) == frozen, trial, "something left after the pause committed")
             if op == "approve":
                 check(result == model.approve_code, trial, f"approve answered {result}, expected "
                                                            f"{model.approve_code}")
         expected = int(model.sent)
-        check(len(w.hotel.effects_of("booking", quote)) == expected, trial, f"expected {expected} booking(s)")
+        booked_total += expected
+        check(bookings(w, key) == expected, trial, f"expected {expected} booking(s)")
         check([a.outcome for a in attempt_rows(w, act)] == ["accepted"] * expected, trial, "attempts")
+        check(len(w.hotel.effects) == booked_total, trial, "a booking nobody accounted for")
+        desk = None if model.state is TaskState.CLOSED else desk
     assert pending_dispatches(w) == 0  # every trial ended resumed-and-drained or closed-and-voided
-    assert len(w.hotel.effects) == len({e["target"] for e in w.hotel.effects})  # one booking per quote, ever
+    keys = [e["idempotency_key"] for e in w.hotel.effects]
+    assert len(keys) == len(set(keys)) == booked_total  # at most one booking per action, ever
 
 
 # -- a few hundred truly concurrent races ------------------------------------------------------------------------
@@ -180,58 +206,86 @@ class OrderedDispatcher(ActionDispatcher):
         return attempt
 
 
+def race(w: World, dispatcher: OrderedDispatcher, task: Binding, act: str, delays: dict[str, float]) -> dict[str, Any]:
+    """Approve (phone) and pause (laptop) at once, while the dispatcher drains in a loop until the pause is in."""
+    ledger = dispatcher.ledger
+    barrier = threading.Barrier(3)
+    paused = threading.Event()
+    seen: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def approve() -> None:
+        barrier.wait(timeout=10)
+        time.sleep(delays["approve"])
+        with write(w.engine) as conn:
+            order, now = ledger.take(), w.clock.advance(TICK)
+            code = approvals.decide(conn, user_id=w.owner, action_id=act, approve=True, actor="user:phone",
+                                    policy=w.policy, now=now).verdict.code
+        seen["approve"] = (order, code)
+
+    def pause() -> None:
+        try:
+            barrier.wait(timeout=10)
+            time.sleep(delays["pause"])
+            with write(w.engine) as conn:
+                order, now = ledger.take(), w.clock.advance(TICK)
+                control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.PAUSE,
+                                       actor="user:laptop", reason="don't book yet", now=now)
+            seen["pause"] = order
+        finally:
+            paused.set()
+
+    def drain() -> None:
+        barrier.wait(timeout=10)
+        drained = 0
+        while not paused.is_set():  # bounded: the pause thread always sets it
+            drained += dispatcher.drain()
+        seen["drained"] = drained + dispatcher.drain()
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # handed to the main thread
+                errors.append(exc)
+                barrier.abort()
+        return run
+
+    threads = [threading.Thread(target=guarded(fn), name=f"race-{fn.__name__}") for fn in (approve, pause, drain)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    return seen
+
+
 def test_dont_book_yet_and_an_approval_from_two_devices_at_once_never_release_a_paused_booking(w: World) -> None:
     seed, rng = seeded("threaded")
-    ledger = Ledger()
-    dispatcher = OrderedDispatcher(w.engine, w.clock, policy=w.policy, timeout=2.0, ledger=ledger,
+    dispatcher = OrderedDispatcher(w.engine, w.clock, policy=w.policy, timeout=2.0, ledger=Ledger(),
                                    resend_after=timedelta(seconds=10))
-    outcomes: dict[str, int] = {"approve first": 0, "pause first": 0, "sent before the pause": 0}
+    outcomes: dict[str, int] = {"approve first": 0, "pause first": 0, "sent before the pause": 0,
+                                "held by the pause": 0}
+    desk: Desk | None = None
+    booked_total = 0
     try:
         for trial in range(THREADED_TRIALS):
-            task = w.task(title=f"book the hotel, race {trial}")
-            act, quote = propose_booking(w, task)
-            racers = ["approve", "pause"] + (["drain"] if rng.random() < 0.75 else [])
-            barrier = threading.Barrier(len(racers))
-            seen: dict[str, Any] = {}
-            errors: list[BaseException] = []
-
-            def run(op: str, task: Binding = task, act: str = act, barrier: threading.Barrier = barrier,
-                    seen: dict[str, Any] = seen, errors: list[BaseException] = errors) -> None:
-                try:
-                    barrier.wait(timeout=10)
-                    if op == "drain":
-                        seen["drain"] = dispatcher.drain()
-                        return
-                    with write(w.engine) as conn:
-                        order, now = ledger.take(), w.clock.advance(TICK)
-                        if op == "approve":
-                            seen["approve"] = (order, approvals.decide(
-                                conn, user_id=w.owner, action_id=act, approve=True, actor="user:phone",
-                                policy=w.policy, now=now).verdict.code)
-                        else:
-                            control.set_task_state(conn, user_id=w.owner, task_id=task.task_id,
-                                                   kind=ControlKind.PAUSE, actor="user:laptop",
-                                                   reason="don't book yet", now=now)
-                            seen["pause"] = order
-                except BaseException as exc:  # re-raised on the main thread below
-                    errors.append(exc)
-
-            threads = [threading.Thread(target=run, args=(op,), name=f"race-{op}") for op in racers]
-            rng.shuffle(threads)
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(timeout=30)
-            assert not errors, f"seed={seed} trial={trial}: {errors!r}"
+            desk = desk or open_desk(w, f"book the hotel, from race {trial}")
+            task = desk.task
+            act, key = propose_booking(w, desk)
+            since = w.clock.now()
+            delays = {op: rng.choice([0.0, 0.0, 0.0005, 0.001, 0.002]) for op in ("approve", "pause")}
+            seen = race(w, dispatcher, task, act, delays)
             (approve_order, code), pause_order = seen["approve"], seen["pause"]
-            prepared = [(o, a) for o, act_id, a in ledger.prepares if act_id == act]
-            why = f"seed={seed} trial={trial} racers={racers} approve={seen['approve']} pause={pause_order} " \
+            prepared = [(o, a) for o, act_id, a in dispatcher.ledger.prepares if act_id == act]
+            why = f"seed={seed} trial={trial} delays={delays} approve={seen['approve']} pause={pause_order} " \
                   f"prepares={prepared}"
 
             # The records' own order agrees with the commit order we observed.
             with read(w.engine) as conn:
-                rows = conn.execute(select(control_table.c.kind, control_table.c.created_at).where(
-                    control_table.c.task_id == task.task_id).order_by(control_table.c.created_at)).all()
+                rows = conn.execute(select(control_table.c.kind, control_table.c.created_at).where(and_(
+                    control_table.c.task_id == task.task_id, control_table.c.created_at > since))
+                    .order_by(control_table.c.created_at)).all()
                 verdict_rows = conn.execute(select(verdicts.c.verdict, verdicts.c.code).where(
                     verdicts.c.action_id == act).order_by(verdicts.c.created_at)).all()
             stamped = {r.kind: r.created_at for r in rows}
@@ -245,8 +299,8 @@ def test_dont_book_yet_and_an_approval_from_two_devices_at_once_never_release_a_
             # The invariant: an attempt exists only if it was persisted after the approval and before the pause,
             # by the DB's own timestamps; otherwise nothing was sent.
             sent = attempt_rows(w, act)
-            booked = w.hotel.effects_of("booking", quote)
-            assert len(sent) <= 1 and len(booked) == len(sent), why
+            assert len(sent) <= 1 and bookings(w, key) == len(sent), why
+            assert len(w.hotel.effects) == booked_total + len(sent), why
             for attempt in sent:
                 assert stamped["approve"] < attempt.created_at < stamped["pause"], why
                 assert any(a == attempt.id and approve_order < o < pause_order for o, a in prepared), why
@@ -255,11 +309,12 @@ def test_dont_book_yet_and_an_approval_from_two_devices_at_once_never_release_a_
                     assert attempt_id is None, why  # the pause had committed: nothing was released
             outcomes["approve first" if approve_order < pause_order else "pause first"] += 1
             outcomes["sent before the pause"] += len(sent)
+            outcomes["held by the pause"] += sum(1 for order, _ in prepared if order > pause_order)
 
             # The task is paused now: however often the dispatcher runs, nothing more leaves.
             w.clock.advance(TICK)
             dispatcher.drain()
-            assert len(attempt_rows(w, act)) == len(sent) and len(w.hotel.effects_of("booking", quote)) == len(sent)
+            assert len(attempt_rows(w, act)) == len(sent) and len(w.hotel.effects) == booked_total + len(sent), why
 
             # Then the user decides: resume releases exactly an admitted, unsent booking; close voids it.
             kind = rng.choice([ControlKind.RESUME, ControlKind.CLOSE])
@@ -270,10 +325,14 @@ def test_dont_book_yet_and_an_approval_from_two_devices_at_once_never_release_a_
             w.clock.advance(TICK)
             dispatcher.drain()
             expected = 1 if sent or (kind is ControlKind.RESUME and approve_order < pause_order) else 0
-            assert len(w.hotel.effects_of("booking", quote)) == expected, f"{why} then {kind.value}"
+            assert bookings(w, key) == expected, f"{why} then {kind.value}"
             assert len(attempt_rows(w, act)) == expected, f"{why} then {kind.value}"
+            booked_total += expected
+            assert len(w.hotel.effects) == booked_total, f"{why} then {kind.value}"
+            desk = None if kind is ControlKind.CLOSE else desk
     finally:
         dispatcher.close()
     print(f"threaded: {outcomes}")
     assert pending_dispatches(w) == 0
-    assert len(w.hotel.effects) == len({e["target"] for e in w.hotel.effects})
+    keys = [e["idempotency_key"] for e in w.hotel.effects]
+    assert len(keys) == len(set(keys)) == booked_total

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import Engine, and_, select
+from sqlalchemy import Connection, Engine, and_, select
 
 from server import control, sessions, users
 from server.clock import SystemClock
@@ -77,8 +77,8 @@ def holds_for(violation: Callable[[], object], seconds: float, what: str) -> Non
             return "violated", found
         return ("held", None) if time.monotonic() >= deadline else None
 
-    outcome, found = wait_until(verdict, seconds + 30.0, what)
-    assert outcome == "held", f"{what}: {found}"
+    result = wait_until(verdict, seconds + 30.0, what)
+    assert result is not None and result[0] == "held", f"{what}: {result and result[1]}"
 
 
 class DispatchWorld:
@@ -106,6 +106,7 @@ class DispatchWorld:
             "WAKEFUL_CONNECTOR_URLS__MERCHANT": self.merchant_url,
             "WAKEFUL_RECONCILE_INTERVAL": str(self.reconcile_interval),
             "WAKEFUL_POLL_INTERVAL": str(self.poll_interval),
+            "WAKEFUL_RESEND_AFTER": "2",
         }
         if crash_at:
             env["WAKEFUL_CRASH_AT"] = crash_at
@@ -263,26 +264,35 @@ class DispatchWorld:
 
     def accepted(self, action_id: str) -> str | None:
         """How the outcome became known to be `accepted`: "reconcile", "response", or None (not yet)."""
-        if any(e["verdict"] == "accepted" for e in self.evidence(action_id, "reconcile")):
+        with read(self.engine) as conn:
+            return self._accepted(conn, action_id)
+
+    @staticmethod
+    def _accepted(conn: Connection, action_id: str) -> str | None:
+        if conn.execute(select(evidence.c.id).where(and_(
+                evidence.c.action_id == action_id, evidence.c.source == "reconcile",
+                evidence.c.verdict == "accepted"))).first() is not None:
             return "reconcile"
-        if any(a["outcome"] == "accepted" for a in self.attempts(action_id)):
+        if conn.execute(select(attempts.c.id).where(and_(
+                attempts.c.action_id == action_id, attempts.c.outcome == "accepted"))).first() is not None:
             return "response"
         return None
 
     def settled(self, action_id: str) -> str | None:
         """Accepted, with nothing left in flight for it: no open attempt, no pending dispatch intent, and no
-        reconcile wait still pending. Returns how it became known (see `accepted`)."""
-        how = self.accepted(action_id)
-        if how is None:
-            return None
-        if any(a["outcome"] is None for a in self.attempts(action_id)):
-            return None
-        if any(i["state"] == "pending" for i in self.dispatch_intents(action_id)):
-            return None
-        wait = self.reconcile_wait(action_id)
-        if wait is not None and wait["state"] == "pending":
-            return None
-        return how
+        reconcile wait still pending — all read in one snapshot. Returns how it became known (see `accepted`)."""
+        with read(self.engine) as conn:
+            how = self._accepted(conn, action_id)
+            in_flight = (
+                conn.execute(select(attempts.c.id).where(and_(
+                    attempts.c.action_id == action_id, attempts.c.outcome.is_(None)))).first(),
+                conn.execute(select(outbox.c.id).where(and_(
+                    outbox.c.kind == "dispatch", outbox.c.id.like(f"dsp_{action_id}%"),
+                    outbox.c.state == "pending"))).first(),
+                conn.execute(select(waits.c.id).where(and_(
+                    waits.c.match_key == reconcile_key(action_id), waits.c.state == "pending"))).first(),
+            )
+        return None if how is None or any(row is not None for row in in_flight) else how
 
     def ledger_export(self) -> list[dict[str, Any]]:
         """`wakeful ledger export` over the data directory, as the operator would run it."""

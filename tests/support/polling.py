@@ -11,7 +11,7 @@ __all__ = ["wait_until"]
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, what: str, *, interval: float = 0.05) -> T:
+def wait_until(predicate: Callable[[], T | None], timeout: float, what: str, *, interval: float = 0.05) -> T:
     """Poll `predicate` every `interval` seconds until it returns something truthy, and return that.
 
     Raises AssertionError naming `what` after `timeout` seconds, so a hang reads as the condition that never held.

@@ -26,6 +26,15 @@ from tests.support.polling import wait_until
 __all__ = ["WAKEFUL", "ServeProcess", "ServerExited", "free_port"]
 
 WAKEFUL = Path(sys.executable).parent / "wakeful"
+# Linux: a tiny launcher asks the kernel to SIGKILL the server if the test process dies without cleaning up (a hard
+# kill, a runner's os._exit), then execs the server in place, so the PID and the exit code are the server's own.
+_LAUNCHER = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    os._exit(70)  # the test process died before we asked
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 READY_TIMEOUT = 30.0
 KILL_GRACE = 15.0
 
@@ -44,6 +53,12 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _command() -> list[str]:
+    if sys.platform != "linux":
+        return [str(WAKEFUL), "serve"]
+    return [sys.executable, "-c", _LAUNCHER, str(os.getpid()), str(WAKEFUL), "serve"]
 
 
 def _clean_environ() -> dict[str, str]:
@@ -92,8 +107,8 @@ class ServeProcess:
     def _launch(self) -> ServeProcess:
         env = {**self._env, "WAKEFUL_PORT": str(self.port)}
         with self.log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
-            self._proc = subprocess.Popen([str(WAKEFUL), "serve"], env=env, stdin=subprocess.DEVNULL,
-                                          stdout=log, stderr=subprocess.STDOUT)
+            self._proc = subprocess.Popen(_command(), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT)
         # One client for all the polls: building one per poll (TLS context included) costs more than the poll.
         with httpx.Client(timeout=1.0) as client:
             try:
