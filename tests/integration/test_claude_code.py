@@ -51,7 +51,6 @@ def test_claude_code_connects_over_http_with_the_documented_command(home: Path) 
     (add,) = doc_commands("Streamable HTTP (wakeful is already running)")
     data_dir = home / ".local" / "share" / "wakeful"
     with ServeProcess({"WAKEFUL_DATA_DIR": str(data_dir)}, log_path=home / "serve.log") as server:
-        server.start()
         shell(add, home, port=server.port)
         listed = shell("claude mcp list", home)
     assert re.search(rf"wakeful: http://127\.0\.0\.1:{server.port}/mcp \(HTTP\) - ✔ Connected", listed), listed

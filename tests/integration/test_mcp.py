@@ -133,7 +133,6 @@ async def test_streamable_http_on_wakeful_serve_needs_the_users_token(tmp_path: 
     other = subprocess.run([wakeful, "user-add", "mallory"], env=env, capture_output=True, text=True,
                            check=True).stdout.strip()
     with ServeProcess({"WAKEFUL_DATA_DIR": str(tmp_path)}, log_path=tmp_path / "serve.log") as server:
-        server.start()
         url = f"{server.url}/mcp"
         async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http, \
                 Client(streamable_http_client(url, http_client=http)) as client:
