@@ -99,9 +99,8 @@ def run(quick: bool) -> list[Table]:
     rows = []
     for transport, figures in (("stdio", stdio_figures), ("streamable HTTP", http_figures)):
         ours, echo = figures(n)
-        for p in (50, 99):
-            rows.append(Row(f"{transport}: task_status round trip p{p}", fmt_ms(percentile(ours, p)),
-                            fmt_ms(percentile(echo, p)) + " (echo)"))
+        rows += [Row(f"{transport}: task_status round trip p{p}", fmt_ms(percentile(ours, p)),
+                     fmt_ms(percentile(echo, p)) + " (echo)") for p in (50, 99)]
     return [Table(title=f"MCP tool-call round trip, {n} calls each (baseline: a bare MCPServer echo tool)",
                   rows=rows, reproduce=reproduce("mcp_roundtrip.py", quick),
                   notes=["task_status reads a task's records from SQLite; echo does no work at all"])]
