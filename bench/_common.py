@@ -29,6 +29,7 @@ __all__ = [
     "BENCH_DIR",
     "PYTHON",
     "RESULTS_DIR",
+    "ROOT",
     "SECRET",
     "WAKEFUL",
     "Row",
@@ -44,18 +45,18 @@ __all__ = [
     "render",
     "reproduce",
     "serve",
-    "signed_headers",
     "serving",
+    "signed_headers",
     "start_serve",
     "start_servers",
     "verdict",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
-ROOT = BENCH_DIR.parent
+ROOT = BENCH_DIR.parent  # the repository root (bench/admission.py imports the test simulators from it)
 RESULTS_DIR = BENCH_DIR / "results"
 PYTHON = Path(sys.executable)
-WAKEFUL = PYTHON.parent / "wakeful"
+WAKEFUL = PYTHON.parent / "wakeful"  # the console script beside the interpreter: run the scripts with .venv/bin/python
 SECRET = "bench-secret"  # the generic source's signing secret; loopback only, so a constant is fine
 
 
@@ -304,7 +305,16 @@ def print_and_save(tables: Iterable[Table], filename: str, header: str = "", ech
     (RESULTS_DIR / filename).write_text(text)
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def bench_args(description: str) -> argparse.Namespace:
+    """Parse `--quick`, and make SIGTERM and SIGINT unwind the stack so every started server is stopped.
+
+    Python's default SIGTERM kills without running `finally`, and a background job inherits SIGINT ignored."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a shorter smoke run (figures are noisier)")
     return parser.parse_args()

@@ -1,35 +1,31 @@
 """Run every benchmark in one invocation, print all tables and write them to bench/results/latest.txt.
 
     .venv/bin/python bench/run_all.py           # the full run (several minutes)
-    .venv/bin/python bench/run_all.py --quick   # a smoke run, under a minute; noisier figures
+    .venv/bin/python bench/run_all.py --quick   # a smoke run, under a minute on an otherwise idle machine
 
-Benchmarks run one after another, never side by side, so they do not load each other. A benchmark that fails is
-reported in its place and the others still run.
+Benchmarks run one after another, never side by side, so they do not load each other. Each is imported only when
+its turn comes, so a benchmark that fails to import or to run is reported in its place and the others still run.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import platform
 import time
 import traceback
-from collections.abc import Callable
 from datetime import UTC, datetime
 
-import idle
-import ingest
-import mcp_roundtrip
-import timers
-import wake
 from _common import Row, Table, bench_args, print_and_save, render
 
-# (script, run, part of --quick): the MCP round trip alone takes longer than the quick run's whole budget leaves.
-BENCHMARKS: list[tuple[str, Callable[[bool], list[Table]], bool]] = [
-    ("ingest.py", ingest.run, True),
-    ("wake.py", wake.run, True),
-    ("timers.py", timers.run, True),
-    ("idle.py", idle.run, True),
-    ("mcp_roundtrip.py", mcp_roundtrip.run, False),
+# (module in bench/, part of --quick): the acting and MCP benchmarks alone take longer than the quick budget leaves.
+BENCHMARKS: list[tuple[str, bool]] = [
+    ("ingest", True),
+    ("wake", True),
+    ("timers", True),
+    ("idle", True),
+    ("admission", False),
+    ("mcp_roundtrip", False),
 ]
 
 
@@ -39,11 +35,15 @@ def machine_line() -> str:
     return f"{platform.node()}, {os.cpu_count()} CPUs, load average {load}"
 
 
-def failed(script: str, quick: bool) -> Table:
-    last = traceback.format_exc().strip().splitlines()[-1]
-    return Table(title=f"{script}: FAILED", rows=[Row("error", last, "-")],
-                 reproduce=f".venv/bin/python bench/{script}{' --quick' if quick else ''}",
-                 notes=["see the traceback above"])
+def run_one(module: str, quick: bool) -> list[Table]:
+    try:
+        return list(importlib.import_module(module).run(quick))
+    except Exception:
+        traceback.print_exc()
+        last = traceback.format_exc().strip().splitlines()[-1]
+        return [Table(title=f"{module}.py: FAILED", rows=[Row("error", last, "-")],
+                      reproduce=f".venv/bin/python bench/{module}.py{' --quick' if quick else ''}",
+                      notes=["see the traceback above"])]
 
 
 def main() -> None:
@@ -53,18 +53,14 @@ def main() -> None:
               f"{datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC", f"machine at start: {machine_line()}"]
     print("\n".join(header) + "\n", flush=True)
     tables: list[Table] = []
-    for script, run, in_quick in BENCHMARKS:
+    for module, in_quick in BENCHMARKS:
         if args.quick and not in_quick:
-            header.append(f"skipped in --quick: {script} (run it alone: .venv/bin/python bench/{script} --quick)")
+            header.append(f"skipped in --quick: {module}.py (run it alone: .venv/bin/python bench/{module}.py --quick)")
             print(header[-1] + "\n", flush=True)
             continue
         t0 = time.monotonic()
-        try:
-            produced = run(args.quick)
-        except Exception:
-            traceback.print_exc()
-            produced = [failed(script, args.quick)]
-        produced[-1].notes.append(f"{script} took {time.monotonic() - t0:.0f} s")
+        produced = run_one(module, args.quick)
+        produced[-1].notes.append(f"{module}.py took {time.monotonic() - t0:.0f} s")
         for table in produced:
             print(render(table) + "\n", flush=True)
         tables += produced

@@ -38,7 +38,7 @@ from server.tables import (
     waits as waits_table,
 )
 
-__all__ = ["admit_and_record", "approval_key", "lock_task", "render_card"]
+__all__ = ["admit_and_record", "approval_key", "gather_facts", "lock_task", "objects_problem", "render_card"]
 
 
 def approval_key(action_id: str) -> str:
@@ -50,7 +50,7 @@ def lock_task(conn: Connection, task_id: str) -> Any:
     return conn.execute(select(tasks).where(tasks.c.id == task_id).with_for_update()).one()
 
 
-def _objects_problem(conn: Connection, action: Action, now: datetime) -> tuple[str, str] | None:
+def objects_problem(conn: Connection, action: Action, now: datetime) -> tuple[str, str] | None:
     for name, object_id in sorted(action.content.get("objects", {}).items()):
         row = conn.execute(select(objects.c.expires_at, objects.c.snapshot).where(objects.c.id == object_id)).first()
         if row is None:
@@ -91,7 +91,7 @@ def gather_facts(conn: Connection, action: Action, *, policy: Policy, now: datet
         now=now, stopped=control.stop_state(conn).blocks(action.user_id), task_state=TaskState(task.state),
         current_version=task.current_version, action_version=action.task_version, content_hash=action.content_hash,
         risk=risk, auto_rule=rule, amount_cents=action.amount_cents,
-        objects_problem=_objects_problem(conn, action, now), budgets=policy.budgets,
+        objects_problem=objects_problem(conn, action, now), budgets=policy.budgets,
         spent_task_cents=_spent(conn, where=and_(actions.c.task_id == action.task_id, actions.c.id != action.id)),
         spent_today_cents=_spent(conn, where=and_(actions.c.user_id == action.user_id, actions.c.id != action.id,
                                                   actions.c.created_at >= day_start)),

@@ -22,10 +22,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import Connection, Engine, and_, func, select, update
+from sqlalchemy import Connection, Engine, and_, func, or_, select, update
 
 from server import control, faults, inbox, outbox, waits
-from server.acting import lock_task
+from server.acting import lock_task, objects_problem
 from server.actions import Action, content_hash, load_action
 from server.clock import Clock
 from server.connectors import DoneWhen, done_when_holds
@@ -116,9 +116,16 @@ class ActionDispatcher:
     def drain(self, limit: int = 50) -> int:
         now = self._clock.now()
         with read(self._engine) as conn:
+            stop = control.stop_state(conn)
+            if stop.everything:
+                return 0
+            # Intents held by a pause or a user's STOP are left out here, so they never crowd out the others.
+            paused = select(tasks_table.c.session_id).where(tasks_table.c.state == TaskState.PAUSED.value)
             due = conn.execute(select(outbox_table.c.id, outbox_table.c.body).where(and_(
                 outbox_table.c.kind == OutboxKind.DISPATCH.value, outbox_table.c.state == OutboxState.PENDING.value,
-                outbox_table.c.next_attempt_at <= now)).order_by(outbox_table.c.created_at).limit(limit)).all()
+                outbox_table.c.next_attempt_at <= now, outbox_table.c.user_id.not_in(stop.users),
+                or_(outbox_table.c.session_id.is_(None), outbox_table.c.session_id.not_in(paused))))
+                .order_by(outbox_table.c.created_at).limit(limit)).all()
         done = 0
         for row in due:
             try:
@@ -168,6 +175,10 @@ class ActionDispatcher:
         if task.current_version != action.task_version:
             self._void(conn, intent_id, action, "task_version_changed",
                        f"the task moved to version {task.current_version}", now)
+            return SETTLED
+        stale = objects_problem(conn, action, now)  # an expired quote is not sent, even if approved in time
+        if stale is not None:
+            self._void(conn, intent_id, action, *stale, now)
             return SETTLED
         if any(a.outcome == Outcome.ACCEPTED.value for a in previous):
             self._finish_intent(conn, intent_id, now)
@@ -236,10 +247,15 @@ class ActionDispatcher:
                                                      outbox_table.c.state == OutboxState.PENDING.value))
                      .values(state=OutboxState.FAILED.value, last_error=code))
         task = lock_task(conn, action.task_id)
+        earlier = conn.execute(select(func.count()).select_from(attempts).where(attempts.c.action_id == action.id)
+                               ).scalar_one()
+        said = ("Nothing was sent for it." if not earlier else
+                "An earlier request for it did leave; I am still checking with the provider whether it took effect.")
         outbox.enqueue(conn, user_id=action.user_id, session_id=task.session_id, now=now,
-                       message_id=f"void_{action.id}",
+                       message_id=f"void_{action.id}_{earlier}",
                        body={"kind": "action_voided", "action_id": action.id, "code": code,
-                             "text": f"I did not send {action.tool}: {detail}. Nothing was sent for it."})
+                             "text": f"I did not send {action.tool} again: {detail}. {said}" if earlier else
+                                     f"I did not send {action.tool}: {detail}. {said}"})
 
     # -- reconcile ---------------------------------------------------------------------------------------------
 
@@ -250,7 +266,10 @@ class ActionDispatcher:
                 waits_table.c.kind == "reconcile", waits_table.c.state == WaitState.PENDING.value)).limit(limit)
             ).scalars().all()
         for key in pending:
-            self.reconcile(key.removeprefix("reconcile:"))
+            try:
+                self.reconcile(key.removeprefix("reconcile:"))
+            except Exception:  # one action's trouble must not stop the others' reconciliation
+                log.exception("reconciling %s failed; it is tried again next round", key)
         self._tell_timed_out()
         return len(pending)
 
@@ -285,8 +304,10 @@ class ActionDispatcher:
             elif action.content.get("idempotency_key") and now - last.created_at >= self._resend_after and \
                     response.is_success:
                 # The remote says it did not happen and deduplicates by key: the same request may go again.
+                session_id = lock_task(conn, action.task_id).session_id
                 intent = upsert(conn, outbox_table).values(
                     id=f"dsp_{action.id}_{last.seq + 1}", user_id=action.user_id, kind=OutboxKind.DISPATCH.value,
+                    session_id=session_id,
                     state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now, created_at=now,
                     body=json.dumps({"action_id": action.id}))
                 conn.execute(intent.on_conflict_do_nothing())  # one resend per attempt, however often we look
@@ -299,9 +320,14 @@ class ActionDispatcher:
         """Re-read the world for accepted actions whose task version asks for it; then check completion."""
         with read(self._engine) as conn:
             accepted = _accepted_actions(conn)
-            verified = set(conn.execute(select(evidence.c.action_id).where(and_(
-                evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))).scalars())
-            candidates = [load_action(conn, a) for a in accepted if a not in verified][:limit]
+            verified = select(evidence.c.action_id).where(and_(
+                evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))
+            # Canonical JSON escapes quotes inside strings, so this matches only a top-level "verify" member.
+            ids = conn.execute(select(actions_table.c.id).where(and_(
+                actions_table.c.id.in_(accepted), actions_table.c.id.not_in(verified),
+                actions_table.c.content.like('%"verify":{%'))).order_by(actions_table.c.created_at).limit(limit)
+            ).scalars().all()
+            candidates = [load_action(conn, a) for a in ids]
         checked = 0
         for action in candidates:
             spec = action.content.get("verify")

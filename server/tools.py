@@ -175,8 +175,9 @@ class ToolLayer:
         with write(self.engine) as conn:
             task = self._fence(conn, binding)
             if binding.decision_id is not None:
-                existing = conn.execute(select(actions.c.id).where(actions.c.decision_id == binding.decision_id)
-                                        ).scalar_one_or_none()
+                existing = conn.execute(select(actions.c.id).where(and_(
+                    actions.c.decision_id == binding.decision_id, actions.c.user_id == binding.user_id,
+                    actions.c.task_id == binding.task_id))).scalar_one_or_none()
                 if existing is not None:  # a replayed decision: the action exists already, never a second one
                     return self._status(conn, existing)
             resolved = self._resolve(conn, binding, op, valid, task.current_version)

@@ -30,7 +30,7 @@ from server import approvals, control
 from server.actions import Action, load_action
 from server.clock import FakeClock
 from server.db import read, write
-from server.dispatch import ActionDispatcher
+from server.dispatch import HELD, SETTLED, ActionDispatcher
 from server.tables import ControlKind, OutboxKind, OutboxState, TaskState, VerdictKind, attempts, outbox, verdicts
 from server.tables import control as control_table
 from server.tools import Binding
@@ -199,11 +199,11 @@ class OrderedDispatcher(ActionDispatcher):
         super().__init__(*args, **kwargs)
         self.ledger = ledger
 
-    def _prepare(self, conn: Connection, intent_id: str, action: Action, now: datetime) -> str | None:
+    def _prepare(self, conn: Connection, intent_id: str, action: Action, now: datetime) -> str:
         order = self.ledger.take()
-        attempt = super()._prepare(conn, intent_id, action, self._clock.advance(TICK))
-        self.ledger.prepares.append((order, action.id, attempt))
-        return attempt
+        prepared = super()._prepare(conn, intent_id, action, self._clock.advance(TICK))
+        self.ledger.prepares.append((order, action.id, None if prepared in (HELD, SETTLED) else prepared))
+        return prepared
 
 
 def race(w: World, dispatcher: OrderedDispatcher, task: Binding, act: str, delays: dict[str, float]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import Engine, and_, select, text
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError
 
 from server import approvals, control, inbox, sessions
 from server.acting import admit_and_record
@@ -232,10 +232,6 @@ def test_revoking_while_a_request_is_on_the_wire_stops_every_later_step_and_clai
         assert [m["id"] for m in to_user if cancel in json.dumps(m)] == [f"card_{cancel}"]  # only its card
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="control.set_task_state cancels every pending wait of a revoked task, "
-                   "including the reconcile wait of an unknown outcome, so it is never "
-                   "reconciled nor reported to the user")
 def test_revoking_after_a_response_was_lost_still_reconciles_the_unknown_outcome(
         engine: Engine, clock: FakeClock, owner: str) -> None:
     with world(engine, clock, owner, client_timeout=1.0) as w:
@@ -247,14 +243,14 @@ def test_revoking_after_a_response_was_lost_still_reconciles_the_unknown_outcome
         assert [a.outcome for a in attempt_rows(w, act)] == [Outcome.UNKNOWN]
         assert len(w.merchant.effects) == 1
         set_state(w, task, ControlKind.REVOKE, "never mind")
-        # Revoking stops further steps; it cannot make "unknown" known. The outcome must still be reconciled
-        # (or, past the window, reported as unknown) — the user must learn that the cancellation did happen.
-        w.dispatcher.reconcile_due()
-        w.clock.advance(w.policy.reconcile_window + timedelta(minutes=1))
-        w.dispatcher.reconcile_due()
-        reconciled = [e.verdict for e in evidence_rows(w, act, source="reconcile")]
-        told = [m for m in messages(w.engine) if m.get("kind") == "outcome_unknown" and m["action_id"] == act]
-        assert reconciled == [Outcome.ACCEPTED] or told, "the unknown outcome was dropped on revoke"
+        # Revoking stops further steps; it cannot make "unknown" known: the request that left is still reconciled,
+        # so the user can learn that the cancellation did happen.
+        assert wait_row(w, reconcile_key(act)).state == WaitState.PENDING
+        assert w.dispatcher.reconcile_due() == 1
+        assert [e.verdict for e in evidence_rows(w, act, source="reconcile")] == [Outcome.ACCEPTED]
+        assert wait_row(w, reconcile_key(act)).state == WaitState.SATISFIED
+        rounds(w, 3)
+        assert len(w.merchant.effects) == 1 and len(attempt_rows(w, act)) == 1 and pending_dispatches(w) == []
 
 
 # -- 3. a duplicate request and a late error after verified completion --------------------------------------------
@@ -397,17 +393,16 @@ def test_an_order_the_airline_never_got_is_sent_again_with_the_same_key_after_re
         assert wait_row(w, reconcile_key(act)).state == WaitState.SATISFIED
 
 
-@pytest.mark.xfail(strict=True, raises=IntegrityError,
-                   reason="ActionDispatcher.reconcile re-enqueues dsp_<action>_<seq+1> on every pass past "
-                   "resend_after; when that intent was held (pause) or voided (steer) no new attempt exists, so the "
-                   "next pass hits the outbox primary key and reconcile_due raises for everyone")
 @pytest.mark.parametrize("control_kind", ["pause", "steer"])
-def test_reconciling_an_unknown_order_again_after_its_resend_was_held_or_voided_does_not_crash(
+def test_reconciling_an_unknown_order_again_after_its_resend_was_held_or_voided_neither_crashes_nor_resends(
         engine: Engine, clock: FakeClock, owner: str, control_kind: str) -> None:
+    """Regression (fixed in 432d4d0): the second reconcile pass re-enqueued dsp_<action>_<seq+1> and hit the outbox
+    primary key, so reconcile_due raised IntegrityError for everyone until the reconcile window ran out."""
     with world(engine, clock, owner) as w:
         w.airline.faults.update({"fail_before_commit": 1})
         task = w.task(title="rebook me onto the afternoon flight")
         act = order_a_flight(w, task)
+        key = action(w, act).content["idempotency_key"]
         w.dispatcher.drain()
         assert [a.outcome for a in attempt_rows(w, act)] == [Outcome.UNKNOWN]
         if control_kind == "pause":
@@ -421,18 +416,49 @@ def test_reconciling_an_unknown_order_again_after_its_resend_was_held_or_voided_
         w.dispatcher.drain()  # ... and held (paused) or voided (the task moved on)
         assert len(attempt_rows(w, act)) == 1 and w.airline.effects == []
         assert wait_row(w, reconcile_key(act)).state == WaitState.PENDING
+        for _ in range(3):  # the reconciler loop's next passes
+            w.clock.advance(timedelta(seconds=11))
+            assert w.dispatcher.reconcile_due() == 1
+            w.dispatcher.drain()
+        assert w.airline.effects == [] and len(attempt_rows(w, act)) == 1  # nothing left while held / after void
+        assert len(pending_dispatches(w)) == (1 if control_kind == "pause" else 0)  # one resend per attempt
+        if control_kind == "pause":  # resuming releases that one resend: the same request, the same key
+            set_state(w, task, ControlKind.RESUME, "go ahead")
+            assert w.dispatcher.drain() == 1
+            first, second = attempt_rows(w, act)
+            assert json.loads(second.request) == json.loads(first.request) and second.outcome == Outcome.ACCEPTED
+            (ticket,) = w.airline.effects_of("ticket", "PNR123")
+            assert ticket["idempotency_key"] == key
+            rounds(w, 2)
+            assert len(w.airline.effects) == 1 and len(attempt_rows(w, act)) == 2
+        else:
+            voided = [m for m in messages(w.engine) if m.get("kind") == "action_voided"]
+            assert [(m["action_id"], m["code"]) for m in voided] == [(act, "task_version_changed")]
+
+
+def test_voiding_a_resend_never_tells_the_user_that_nothing_was_sent(engine: Engine, clock: FakeClock,
+                                                                     owner: str) -> None:
+    with world(engine, clock, owner) as w:
+        w.airline.faults.update({"fail_before_commit": 1})
+        task = w.task(title="rebook me onto the afternoon flight")
+        act = order_a_flight(w, task)
+        w.dispatcher.drain()  # the order left; the airline answered 503: it may or may not have been applied
+        with write(w.engine) as conn:
+            control.steer(conn, user_id=w.owner, task_id=task.task_id, goal="the evening flight instead",
+                          actor="user:test", now=w.clock.now())
         w.clock.advance(timedelta(seconds=11))
-        try:
-            w.dispatcher.reconcile_due()  # the reconciler loop's next pass
-        finally:
-            assert w.airline.effects == [] and len(attempt_rows(w, act)) == 1  # nothing left, whatever happens
+        w.dispatcher.reconcile_due()
+        w.dispatcher.drain()  # the resend is voided: the task moved on
+        assert len(attempt_rows(w, act)) == 1 and wait_row(w, reconcile_key(act)).state == WaitState.PENDING
+        (voided,) = [m for m in messages(w.engine) if m.get("kind") == "action_voided"]
+        assert voided["action_id"] == act
+        assert "Nothing was sent" not in voided["text"], voided["text"]  # one request did leave, outcome unknown
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ActionDispatcher.reconcile_due has no per-action isolation (drain has): one action whose "
-                   "reconcile raises stops every later action's reconciliation, and the runtime then skips verify_due")
-def test_one_action_that_cannot_be_reconciled_does_not_stop_another_tasks_reconciliation(
+def test_an_order_whose_resend_was_voided_does_not_stop_another_tasks_reconciliation(
         engine: Engine, clock: FakeClock, owner: str) -> None:
+    """Regression (fixed in 432d4d0): the voided resend made every later reconcile pass raise before it reached
+    the other task's unknown outcome, and the runtime's reconciler then skipped verify_due: no receipt, ever."""
     with world(engine, clock, owner, client_timeout=1.0) as w:
         w.airline.faults.update({"fail_before_commit": 1})
         broken = w.task(title="rebook me onto the afternoon flight")
@@ -452,12 +478,9 @@ def test_one_action_that_cannot_be_reconciled_does_not_stop_another_tasks_reconc
         w.dispatcher.drain()
         assert [a.outcome for a in attempt_rows(w, cancel)] == [Outcome.UNKNOWN]
         w.clock.advance(timedelta(seconds=11))
-        for _ in range(3):  # the runtime's reconciler loop: a pass that raises is logged and retried
-            try:
-                w.dispatcher.reconcile_due()
-                w.dispatcher.verify_due()
-            except IntegrityError:
-                pass
+        for _ in range(3):  # the runtime's reconciler loop
+            w.dispatcher.reconcile_due()
+            w.dispatcher.verify_due()
         assert [e.verdict for e in evidence_rows(w, cancel, source="reconcile")] == [Outcome.ACCEPTED]
         assert [m["task_id"] for m in messages(w.engine) if m.get("kind") == "receipt"] == [bystander.task_id]
 
@@ -552,10 +575,6 @@ def test_a_quote_that_expires_between_approval_and_dispatch_is_recorded_as_block
         assert w.hotel.effects == [] and len(attempt_rows(w, act)) <= 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ActionDispatcher._prepare re-checks STOP/pause/revoke/version but not the "
-                   "objects' expiry, so a booking of a quote known to have expired still "
-                   "leaves (refused only because the hotel checks)")
 def test_the_dispatcher_does_not_send_a_quote_it_knows_has_expired(engine: Engine, clock: FakeClock,
                                                                     owner: str) -> None:
     with world(engine, clock, owner, policy=Policy()) as w:
@@ -630,10 +649,6 @@ def test_an_object_id_from_before_the_user_steered_the_task_is_unknown_in_the_ne
 # -- a held dispatch must not starve anyone else's ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="ActionDispatcher.drain takes the 50 oldest pending intents and a held one "
-                   "(paused task / STOP) stays pending, so 50 held intents starve every later "
-                   "dispatch of every user")
 def test_dispatches_held_by_a_pause_do_not_starve_another_tasks_dispatch(w: World) -> None:
     for n in range(50):
         paused = w.task(title=f"held {n}")

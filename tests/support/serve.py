@@ -6,6 +6,10 @@
 The process is started from the venv's `wakeful` console script (the CLI module has no `__main__`), listens on a
 fresh loopback port, and writes stdout and stderr to `log_path` so a failing test can show what the server said.
 It is only ever signalled by its own PID.
+
+On Linux the server is also tied to the thread that started it (`PR_SET_PDEATHSIG`): if the test process dies
+without cleaning up, the kernel kills the server. That thread must therefore outlive the server — the main thread,
+or a pool's worker that is only shut down after the server was stopped.
 """
 
 from __future__ import annotations
@@ -152,13 +156,13 @@ class ServeProcess:
             process.kill()
             process.wait(timeout=KILL_GRACE)
 
-    def log(self, tail: int = 8000) -> str:
-        """The end of what the process wrote (stdout and stderr), for failure messages."""
+    def log(self, tail: int | None = None) -> str:
+        """What the process wrote (stdout and stderr), or its last `tail` characters, for failure messages."""
         try:
             text = self.log_path.read_text(errors="replace")
         except FileNotFoundError:
             return "(no log written)"
-        return text if len(text) <= tail else "…" + text[-tail:]
+        return text if tail is None or len(text) <= tail else "…" + text[-tail:]
 
     def __enter__(self) -> ServeProcess:
         return self.start()
