@@ -1,0 +1,294 @@
+"""The typed contract between the proxy and the policy decider, and its strict JSON wire form.
+
+The proxy sends a `DecisionRequest` and forwards only on an `Allow`. `parse_verdict` fails closed: anything that is
+not a well-formed verdict becomes `Refuse(malformed_verdict)`, it never raises and never allows.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final, Literal, TypeAlias, get_args
+
+from proxy.hosts import normalize_host
+
+__all__ = [
+    "REASONS",
+    "Allow",
+    "Client",
+    "ContractError",
+    "DecisionRequest",
+    "ProxyRefusal",
+    "RefusalCode",
+    "Refuse",
+    "Verdict",
+    "encode_request",
+    "encode_verdict",
+    "parse_request",
+    "parse_verdict",
+    "refuse",
+]
+
+MAX_MESSAGE_BYTES: Final = 64 * 1024
+CREDENTIAL_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+"""How a credential binding is named: in the vault, in an `Allow`, in a `{{credential:NAME}}` placeholder."""
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+Client: TypeAlias = Literal["connector", "tool_computer"]
+
+
+class RefusalCode(StrEnum):
+    NOT_ADMITTED = "not_admitted"
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    DECIDER_UNAVAILABLE = "decider_unavailable"
+    ADDRESS_NOT_ALLOWED = "address_not_allowed"
+    CONTENT_MISMATCH = "content_mismatch"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    HEADER_MISMATCH = "header_mismatch"
+    PLAINTEXT_CREDENTIAL = "plaintext_credential"
+    MALFORMED_VERDICT = "malformed_verdict"
+    CREDENTIAL_UNAVAILABLE = "credential_unavailable"
+
+
+REASONS: Final[dict[RefusalCode, str]] = {
+    RefusalCode.NOT_ADMITTED: "the request belongs to no admitted action that is still valid",
+    RefusalCode.HOST_NOT_ALLOWED: "no egress rule allows this host, port, method and path",
+    RefusalCode.DECIDER_UNAVAILABLE: "the policy component did not answer in time; nothing was sent",
+    RefusalCode.ADDRESS_NOT_ALLOWED: "the host resolves to a private, loopback or reserved address",
+    RefusalCode.CONTENT_MISMATCH: "the request differs from the approved action's method, host, path or body",
+    RefusalCode.METHOD_NOT_ALLOWED: "this method is never forwarded",
+    RefusalCode.HEADER_MISMATCH: "the Host header, TLS name and CONNECT target disagree, or a header is malformed",
+    RefusalCode.PLAINTEXT_CREDENTIAL: "a credential is only ever sent over HTTPS",
+    RefusalCode.MALFORMED_VERDICT: "the policy component's answer was not understood; nothing was sent",
+    RefusalCode.CREDENTIAL_UNAVAILABLE: "the credential this request needs is not in the vault or cannot be used here",
+}
+"""A default reason per code, in words a user can act on."""
+
+
+class ContractError(ValueError):
+    """A value that does not satisfy the contract (raised by constructors and `parse_request`)."""
+
+
+class ProxyRefusal(Exception):
+    """Raised by the pure core when a request must not go out; `refuse()` is what the shell answers with."""
+
+    def __init__(self, code: RefusalCode, reason: str | None = None) -> None:
+        self.code = code
+        self.reason = reason or REASONS[code]
+        super().__init__(f"{code}: {self.reason}")
+
+    def refuse(self) -> Refuse:
+        return Refuse(code=self.code, reason=self.reason)
+
+
+def _text(value: object, what: str, *, limit: int = 256, empty: bool = False) -> str:
+    # Printable only: these strings end up in logs, headers and the audit, where a control character is an injection.
+    if not isinstance(value, str) or len(value) > limit or not value.isprintable() or (not value and not empty):
+        raise ContractError(f"{what} must be printable text of at most {limit} characters")
+    return value
+
+
+def _optional_text(value: object, what: str) -> str | None:
+    return None if value is None else _text(value, what)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecisionRequest:
+    """One request the proxy would forward, described to the decider. Validated on construction."""
+
+    request_id: str
+    user_id: str | None
+    attempt_token: str | None
+    """Added by the dispatcher to connector calls (header `X-Wakeful-Attempt`); never forwarded upstream."""
+    method: str
+    """Upper-case token, e.g. `GET`; `CONNECT` for a tunnel the proxy does not intercept (then `path` is "")."""
+    scheme: Literal["http", "https"]
+    host: str
+    """Normalised (see `proxy.hosts.normalize_host`)."""
+    port: int
+    path: str
+    """Starts with `/`, without the query."""
+    query: str
+    """Without the leading `?`; "" when there is none."""
+    body_sha256: str
+    """Lower-case hex SHA-256 of the body (of b"" when there is none)."""
+    resolved_ips: tuple[str, ...]
+    """The addresses the proxy would dial; empty until it resolved the host."""
+    client: Client
+
+    def __post_init__(self) -> None:
+        _text(self.request_id, "request_id", limit=128)
+        _optional_text(self.user_id, "user_id")
+        _optional_text(self.attempt_token, "attempt_token")
+        if not isinstance(self.method, str) or not _TOKEN.fullmatch(self.method) or self.method != self.method.upper():
+            raise ContractError("method must be an upper-case token")
+        if self.scheme not in ("http", "https"):
+            raise ContractError("scheme must be http or https")
+        try:
+            if normalize_host(self.host) != self.host:
+                raise ContractError("host must be normalised")
+        except ValueError as exc:
+            raise ContractError(f"host: {exc}") from None
+        if type(self.port) is not int or not 0 < self.port < 65536:
+            raise ContractError("port must be an integer in 1..65535")
+        _text(self.path, "path", limit=8192, empty=True)
+        path_ok = self.path.startswith("/") or (self.method == "CONNECT" and self.path == "")
+        if not path_ok or "?" in self.path or "#" in self.path:
+            raise ContractError("path must start with / and carry no query or fragment")
+        _text(self.query, "query", limit=8192, empty=True)
+        if not isinstance(self.body_sha256, str) or not _SHA256.fullmatch(self.body_sha256):
+            raise ContractError("body_sha256 must be 64 lower-case hex digits")
+        if not isinstance(self.resolved_ips, tuple):
+            raise ContractError("resolved_ips must be a tuple")
+        for ip in self.resolved_ips:
+            try:
+                ipaddress.ip_address(ip)
+            except ValueError:
+                raise ContractError(f"resolved_ips: not an IP address: {ip!r}") from None
+        if self.client not in get_args(Client):
+            raise ContractError("client must be connector or tool_computer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allow:
+    credential: str | None
+    """The name of the credential binding to inject, or None to forward without one."""
+    rule: str
+    """Why: the egress rule's name, or the admitted action's description."""
+    attempt_id: str | None
+    action_id: str | None
+
+    def __post_init__(self) -> None:
+        if self.credential is not None and (
+            not isinstance(self.credential, str) or not CREDENTIAL_NAME.fullmatch(self.credential)
+        ):
+            raise ContractError("credential must be a credential name")
+        _text(self.rule, "rule")
+        _optional_text(self.attempt_id, "attempt_id")
+        _optional_text(self.action_id, "action_id")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refuse:
+    code: RefusalCode
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.code, RefusalCode):
+            raise ContractError("code must be a RefusalCode")
+        _text(self.reason, "reason", limit=1000)
+
+
+Verdict: TypeAlias = Allow | Refuse
+
+
+def refuse(code: RefusalCode, reason: str | None = None) -> Refuse:
+    """A refusal with the default reason for its code unless a more precise one is given."""
+    return Refuse(code=code, reason=reason or REASONS[code])
+
+
+def _dumps(obj: dict[str, object]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=True).encode("ascii")
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    # A repeated key ("verdict" twice) means two readers may see two different answers: refuse the message.
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ContractError("duplicate key")
+    return result
+
+
+def _reject_constant(name: str) -> object:
+    raise ContractError(f"{name} is not JSON")
+
+
+def _loads(raw: object) -> dict[str, object]:
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise ContractError("expected bytes")
+    data = bytes(raw)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ContractError("message too large")
+    obj = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    if not isinstance(obj, dict):
+        raise ContractError("expected a JSON object")
+    if obj.get("v") != 1 or type(obj.get("v")) is not int:
+        raise ContractError("unsupported version")
+    return obj
+
+
+def _exact_keys(obj: dict[str, object], keys: frozenset[str]) -> None:
+    if set(obj) != keys:
+        raise ContractError(f"expected exactly the keys {sorted(keys)}")
+
+
+_REQUEST_KEYS = frozenset({"v", "request_id", "user_id", "attempt_token", "method", "scheme", "host", "port", "path",
+                           "query", "body_sha256", "resolved_ips", "client"})
+
+
+def encode_request(req: DecisionRequest) -> bytes:
+    return _dumps({
+        "v": 1, "request_id": req.request_id, "user_id": req.user_id, "attempt_token": req.attempt_token,
+        "method": req.method, "scheme": req.scheme, "host": req.host, "port": req.port, "path": req.path,
+        "query": req.query, "body_sha256": req.body_sha256, "resolved_ips": list(req.resolved_ips),
+        "client": req.client,
+    })
+
+
+def parse_request(raw: bytes) -> DecisionRequest:
+    """The decider's side: a `DecisionRequest` from its wire form. Raises `ContractError` on anything else."""
+    try:
+        obj = _loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ContractError(f"malformed decision request: {exc}") from None
+    _exact_keys(obj, _REQUEST_KEYS)
+    ips = obj["resolved_ips"]
+    if not isinstance(ips, list) or not all(isinstance(ip, str) for ip in ips):
+        raise ContractError("resolved_ips must be a list of strings")
+    fields = {k: v for k, v in obj.items() if k != "v"}
+    fields["resolved_ips"] = tuple(ips)
+    return DecisionRequest(**fields)  # type: ignore[arg-type]  # every field is validated in __post_init__
+
+
+def encode_verdict(verdict: Verdict, *, request_id: str) -> bytes:
+    """The decider's answer on the wire; `request_id` echoes the request so a stray answer is never applied."""
+    if isinstance(verdict, Allow):
+        return _dumps({"v": 1, "request_id": request_id, "verdict": "allow", "credential": verdict.credential,
+                       "rule": verdict.rule, "attempt_id": verdict.attempt_id, "action_id": verdict.action_id})
+    return _dumps({"v": 1, "request_id": request_id, "verdict": "refuse", "code": verdict.code.value,
+                   "reason": verdict.reason})
+
+
+_ALLOW_KEYS = frozenset({"v", "request_id", "verdict", "credential", "rule", "attempt_id", "action_id"})
+_REFUSE_KEYS = frozenset({"v", "request_id", "verdict", "code", "reason"})
+
+
+def _parse_verdict(raw: object, request_id: str | None) -> Verdict:
+    obj = _loads(raw)
+    kind = obj.get("verdict")
+    _exact_keys(obj, _ALLOW_KEYS if kind == "allow" else _REFUSE_KEYS)
+    if kind not in ("allow", "refuse"):
+        raise ContractError("verdict must be allow or refuse")
+    if not isinstance(obj["request_id"], str) or (request_id is not None and obj["request_id"] != request_id):
+        raise ContractError("the verdict answers another request")
+    if kind == "allow":
+        return Allow(credential=obj["credential"], rule=obj["rule"],  # type: ignore[arg-type]
+                     attempt_id=obj["attempt_id"], action_id=obj["action_id"])  # type: ignore[arg-type]
+    if not isinstance(obj["code"], str):
+        raise ContractError("code must be a string")
+    return Refuse(code=RefusalCode(obj["code"]), reason=obj["reason"])  # type: ignore[arg-type]
+
+
+def parse_verdict(raw: bytes, *, request_id: str | None = None) -> Verdict:
+    """The decider's answer, or `Refuse(malformed_verdict)` for anything not well-formed. Never raises.
+
+    With `request_id`, a verdict that does not echo it is malformed too.
+    """
+    try:
+        return _parse_verdict(raw, request_id)
+    except Exception:  # fail closed on *any* defect in the answer: the caller must get a verdict, never a crash
+        return refuse(RefusalCode.MALFORMED_VERDICT)
