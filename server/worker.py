@@ -30,6 +30,7 @@ from server.schedule import Misfire
 from server.settings import Settings
 from server.tables import EventStatus, RunOutcome, events, runs, usage_daily
 from server.tables import decisions as decisions_table
+from server.tables import sessions as sessions_table
 from server.tools import Binding, ToolLayer
 
 __all__ = ["EventView", "RunContext", "RunHandler", "RunInterrupted", "Worker"]
@@ -321,9 +322,12 @@ class Worker:
                                                         steps=ctx.steps)
                 conn.execute(stmt.on_conflict_do_update(index_elements=[usage_daily.c.user_id, usage_daily.c.day],
                                                         set_={"steps": usage_daily.c.steps + ctx.steps}))
-            conn.execute(update(runs).where(and_(runs.c.id == ctx.run_id, runs.c.outcome == RunOutcome.RUNNING.value))
-                         .values(outcome=outcome.value, ended_at=now, steps=ctx.steps,
-                                 reason=reason or ctx.ended_by or "silence: the handler sent nothing"))
+            ended = conn.execute(
+                update(runs).where(and_(runs.c.id == ctx.run_id, runs.c.outcome == RunOutcome.RUNNING.value))
+                .values(outcome=outcome.value, ended_at=now, steps=ctx.steps,
+                        reason=reason or ctx.ended_by or "silence: the handler sent nothing")).rowcount
+            if ended != 1:  # the sweeper already wrote this run off (its lease lapsed): commit nothing
+                raise StaleToken(ctx.session_id, ctx.token)
             sessions.release(conn, session_id=ctx.session_id, token=ctx.token)
 
 
@@ -344,6 +348,9 @@ def fail_poison_events(conn: Connection, *, session_id: str | None, cap: int, no
         and_(events.c.status == EventStatus.PENDING.value, events.c.attempts >= cap))
     if session_id is not None:
         query = query.where(events.c.session_id == session_id)
+    else:  # a session a live run holds is left to that run's claim-time check: it may be handling these now
+        held = select(sessions_table.c.id).where(sessions_table.c.lease_expires_at > now)
+        query = query.where(events.c.session_id.not_in(held))
     failed = 0
     for e in conn.execute(query).all():
         moved = conn.execute(update(events).where(and_(events.c.id == e.id,

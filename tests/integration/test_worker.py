@@ -189,3 +189,34 @@ def test_abandoned_run_is_swept_and_its_events_are_taken_over(runtime: Runtime, 
     assert Worker(engine, runtime.settings, clock, EchoHandler()).run_once()
     assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED]
     assert len(messages(engine)) == 1
+
+
+def test_the_sweeper_never_fails_an_event_a_live_run_is_handling(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                                 owner: str) -> None:
+    # Regression: the last allowed attempt was failed by the sweeper mid-run, and the run still replied to it.
+    runtime.settings.event_max_attempts = 1
+    deliver(engine, clock, owner, "d1")
+    worker = Worker(engine, runtime.settings, clock, EchoHandler())
+    ctx = worker._claim()
+    assert ctx is not None
+    runtime.sweep_once()
+    EchoHandler()(ctx)
+    worker._commit(ctx, RunOutcome.COMPLETED, None)
+    assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED]
+    assert [m.get("kind") for m in messages(engine)] == [None]
+
+
+def test_a_run_written_off_by_the_sweeper_commits_nothing(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                          owner: str) -> None:
+    # Regression: a run whose lease lapsed was marked abandoned, then committed anyway under its still-latest token.
+    deliver(engine, clock, owner, "d1")
+    worker = Worker(engine, runtime.settings, clock, EchoHandler())
+    ctx = worker._claim()
+    assert ctx is not None
+    EchoHandler()(ctx)
+    clock.advance(runtime.settings.lease + timedelta(seconds=1))
+    runtime.sweep_once()
+    with pytest.raises(StaleToken):
+        worker._commit(ctx, RunOutcome.COMPLETED, None)
+    assert messages(engine) == [] and [e.status for e in event_rows(engine)] == [EventStatus.PENDING]
+    assert worker.run_once() and len(messages(engine)) == 1

@@ -98,6 +98,8 @@ class ServeProcess:
 
     def start(self) -> ServeProcess:
         """Start the process and return once `GET /healthz` answers; raises ServerExited if it dies first."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"wakeful serve (pid {self._proc.pid}) is already running; a second start would leak it")
         for attempt in range(3):
             try:
                 return self._launch()
