@@ -8,6 +8,7 @@ start with `BEGIN IMMEDIATE` so two writers queue on the lock instead of deadloc
 from __future__ import annotations
 
 import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,10 +44,27 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+_WRITERS: dict[int, threading.RLock] = {}
+_WRITERS_GUARD = threading.Lock()
+
+
+def _writer_lock(engine: Engine) -> threading.RLock:
+    with _WRITERS_GUARD:
+        return _WRITERS.setdefault(id(engine), threading.RLock())
+
+
 @contextmanager
 def write(engine: Engine) -> Iterator[Connection]:
-    """A write transaction: committed (and on SQLite fsynced) on clean exit, rolled back on error."""
-    with engine.connect() as conn, conn.begin():
+    """A write transaction: committed (and on SQLite fsynced) on clean exit, rolled back on error.
+
+    On SQLite the threads of one process queue on an in-process lock first: SQLite's own busy handler makes a
+    waiting writer sleep in steps of up to 100 ms, so without it a lock released in a millisecond is taken up late.
+    Other processes (the CLI, `wakeful mcp`) still meet the busy timeout."""
+    if engine.dialect.name != "sqlite":
+        with engine.connect() as conn, conn.begin():
+            yield conn
+        return
+    with _writer_lock(engine), engine.connect() as conn, conn.begin():
         yield conn
 
 

@@ -350,16 +350,29 @@ class ActionDispatcher:
 
     def complete_due(self) -> int:
         """Tasks whose current version's completion conditions all hold on recorded evidence get their receipt."""
-        now = self._clock.now()
         done = 0
-        with write(self._engine) as conn:
+        with read(self._engine) as conn:
             accepted = _accepted_actions(conn)
+            if not accepted:
+                return 0
+            # Only active tasks with conditions, an accepted action in their current version and no receipt yet.
+            with_accepted = select(actions_table.c.task_id).where(and_(
+                actions_table.c.id.in_(accepted), actions_table.c.task_version == tasks_table.c.current_version))
+            candidates = conn.execute(select(tasks_table.c.id).join(
+                task_versions, and_(task_versions.c.task_id == tasks_table.c.id,
+                                    task_versions.c.version == tasks_table.c.current_version)).where(and_(
+                tasks_table.c.state == TaskState.ACTIVE.value, task_versions.c.completion != "[]",
+                tasks_table.c.id.in_(with_accepted)))).scalars().all()
+        if not candidates:
+            return 0
+        now = self._clock.now()
+        with write(self._engine) as conn:
             verified = set(conn.execute(select(evidence.c.action_id).where(and_(
                 evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))).scalars())
             rows = conn.execute(select(tasks_table, task_versions.c.completion, task_versions.c.goal).join(
                 task_versions, and_(task_versions.c.task_id == tasks_table.c.id,
                                     task_versions.c.version == tasks_table.c.current_version)).where(
-                tasks_table.c.state == TaskState.ACTIVE.value)).all()
+                tasks_table.c.id.in_(candidates))).all()
             for task in rows:
                 conditions = json.loads(task.completion)
                 receipt_id = f"rcpt_{task.id}_v{task.current_version}"

@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, and_, select, update
 
 from server import control, faults
 from server.clock import Clock
-from server.db import write
+from server.db import read, write
 from server.ids import new_id
 from server.tables import OutboxKind, OutboxState, outbox
 
@@ -56,7 +56,7 @@ class Dispatcher:
     def drain(self, limit: int = 100) -> int:
         """Deliver what is due; returns how many messages were attempted."""
         now = self._clock.now()
-        with write(self._engine) as conn:
+        with read(self._engine) as conn:
             stop = control.stop_state(conn)
             due = conn.execute(
                 select(outbox).where(and_(outbox.c.kind == OutboxKind.USER_MESSAGE.value,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, and_, func, select
 
 from server import control, faults, timers, users, waits
 from server.clock import Clock, SystemClock
@@ -26,8 +26,9 @@ from server.outbox import Dispatcher
 from server.policy import load_policy
 from server.settings import Settings
 from server.sweeper import sweep
-from server.tables import TimerState
+from server.tables import TimerState, WaitState
 from server.tables import timers as timers_table
+from server.tables import waits as waits_table
 from server.tools import ToolLayer
 from server.worker import RunHandler, Worker
 
@@ -102,9 +103,8 @@ class Runtime:
         return token
 
     def _after_run(self) -> None:
-        # A run's commit may hold outbox rows and new timers.
+        # A run's commit may hold outbox rows; new timers are found by the scheduler's next look (≤ poll_interval).
         self.signals.dispatch.set()
-        self.signals.timers.set()
 
     def start(self) -> None:
         self.committer.start()
@@ -149,11 +149,13 @@ class Runtime:
 
     def scheduler_tick(self) -> float:
         """Fire due timers and expire due waits; returns how long to sleep before the next due timer."""
-        now = self.clock.now()
-        with write(self.engine) as conn:
-            stop = control.stop_state(conn)
-            fired = 0 if stop.everything else timers.fire_due(conn, now=now, blocked=stop.blocks)
-            expired = waits.expire_due(conn, now=now)
+        fired = expired = 0
+        if self._anything_due(self.clock.now()):
+            with write(self.engine) as conn:
+                now = self.clock.now()  # read under the lock: an event's received_at is when it was written
+                stop = control.stop_state(conn)
+                fired = 0 if stop.everything else timers.fire_due(conn, now=now, blocked=stop.blocks)
+                expired = waits.expire_due(conn, now=now)
         if fired or expired:
             self.signals.work.set()
         with read(self.engine) as conn:
@@ -162,6 +164,14 @@ class Runtime:
         if next_due is None:
             return self.settings.poll_interval
         return max(0.0, min(self.settings.poll_interval, (next_due - self.clock.now()).total_seconds()))
+
+    def _anything_due(self, now: datetime) -> bool:
+        with read(self.engine) as conn:
+            timer = conn.execute(select(timers_table.c.id).where(and_(
+                timers_table.c.state == TimerState.ACTIVE.value, timers_table.c.due_at <= now)).limit(1)).first()
+            wait = conn.execute(select(waits_table.c.id).where(and_(
+                waits_table.c.state == WaitState.PENDING.value, waits_table.c.deadline <= now)).limit(1)).first()
+        return timer is not None or wait is not None
 
     def _dispatcher_loop(self) -> None:
         while not self.signals.stop.is_set():

@@ -223,6 +223,9 @@ class Worker:
 
     def _claim(self) -> RunContext | None:
         now = self.clock.now()
+        with read(self.engine) as conn:  # most polls find nothing: look before taking the write lock
+            if not sessions.claimable(conn, now=now, limit=1):
+                return None
         with write(self.engine) as conn:
             stop = control.stop_state(conn)
             for session_id, user_id in sessions.claimable(conn, now=now, limit=20):
