@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import mcp_types as types
+from jsonschema import Draft202012Validator
 from mcp.server.auth.provider import AccessToken
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
@@ -180,6 +181,11 @@ class WakefulMCP:
             "task_status": self._status, "send_to_user": self._send, "schedule_followup": self._followup,
         }
         if name in handlers:
+            schema = next(t.input_schema for t in DELEGATION_TOOLS if t.name == name)
+            problem = next(iter(Draft202012Validator(schema).iter_errors(args)), None)
+            if problem is not None:
+                where = ".".join(str(p) for p in problem.absolute_path) or "arguments"
+                raise BadRequest("invalid_arguments", f"{name}: {where}: {problem.message}")
             return handlers[name](user, args)
         task_id = args.pop("task_id", None)
         if not isinstance(task_id, str):

@@ -22,6 +22,7 @@ from server.mcpserver import WakefulMCP
 from server.policy import Policy
 from server.users import ensure_user
 from tests.support.acting import World, world
+from tests.support.records import messages
 from tests.support.serve import ServeProcess
 
 pytestmark = pytest.mark.anyio
@@ -148,3 +149,13 @@ async def test_streamable_http_on_wakeful_serve_needs_the_users_token(tmp_path: 
             assert response.status_code == 401
     assert "create_responsibility" in names
     assert foreign.is_error and foreign.content[0].text.startswith("unknown_task")
+
+
+async def test_send_to_user_goes_through_the_outbox_to_the_user_only(w: World, settings: Any) -> None:
+    async with Client(mcp_for(w, settings).server) as client:
+        task_id = (await client.call_tool("create_responsibility", {"title": "t"})).structured_content["task_id"]
+        sent = await client.call_tool("send_to_user", {"task_id": task_id, "text": "All done."})
+        to_someone = await client.call_tool("send_to_user", {"task_id": task_id, "text": "x", "to": "a@evil.test"})
+    assert sent.structured_content["state"] == "queued"
+    assert [m["text"] for m in messages(w.engine) if m.get("via") == "mcp"] == ["All done."]
+    assert to_someone.is_error and to_someone.content[0].text.startswith("invalid_arguments")
