@@ -216,7 +216,7 @@ def race(w: World, dispatcher: OrderedDispatcher, task: Binding, act: str, delay
 
     def approve() -> None:
         barrier.wait(timeout=10)
-        time.sleep(delays["approve"])
+        time.sleep(delays["approve"])  # random jitter that varies the interleaving; no result waits on it
         with write(w.engine) as conn:
             order, now = ledger.take(), w.clock.advance(TICK)
             code = approvals.decide(conn, user_id=w.owner, action_id=act, approve=True, actor="user:phone",
@@ -226,7 +226,7 @@ def race(w: World, dispatcher: OrderedDispatcher, task: Binding, act: str, delay
     def pause() -> None:
         try:
             barrier.wait(timeout=10)
-            time.sleep(delays["pause"])
+            time.sleep(delays["pause"])  # random jitter that varies the interleaving; no result waits on it
             with write(w.engine) as conn:
                 order, now = ledger.take(), w.clock.advance(TICK)
                 control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.PAUSE,
