@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, and_, or_, select, update
+from sqlalchemy import Connection, and_, select, update
 
 from server import inbox
 from server.errors import Conflict, NotFound
@@ -168,12 +168,3 @@ def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraint
                                       payload={"control": "steer", "task_id": task_id, "version": version,
                                                "goal": goal}), now=now)
     return version
-
-
-def paused_or_closed(conn: Connection, session_id: str) -> bool:
-    """Whether any task of this session is not active (its runs must not act)."""
-    return conn.execute(
-        select(tasks.c.id).where(and_(tasks.c.session_id == session_id,
-                                      or_(tasks.c.state == TaskState.PAUSED.value,
-                                          tasks.c.state == TaskState.CLOSED.value))).limit(1)
-    ).first() is not None

@@ -366,8 +366,3 @@ def fail_poison_events(conn: Connection, *, session_id: str | None, cap: int, no
                                  "text": f"I could not process the {e.source} event {e.source_id} after {cap} "
                                          "attempts and have set it aside. Nothing from it was acted on."})
     return failed
-
-
-def pending_count(engine: Engine) -> int:
-    with read(engine) as conn:
-        return len(conn.execute(select(events.c.id).where(events.c.status == EventStatus.PENDING.value)).all())
