@@ -58,7 +58,8 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
     base = f"http://{settings.host}:{settings.port}"
     mcp_app = mcp.server.streamable_http_app(
         streamable_http_path="/mcp", host=settings.host, token_verifier=TokenVerifier(runtime.engine),
-        auth=AuthSettings(issuer_url=AnyHttpUrl(base), resource_server_url=AnyHttpUrl(f"{base}/mcp")))
+        auth=AuthSettings(issuer_url=AnyHttpUrl(base), resource_server_url=AnyHttpUrl(f"{base}/mcp"),
+                          validate_token_resource=False))  # wakeful tokens are per user, not per resource
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
