@@ -30,7 +30,7 @@ from server.tables import TimerState, WaitState
 from server.tables import timers as timers_table
 from server.tables import waits as waits_table
 from server.tools import ToolLayer
-from server.worker import RunHandler, Worker
+from server.worker import IdlePoll, RunHandler, Worker
 
 __all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
 
@@ -142,10 +142,10 @@ class Runtime:
             return self.settings.poll_interval
 
     def _scheduler_loop(self) -> None:
+        idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not self.signals.stop.is_set():
-            delay = self._guarded("scheduler", self.scheduler_tick)
-            self.signals.timers.wait(delay)
-            self.signals.timers.clear()
+            until_next = self._guarded("scheduler", self.scheduler_tick)
+            idle.wait(self.signals.timers, at_most=until_next)
 
     def scheduler_tick(self) -> float:
         """Fire due timers and expire due waits; returns how long to sleep before the next due timer."""
@@ -162,8 +162,8 @@ class Runtime:
             next_due: datetime | None = conn.execute(select(func.min(timers_table.c.due_at))
                                     .where(timers_table.c.state == TimerState.ACTIVE.value)).scalar()
         if next_due is None:
-            return self.settings.poll_interval
-        return max(0.0, min(self.settings.poll_interval, (next_due - self.clock.now()).total_seconds()))
+            return self.settings.idle_poll_max
+        return max(0.0, (next_due - self.clock.now()).total_seconds())
 
     def _anything_due(self, now: datetime) -> bool:
         with read(self.engine) as conn:
@@ -174,12 +174,14 @@ class Runtime:
         return timer is not None or wait is not None
 
     def _dispatcher_loop(self) -> None:
+        idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not self.signals.stop.is_set():
             attempted = self._guarded("dispatcher",
                                       lambda: float(self.dispatcher.drain() + self.actions.drain()))
-            if not attempted:
-                self.signals.dispatch.wait(self.settings.poll_interval)
-                self.signals.dispatch.clear()
+            if attempted:
+                idle.reset()
+            else:
+                idle.wait(self.signals.dispatch)
 
     def _reconciler_loop(self) -> None:
         while not self.signals.stop.wait(self.settings.reconcile_interval):

@@ -33,7 +33,7 @@ from server.tables import decisions as decisions_table
 from server.tables import sessions as sessions_table
 from server.tools import Binding, ToolLayer
 
-__all__ = ["EventView", "RunContext", "RunHandler", "RunInterrupted", "Worker"]
+__all__ = ["EventView", "IdlePoll", "RunContext", "RunHandler", "RunInterrupted", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,26 @@ class EventView:
     corr_key: str | None
     payload: Any
     received_at: datetime
+
+
+class IdlePoll:
+    """Fallback polling that slows down while nothing is found (doubling up to `ceiling`) and is woken at once by
+    in-process work; finding work resets it."""
+
+    def __init__(self, floor: float, ceiling: float) -> None:
+        self._floor, self._ceiling = floor, max(floor, ceiling)
+        self._delay = floor
+
+    def wait(self, wakeup: threading.Event, at_most: float | None = None) -> None:
+        delay = self._delay if at_most is None else min(self._delay, at_most)
+        if wakeup.wait(delay):
+            self.reset()
+        else:
+            self._delay = min(self._delay * 2, self._ceiling)
+        wakeup.clear()
+
+    def reset(self) -> None:
+        self._delay = self._floor
 
 
 class RunInterrupted(Exception):
@@ -184,6 +204,7 @@ class Worker:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def run_forever(self, stop: threading.Event, wakeup: threading.Event) -> None:
+        idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not stop.is_set():
             try:
                 worked = self.run_once()
@@ -191,8 +212,9 @@ class Worker:
                 log.exception("worker %s: unexpected error", self.name)
                 worked = False
             if not worked:
-                wakeup.wait(self.settings.poll_interval)
-                wakeup.clear()
+                idle.wait(wakeup)
+            else:
+                idle.reset()
 
     def run_once(self) -> bool:
         """Claim one session with due work and run it. Returns False when there was nothing to do."""
