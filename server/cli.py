@@ -16,6 +16,7 @@ from server import approvals, control, ledger, users
 from server.clock import SystemClock
 from server.db import make_engine, migrate, read, write
 from server.errors import WakefulError
+from server.nudge import nudge
 from server.policy import load_policy
 from server.settings import Settings, load_settings
 from server.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
@@ -52,7 +53,7 @@ def serve(
     """Run HTTP, workers, scheduler, dispatcher and sweeper in one process (the embedded default)."""
     import uvicorn
 
-    from server.http import create_app
+    from server.http import QuietServer, create_app
     from server.runtime import Runtime, load_registry, make_handler
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -71,8 +72,8 @@ def serve(
     if token:
         err.print(f"Created user 'owner'. API token (shown once; `wakeful token` issues a new one):\n{token}")
     err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_url})")
-    uvicorn.run(create_app(runtime), host=settings.host, port=settings.port, log_level="warning",
-                access_log=False, timeout_graceful_shutdown=10)
+    QuietServer(uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level="warning",
+                               access_log=False, timeout_graceful_shutdown=10)).run()
 
 
 @app.command()
@@ -97,6 +98,7 @@ def _set_stop(stopped: bool, reason: str, user: str | None, data_dir: Path | Non
         user_id = users.user_id_by_name(conn, user) if user else None
         control.set_stop(conn, stopped=stopped, user_id=user_id, actor="cli", reason=reason,
                          now=SystemClock().now())
+    nudge(_settings(data_dir, database_url))
     scope = f"user {user}" if user else "everything"
     typer.echo(f"{'STOP' if stopped else 'START'} recorded for {scope}.")
 
@@ -170,6 +172,7 @@ def _control(kind: ControlKind, task: str, reason: str, user: str, data_dir: Pat
                                            reason=reason, now=SystemClock().now())
     except WakefulError as exc:
         _fail(exc)
+    nudge(_settings(data_dir, database_url))
     typer.echo(f"{task} is {state.value}.")
 
 
@@ -223,6 +226,7 @@ def _decide(action: str, approve: bool, reason: str, user: str, data_dir: Path |
                                        actor=f"cli:{user}", policy=policy, now=SystemClock().now(), reason=reason)
     except WakefulError as exc:
         _fail(exc)
+    nudge(settings)
     typer.echo(f"{action}: {decided.verdict.kind.value} ({decided.verdict.code}): {decided.verdict.reason}")
 
 
@@ -296,7 +300,7 @@ def mcp(user: Annotated[str, typer.Option(help="The local user the tools act for
     if runtime.prepare():
         err.print("Created user 'owner'; `wakeful token` issues its API token.")
     server = WakefulMCP(engine=runtime.engine, clock=runtime.clock, settings=settings, tools=runtime.tools,
-                        local_user=user).server
+                        local_user=user, on_write=lambda: nudge(settings)).server
 
     async def serve_stdio() -> None:
         async with stdio_server() as (reader, writer):

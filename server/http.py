@@ -2,6 +2,7 @@
 exactly one function.
 
     POST /v1/hooks/{source}        a signed webhook delivery (no token: the signature authenticates it)
+    POST /v1/wake                  another local process wrote work: the loops look now (carries nothing)
     POST /v1/noop                  does nothing: the baseline the benchmarks compare ingest against
     /mcp                           the MCP server over streamable HTTP (bearer token)
     GET  /healthz
@@ -15,9 +16,10 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from mcp.server.auth.settings import AuthSettings
 from pydantic import AnyHttpUrl
 
@@ -28,7 +30,18 @@ from server.routes import router
 from server.runtime import Runtime
 from server.signatures import SignatureError, verify_signature
 
-__all__ = ["create_app", "error_response"]
+__all__ = ["QuietServer", "create_app", "error_response"]
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn wakes ten times a second to refresh its Date header and look for a shutdown request; once a second
+    does both, and those wake-ups were most of an idle server's CPU."""
+
+    async def main_loop(self) -> None:
+        ticks = 0
+        while not await self.on_tick(ticks * 10):  # on_tick refreshes the header when its counter is a multiple of 10
+            ticks = (ticks + 1) % 86_400
+            await asyncio.sleep(1.0)
 
 
 def error_response(exc: WakefulError) -> JSONResponse:
@@ -54,7 +67,8 @@ def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
 def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
     settings, clock = runtime.settings, runtime.clock
 
-    mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None)
+    mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None,
+                     on_write=runtime.signals.wake_all)
     base = f"http://{settings.host}:{settings.port}"
     mcp_app = mcp.server.streamable_http_app(
         streamable_http_path="/mcp", host=settings.host, token_verifier=TokenVerifier(runtime.engine),
@@ -87,6 +101,13 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.post("/v1/wake", status_code=204)
+    async def wake() -> Response:
+        """Another process on this machine (the CLI, `wakeful mcp`) wrote work: look now instead of at the next
+        idle poll. It only shortens a wait; it carries nothing and changes nothing."""
+        runtime.signals.wake_all()
+        return Response(status_code=204)
 
     @app.post("/v1/noop")
     async def noop() -> dict[str, bool]:

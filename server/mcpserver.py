@@ -112,7 +112,8 @@ class TokenVerifier:
 
 class WakefulMCP:
     def __init__(self, *, engine: Engine, clock: Clock, settings: Settings, tools: ToolLayer,
-                 local_user: str | None) -> None:
+                 local_user: str | None, on_write: Callable[[], object] = lambda: None) -> None:
+        self._on_write = on_write  # wakes the runtime (in `wakeful serve`) or nudges it (from `wakeful mcp`)
         self.engine = engine
         self.clock = clock
         self.settings = settings
@@ -169,6 +170,7 @@ class WakefulMCP:
         try:
             user = await anyio.to_thread.run_sync(self._user, ctx)
             result = await anyio.to_thread.run_sync(self.dispatch_tool, user, params.name, args)
+            await anyio.to_thread.run_sync(self._on_write)
         except WakefulError as exc:
             return types.CallToolResult(is_error=True, content=[types.TextContent(text=f"{exc.code}: {exc.message}")],
                                         structured_content=exc.to_json())

@@ -42,10 +42,20 @@ class Signals:
     work: threading.Event = field(default_factory=threading.Event)
     dispatch: threading.Event = field(default_factory=threading.Event)
     timers: threading.Event = field(default_factory=threading.Event)
+    reconcile: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
 
     def all(self) -> tuple[threading.Event, ...]:
-        return (self.work, self.dispatch, self.timers)
+        return (self.work, self.dispatch, self.timers, self.reconcile)
+
+    def wake_all(self) -> None:
+        for event in self.all():
+            event.set()
+
+    def outcome_recorded(self) -> None:
+        """An action's outcome was recorded: the run should hear of it, reconciliation may have work."""
+        self.work.set()
+        self.reconcile.set()
 
 
 def load_registry(settings: Settings) -> Registry:
@@ -87,7 +97,8 @@ class Runtime:
         ]
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
-        self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy, on_event=self.signals.work.set,
+        self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
+                                        on_event=self.signals.outcome_recorded,
                                         resend_after=settings.resend_after)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
@@ -123,8 +134,7 @@ class Runtime:
 
     def stop(self) -> None:
         self.signals.stop.set()
-        for event in self.signals.all():
-            event.set()
+        self.signals.wake_all()
         for thread in self._threads:
             thread.join(timeout=30)
         self.committer.stop()
@@ -184,15 +194,22 @@ class Runtime:
                 idle.wait(self.signals.dispatch)
 
     def _reconciler_loop(self) -> None:
-        while not self.signals.stop.wait(self.settings.reconcile_interval):
-            self._guarded("reconciler", self.reconcile_once)
+        # Nothing to reconcile is the usual case: back off to six idle polls, and wake when an outcome is recorded.
+        idle = IdlePoll(self.settings.reconcile_interval, 6 * self.settings.idle_poll_max)
+        while not self.signals.stop.is_set():
+            idle.wait(self.signals.reconcile)
+            if self.signals.stop.is_set():
+                return
+            if self._guarded("reconciler", self.reconcile_once):
+                idle.reset()
 
     def reconcile_once(self) -> float:
-        """Query the remote for unknown outcomes, verify accepted effects, send receipts for completed tasks."""
-        self.actions.reconcile_due()
-        self.actions.verify_due()
-        self.signals.dispatch.set()
-        return 0.0
+        """Query the remote for unknown outcomes, verify accepted effects, send receipts for completed tasks;
+        returns how many actions it looked at."""
+        looked = self.actions.reconcile_due() + self.actions.verify_due()
+        if looked:
+            self.signals.dispatch.set()  # reconciliation may have queued a resend or a receipt
+        return float(looked)
 
     def _sweeper_loop(self) -> None:
         while not self.signals.stop.wait(self.settings.sweep_interval):

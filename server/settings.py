@@ -133,9 +133,9 @@ class Settings(BaseSettings):
     """Worker threads: different sessions run in parallel, one run per session at a time."""
     poll_interval: float = 1.0
     """Fallback polling for the worker, scheduler and dispatcher; commits wake them at once in-process."""
-    idle_poll_max: float = 5.0
-    """While a loop keeps finding nothing, its polling slows down to this (seconds); work in this process still
-    wakes it at once. Writes by other processes (the CLI, `wakeful mcp`) are seen within this long."""
+    idle_poll_max: float = 30.0
+    """While a loop keeps finding nothing, its polling slows down to this (seconds). Work in this process wakes it
+    at once; the CLI and `wakeful mcp` wake it through `POST /v1/wake` after they write."""
     sweep_interval: float = 15.0
     dispatch_max_attempts: int = 8
     """Deliveries of one outbox message before it is marked failed."""

@@ -96,3 +96,13 @@ def test_a_typo_in_the_policy_file_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(Exception) as refused:
         load_policy(tmp_path / "policy.toml")
     assert "per_action_cent" in str(refused.value) and getattr(refused.value, "code", "") == "invalid_policy"
+
+
+def test_a_cli_write_wakes_a_running_server_at_once(tmp_path: Path) -> None:
+    from server.nudge import nudge
+    from server.settings import Settings
+    from tests.support.serve import ServeProcess
+
+    with ServeProcess({"WAKEFUL_DATA_DIR": str(tmp_path)}, log_path=tmp_path / "serve.log") as server:
+        assert nudge(Settings(data_dir=tmp_path, port=server.port)) is True
+    assert nudge(Settings(data_dir=tmp_path, port=server.port)) is False  # nobody listening: best effort, no error

@@ -68,6 +68,7 @@ def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None) -> 
         "WAKEFUL_LEASE": "1",  # seconds: a dead worker's session is free again by the time the restart is done
         "WAKEFUL_SWEEP_INTERVAL": "0.3",
         "WAKEFUL_POLL_INTERVAL": "0.2",
+        "WAKEFUL_IDLE_POLL_MAX": "1",  # recovery waits on lease expiry, which only polling notices
         "WAKEFUL_DISPATCH_BACKOFF": "0.1",
         # Low enough that a run of crashes after claiming really fails events, so the explicit-failure path
         # (one notice, no reply) is exercised under crashes as well as the happy path.
