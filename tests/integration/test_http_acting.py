@@ -1,0 +1,80 @@
+"""The control channel over HTTP on a real action: card, approve, status, ledger, steer — and only for its owner."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine
+
+from server.clock import FakeClock
+from server.db import write
+from server.handlers import EchoHandler
+from server.http import create_app
+from server.runtime import Runtime
+from server.settings import Settings
+from server.tools import Binding
+from server.users import ensure_user, issue_token
+from tests.support.acting import CANCEL_VERIFIED, World, world
+
+
+@pytest.fixture
+def setup(engine: Engine, clock: FakeClock, owner: str, settings: Settings) -> Iterator[tuple[World, TestClient, dict]]:
+    with world(engine, clock, owner) as w:
+        runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine, registry=w.tools.registry)
+        runtime.prepare()
+        with write(engine) as conn:
+            token = issue_token(conn, user_id=owner)
+        with TestClient(create_app(runtime, manage_runtime=False)) as client:
+            yield w, client, {"Authorization": f"Bearer {token}"}
+
+
+def test_approving_over_http_after_reading_the_card_sends_it_once(setup: tuple[World, TestClient, dict]) -> None:
+    w, client, auth = setup
+    created = client.post("/v1/tasks", json={"title": "cancel it", "completion": CANCEL_VERIFIED}, headers=auth)
+    assert created.status_code == 201, created.text
+    task = Binding(user_id=w.owner, task_id=created.json()["task_id"])
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    card = client.get(f"/v1/actions/{action_id}", headers=auth).json()["card"]
+    assert card["action_id"] == action_id and "amount: 19.99 EUR" in card["lines"]
+    decided = client.post(f"/v1/actions/{action_id}/approve", json={"reason": "yes"}, headers=auth).json()
+    assert (decided["verdict"], decided["code"]) == ("admitted", "admitted")
+    w.dispatcher.drain()
+    w.dispatcher.verify_due()
+    assert len(w.merchant.effects) == 1
+    status = client.get(f"/v1/tasks/{task.task_id}", headers=auth).json()
+    assert status["actions"][0]["outcome"] == "accepted" and status["facts"]["goal_verified"]
+    kinds = {e["type"] for e in client.get(f"/v1/tasks/{task.task_id}/ledger", headers=auth).json()["entries"]}
+    assert {"action", "verdict", "approval", "attempt", "evidence"} <= kinds
+
+
+def test_steering_over_http_voids_the_pending_approval(setup: tuple[World, TestClient, dict]) -> None:
+    w, client, auth = setup
+    task_id = client.post("/v1/tasks", json={"title": "cancel it"}, headers=auth).json()["task_id"]
+    task = Binding(user_id=w.owner, task_id=task_id)
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    assert client.post(f"/v1/tasks/{task_id}/steer", json={"goal": "keep it"}, headers=auth).json()["version"] == 2
+    decided = client.post(f"/v1/actions/{action_id}/approve", headers=auth).json()
+    assert decided["code"] == "task_version_changed"
+    w.dispatcher.drain()
+    assert w.merchant.effects == []
+
+
+def test_another_user_cannot_see_or_approve_the_action(setup: tuple[World, TestClient, dict]) -> None:
+    w, client, auth = setup
+    task_id = client.post("/v1/tasks", json={"title": "cancel it"}, headers=auth).json()["task_id"]
+    task = Binding(user_id=w.owner, task_id=task_id)
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+    with write(w.engine) as conn:
+        _, other = ensure_user(conn, name="mallory", now=w.clock.now())
+    foreign = {"Authorization": f"Bearer {other}"}
+    for response in (client.get(f"/v1/actions/{action_id}", headers=foreign),
+                     client.post(f"/v1/actions/{action_id}/approve", headers=foreign),
+                     client.get(f"/v1/tasks/{task_id}/ledger", headers=foreign)):
+        assert response.status_code == 404
+    assert client.post("/v1/tasks", json={"title": "x", "completion": [{"effect": "nope__x"}]},
+                       headers=auth).json()["error"]["code"] == "unknown_tool"
