@@ -63,3 +63,22 @@ def test_the_demo_runs_the_cancellation_end_to_end_with_a_dropped_response(tmp_p
                  "merchant's own records: 1 cancellation(s) of sub_1; renewal is now off"):
         assert line in out, line
     assert "receipt_delivered=None" not in out
+
+
+def test_the_signed_delivery_in_the_webhook_docs_is_accepted_then_recognised_as_a_duplicate(tmp_path: Path) -> None:
+    import json
+    import re
+
+    from tests.support.serve import ServeProcess
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "webhooks.md").read_text()
+    snippet = re.search(r"## Sending a signed delivery by hand.*?```bash\n(.*?)```", doc, re.S)
+    assert snippet
+    env = {"WAKEFUL_DATA_DIR": str(tmp_path), "WAKEFUL_SOURCES__DEMO__KIND": "generic",
+           "WAKEFUL_SOURCES__DEMO__SECRET": "change-me"}
+    with ServeProcess(env, log_path=tmp_path / "serve.log") as server:
+        shell_env = {**os.environ, "WAKEFUL_PORT": str(server.port)}
+        answers = [json.loads(subprocess.run(["bash", "-c", snippet.group(1)], env=shell_env, capture_output=True,
+                                             text=True, check=True, timeout=30).stdout) for _ in range(2)]
+    assert answers[0]["duplicate"] is False and answers[0]["event_id"].startswith("ev_")
+    assert answers[1] == {**answers[0], "duplicate": True, "status": answers[1]["status"]}
