@@ -232,6 +232,7 @@ sessions = Table(
     Column("lease_owner", String(80)),
     _now_col("lease_expires_at"),
     _now_col("created_at", nullable=False),
+    Index(None, "lease_expires_at"),  # the sweeper looks for lapsed leases among every session
 )
 
 session_keys = Table(
@@ -290,6 +291,7 @@ events = Table(
     _now_col("settled_at"),
     UniqueConstraint("source", "source_id"),
     Index(None, "session_id", "status"),
+    Index(None, "status", "attempts"),  # pending events and poison ones, without reading the settled ones
     Index(None, "user_id", "corr_key"),
     _check("status", EventStatus),
     _check("kind", EventKind),
@@ -319,6 +321,7 @@ runs = Table(
     _now_col("started_at", nullable=False),
     _now_col("ended_at"),
     Index(None, "session_id", "outcome"),
+    Index(None, "outcome"),  # the sweeper's look for runs still marked running
     _check("outcome", RunOutcome),
 )
 
