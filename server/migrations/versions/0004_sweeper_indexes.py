@@ -7,8 +7,6 @@ Indexes that keep the sweeper's scans cheap when there are many idle delegations
 """
 
 from alembic import op
-import sqlalchemy as sa
-
 
 revision = '0004'
 down_revision = '0003'
