@@ -86,11 +86,10 @@ def run_demo(data_dir: Path | None = None, out: Callable[[str], None] = print) -
         merchant.faults.update({"commit_then_timeout": 1, "stall_seconds": 3.0})
         settings = Settings(data_dir=data_dir or Path(tmp), policies_dir=CHECKOUT / "policies",
                             connector_urls={"merchant": url}, poll_interval=0.1, reconcile_interval=0.2,
+                            connector_timeout=0.5,  # shorter than the merchant's stall: the response is lost
                             sources={})
         runtime = Runtime(settings, handler=SubscriptionAgent())
         runtime.prepare()
-        runtime.actions = type(runtime.actions)(runtime.engine, runtime.clock, policy=runtime.policy, timeout=0.5,
-                                                on_event=runtime.signals.work.set)
         runtime.start()
         try:
             return _script(runtime, merchant, out)

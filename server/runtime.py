@@ -90,7 +90,8 @@ class Runtime:
         self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set)
         self.policy = load_policy(settings.policies / "policy.toml")
         self.registry = registry or load_registry(settings)
-        self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy)
+        self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy,
+                               timeout=settings.connector_timeout)
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools)
             for _ in range(settings.workers)
@@ -98,7 +99,7 @@ class Runtime:
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
-                                        on_event=self.signals.outcome_recorded,
+                                        on_event=self.signals.outcome_recorded, timeout=settings.connector_timeout,
                                         resend_after=settings.resend_after)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []

@@ -98,6 +98,8 @@ class Settings(BaseSettings):
     """Connector declarations (`connectors/*.toml`) and the user's `policy.toml`; default `<data_dir>/policies`."""
     connector_urls: dict[str, str] = Field(default_factory=dict)
     """Base URL per connector name, overriding the declared one (simulators, staging)."""
+    connector_timeout: float = 10.0
+    """Seconds a connector request may take; past it the outcome of a write is unknown and is reconciled."""
     reconcile_interval: float = 5.0
     """How often unknown outcomes are reconciled and accepted effects verified, in seconds."""
     resend_after: Duration = timedelta(seconds=10)
