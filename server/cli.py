@@ -198,7 +198,8 @@ def resume(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir:
 @app.command()
 def revoke(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir: DataDir = None,
            database_url: DbUrl = None) -> None:
-    """Withdraw a delegation: queued dispatches are voided, timers and waits end. Effects already sent stand."""
+    """Withdraw a delegation: queued dispatches are voided, timers and waits end; what already left is still
+    reconciled and reported, never claimed undone."""
     _control(ControlKind.REVOKE, task, reason, user, data_dir, database_url)
 
 
