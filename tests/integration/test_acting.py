@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, select
 
-from server import approvals, control, ledger
+from server import control, ledger
 from server.clock import FakeClock
 from server.db import read, write
 from server.errors import Conflict, Refused
@@ -26,10 +26,7 @@ def w(engine: Engine, clock: FakeClock, owner: str) -> Iterator[World]:
 
 
 def approve(w: World, action_id: str) -> str:
-    with write(w.engine) as conn:
-        decided = approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
-                                   policy=w.policy, now=w.clock.now())
-    return decided.verdict.code
+    return w.approve(action_id)
 
 
 def outcomes(w: World) -> list[str | None]:

@@ -38,7 +38,7 @@ import httpx
 import pytest
 from sqlalchemy import Engine, and_, select
 
-from server import approvals, control, ledger
+from server import control, ledger
 from server.clock import FakeClock
 from server.db import read, write
 from server.faults import POINTS
@@ -288,9 +288,7 @@ def test_a_held_resend_does_not_break_the_reconciler(world_in_process: World) ->
     task = w.task()
     (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
     action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
-    with write(w.engine) as conn:
-        approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
-                         policy=w.policy, now=w.clock.now())
+    w.approve(action_id)
     # The state a crash at after_attempt_persisted leaves behind: an attempt that never left, its outcome unknown.
     # (In-process, a 503 that applied nothing gives the same records without killing the test process.)
     w.merchant.faults.update({"fail_before_commit": 1})
@@ -312,9 +310,7 @@ def test_a_refused_resend_is_not_sent_again_and_again(world_in_process: World) -
     task = w.task()
     (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
     action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
-    with write(w.engine) as conn:
-        approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
-                         policy=w.policy, now=w.clock.now())
+    w.approve(action_id)
     # The outcome is unknown (as after a crash after the send), and nothing of ours was applied …
     w.merchant.faults.update({"fail_before_commit": 1})
     assert w.dispatcher.drain() == 1
@@ -364,9 +360,7 @@ def test_revoking_a_task_does_not_abandon_the_reconciliation_of_a_sent_request(e
         task = w.task()
         (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
         action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
-        with write(w.engine) as conn:
-            approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
-                             policy=w.policy, now=w.clock.now())
+        w.approve(action_id)
         assert w.dispatcher.drain() == 1
         assert len(w.merchant.effects) == 1
         with write(w.engine) as conn:  # revoked before the first reconcile round: "effects already sent stand"
@@ -384,9 +378,7 @@ def test_the_ledger_shows_the_resend_intent_reconciliation_created(world_in_proc
     task = w.task()
     (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
     action_id = w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
-    with write(w.engine) as conn:
-        approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
-                         policy=w.policy, now=w.clock.now())
+    w.approve(action_id)
     w.merchant.faults.update({"fail_before_commit": 1})  # unknown, and nothing applied: as a kill before the send
     w.dispatcher.drain()
     w.clock.advance(RESEND_AFTER + timedelta(seconds=1))

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import Engine, and_, select, text
 from sqlalchemy.exc import DBAPIError
 
-from server import approvals, control, inbox, sessions
+from server import control, inbox, sessions
 from server.acting import admit_and_record
 from server.actions import Action, load_action
 from server.clock import FakeClock
@@ -64,10 +64,7 @@ def w(engine: Engine, clock: FakeClock, owner: str) -> Iterator[World]:
 
 
 def approve(w: World, action_id: str) -> str:
-    with write(w.engine) as conn:
-        decided = approvals.decide(conn, user_id=w.owner, action_id=action_id, approve=True, actor="user:test",
-                                   policy=w.policy, now=w.clock.now())
-    return decided.verdict.code
+    return w.approve(action_id)
 
 
 def set_state(w: World, task: Binding, kind: ControlKind, reason: str = "") -> None:

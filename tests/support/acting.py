@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from server import control, sessions
+from server import approvals, control, sessions
 from server.clock import FakeClock
 from server.connectors import load_connectors
 from server.db import write
@@ -51,6 +51,13 @@ class World:
 
     def call(self, binding: Binding, tool: str, **args: Any) -> dict[str, Any]:
         return self.tools.call(binding, tool, args)
+
+    def approve(self, action_id: str) -> str:
+        """The user approves on the control channel; returns the re-admission verdict's code."""
+        with write(self.engine) as conn:
+            decided = approvals.decide(conn, user_id=self.owner, action_id=action_id, approve=True,
+                                       actor="user:test", policy=self.policy, now=self.clock.now())
+        return decided.verdict.code
 
 
 @contextmanager
