@@ -6,41 +6,30 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from sqlalchemy import Engine, func, select
 
 from server import approvals, control, ledger, users
+from server.cli_common import DataDir, DbUrl, err
+from server.cli_common import fail as _fail
+from server.cli_common import open_engine as _engine
+from server.cli_common import settings_or_exit as _settings
+from server.cli_egress import egress_app, proxy_app, secret_app
 from server.clock import SystemClock
-from server.db import make_engine, migrate, read, write
+from server.db import read, write
 from server.errors import WakefulError
 from server.nudge import nudge
 from server.policy import load_policy
-from server.settings import Settings, load_settings
+from server.settings import Settings
 from server.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
 
 app = typer.Typer(help="wakeful: a runtime for always-on personal agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
-err = Console(stderr=True)
-
-DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Data directory [env WAKEFUL_DATA_DIR].")]
-DbUrl = Annotated[str | None, typer.Option("--database-url", help="Database URL [env WAKEFUL_DATABASE_URL].")]
-
-
-def _settings(data_dir: Path | None, database_url: str | None, **more: object) -> Settings:
-    try:
-        return load_settings(data_dir=data_dir, database_url=database_url, **more)
-    except Exception as exc:  # pydantic names the field and the problem; say it plainly and stop
-        err.print(f"[red]wakeful: invalid settings:[/red] {exc}")
-        raise typer.Exit(2) from None
-
-
-def _engine(settings: Settings) -> Engine:
-    engine = make_engine(settings.db_url)
-    migrate(engine)
-    return engine
+app.add_typer(proxy_app, name="proxy")
+app.add_typer(secret_app, name="secret")
+app.add_typer(egress_app, name="egress")
 
 
 @app.command()
@@ -174,11 +163,6 @@ def _control(kind: ControlKind, task: str, reason: str, user: str, data_dir: Pat
         _fail(exc)
     nudge(_settings(data_dir, database_url))
     typer.echo(f"{task} is {state.value}.")
-
-
-def _fail(exc: WakefulError) -> NoReturn:
-    err.print(f"[red]wakeful: {exc.code}:[/red] {exc.message}")
-    raise typer.Exit(2)
 
 
 @app.command()
@@ -329,3 +313,4 @@ def replay(run_id: Annotated[str, typer.Argument(help="The run to re-run from it
         typer.echo(line)
     if report.differences:
         raise typer.Exit(1)
+

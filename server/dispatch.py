@@ -14,6 +14,7 @@ told exactly what is and is not known.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -31,9 +32,11 @@ from server.clock import Clock
 from server.connectors import DoneWhen, done_when_holds
 from server.db import read, upsert, write
 from server.ids import new_id
+from server.outbound import ConnectorHTTP
 from server.policy import Policy
 from server.tables import (
     EventKind,
+    GrantPurpose,
     OutboxKind,
     OutboxState,
     Outcome,
@@ -53,6 +56,7 @@ from server.tables import waits as waits_table
 __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 
 HELD, SETTLED = "held", "settled"
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +103,13 @@ def classify(response: httpx.Response | None, error: Exception | None) -> Result
 
 class ActionDispatcher:
     def __init__(self, engine: Engine, clock: Clock, *, policy: Policy, timeout: float = 10.0,
-                 resend_after: timedelta = timedelta(seconds=10), transport: httpx.BaseTransport | None = None,
+                 resend_after: timedelta = timedelta(seconds=10), http: ConnectorHTTP | None = None,
                  on_event: Any = lambda: None) -> None:
         self._engine = engine
         self._clock = clock
         self._policy = policy
         self._resend_after = resend_after
-        self._http = httpx.Client(transport=transport, timeout=timeout)
+        self._http = http or ConnectorHTTP(timeout=timeout)
         self._on_event = on_event
 
     def close(self) -> None:
@@ -140,17 +144,20 @@ class ActionDispatcher:
         with write(self._engine) as conn:
             action = load_action(conn, action_id)
             prepared = self._prepare(conn, intent_id, action, now)
-        if prepared in (HELD, SETTLED):
+        if isinstance(prepared, str):
             return 0 if prepared == HELD else 1
+        attempt_id, grant = prepared
         faults.crash_point("after_attempt_persisted")
-        response, error = self._send(action.content["request"])
+        response, error = self._send(action.content["request"], grant)
         faults.crash_point("after_send")
-        self._record(prepared, action, classify(response, error), intent_id=intent_id)
+        self._record(attempt_id, action, classify(response, error), intent_id=intent_id)
         return 1
 
-    def _prepare(self, conn: Connection, intent_id: str, action: Action, now: datetime) -> str:
-        """Re-check everything and persist the attempt. Returns the attempt's ID, or HELD (nothing may be sent
-        now; it will be once the hold lifts) or SETTLED (the intent needs no send: voided, recovered or done)."""
+    def _prepare(self, conn: Connection, intent_id: str, action: Action,
+                 now: datetime) -> str | tuple[str, dict[str, str]]:
+        """Re-check everything and persist the attempt with its egress grant. Returns the attempt's ID and the
+        grant's headers, or HELD (nothing may be sent now; it will be once the hold lifts) or SETTLED (the intent
+        needs no send: voided, recovered or done)."""
         task = lock_task(conn, action.task_id)
         if content_hash(action.content) != action.content_hash:
             self._void(conn, intent_id, action, "content_tampered", "the stored content no longer matches its hash",
@@ -188,16 +195,32 @@ class ActionDispatcher:
         request["idempotency_key"] = action.content.get("idempotency_key")
         conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,
                                               request=json.dumps(request, sort_keys=True), created_at=now))
-        return attempt_id
+        grant = self._grant(conn, action, GrantPurpose.WRITE, request, now=now, attempt_id=attempt_id)
+        return attempt_id, grant
 
-    def _send(self, request: Mapping[str, Any]) -> tuple[httpx.Response | None, Exception | None]:
-        headers = dict(request.get("headers", {}))  # the idempotency key is among them; no credential ever is
+    def _grant(self, conn: Connection, action: Action, purpose: GrantPurpose, request: Mapping[str, Any], *,
+               now: datetime, attempt_id: str | None = None) -> dict[str, str]:
+        return self._http.grant(conn, purpose=purpose, user_id=action.user_id, task_id=action.task_id,
+                                tool=action.tool, method=request["method"], url=request["url"],
+                                body_sha256=request.get("body_sha256") or _EMPTY_SHA256,
+                                credential=action.content.get("credential"), now=now, action_id=action.id,
+                                attempt_id=attempt_id)
+
+    def _send(self, request: Mapping[str, Any],
+              grant: dict[str, str]) -> tuple[httpx.Response | None, Exception | None]:
+        headers = {**request.get("headers", {}), **grant}  # the idempotency key is among them; no credential is
         body = request.get("body")
         try:
             return self._http.request(request["method"], request["url"], headers=headers,
                                       content=body.encode() if isinstance(body, str) else None), None
         except httpx.HTTPError as exc:
             return None, exc
+
+    def _query(self, action: Action, purpose: GrantPurpose, request: Mapping[str, Any]) -> httpx.Response:
+        """A read that settles or checks an action (reconcile, verify), granted like any other egress."""
+        with write(self._engine) as conn:
+            grant = self._grant(conn, action, purpose, request, now=self._clock.now())
+        return self._http.request(request["method"], request["url"], headers=grant, content=None)
 
     def _record(self, attempt_id: str, action: Action, result: Result, *, intent_id: str) -> None:
         with write(self._engine) as conn:
@@ -282,7 +305,7 @@ class ActionDispatcher:
         if spec is None:
             return Outcome.UNKNOWN
         try:
-            response = self._http.request(spec["request"]["method"], spec["request"]["url"])
+            response = self._query(action, GrantPurpose.RECONCILE, spec["request"])
             body = response.json() if response.is_success else None
         except (httpx.HTTPError, ValueError) as exc:
             log.info("reconcile of %s could not reach the remote: %s", action_id, exc)
@@ -335,7 +358,7 @@ class ActionDispatcher:
                 continue
             checked += 1
             try:
-                response = self._http.request(spec["request"]["method"], spec["request"]["url"])
+                response = self._query(action, GrantPurpose.VERIFY, spec["request"])
                 body = response.json() if response.is_success else None
             except (httpx.HTTPError, ValueError):
                 continue

@@ -11,6 +11,7 @@ exactly one function.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ from pydantic import AnyHttpUrl
 from server.errors import BadRequest, NotFound, PayloadTooLarge, Unauthorized, WakefulError
 from server.inbox import Delivery
 from server.mcpserver import TokenVerifier, WakefulMCP
+from server.proxyctl import serve_egress
 from server.routes import router
 from server.runtime import Runtime
 from server.signatures import SignatureError, verify_signature
@@ -77,14 +79,18 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if manage_runtime:
-            runtime.start()
-        try:
-            async with mcp.server.session_manager.run():
-                yield
-        finally:
+        async with contextlib.AsyncExitStack() as stack:
+            if manage_runtime and settings.proxy:
+                # The proxy is up before the first connector call can be made.
+                await stack.enter_async_context(serve_egress(runtime.engine, clock, settings))
             if manage_runtime:
-                await asyncio.to_thread(runtime.stop)
+                runtime.start()
+            try:
+                async with mcp.server.session_manager.run():
+                    yield
+            finally:
+                if manage_runtime:
+                    await asyncio.to_thread(runtime.stop)
 
     app = FastAPI(title="wakeful", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime

@@ -10,6 +10,7 @@
     GET  /v1/actions/{id}                       the action and its approval card
     POST /v1/actions/{id}/approve|deny
     GET  /v1/events/{id}, /v1/messages
+    GET  /v1/egress                             the egress proxy's audit of the caller's requests
 
 Every query is filtered by the token's user: another user's records answer 404, never their contents. Nothing
 here is reachable by a model: MCP tools and run handlers have no route to control state.
@@ -24,7 +25,7 @@ from fastapi import APIRouter, Depends, Header, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import and_, select
 
-from server import approvals, control, ledger, sessions, users
+from server import approvals, control, egress, ledger, sessions, users
 from server.acting import gather_facts, render_card
 from server.actions import load_action
 from server.connectors import Registry
@@ -202,3 +203,13 @@ def messages(user: User, rt: Rt, limit: int = 100) -> dict[str, Any]:
                             .order_by(outbox.c.created_at.desc()).limit(min(limit, 1000))).all()
     return {"messages": [{"id": r.id, "state": r.state, "created_at": r.created_at.isoformat(),
                           "body": json.loads(r.body)} for r in rows]}
+
+
+@router.get("/v1/egress")
+def egress_audit(user: User, rt: Rt, limit: int = 100, verdict: str | None = None) -> dict[str, Any]:
+    """What the egress proxy did with this user's requests, newest first (never headers, bodies or queries)."""
+    if verdict not in (None, "allow", "refuse"):
+        raise BadRequest("bad_verdict", "verdict must be allow or refuse")
+    with read(rt.engine) as conn:
+        rows = egress.audit_rows(conn, user_id=user, limit=max(1, min(limit, 1000)), verdict=verdict)
+    return {"requests": list(rows)}

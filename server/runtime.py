@@ -22,6 +22,7 @@ from server.db import make_engine, migrate, read, write
 from server.dispatch import ActionDispatcher
 from server.handlers import EchoHandler
 from server.inbox import GroupCommitter
+from server.outbound import ConnectorHTTP
 from server.outbox import Dispatcher
 from server.policy import load_policy
 from server.settings import Settings
@@ -90,8 +91,9 @@ class Runtime:
         self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set)
         self.policy = load_policy(settings.policies / "policy.toml")
         self.registry = registry or load_registry(settings)
+        self.egress = ConnectorHTTP.from_settings(settings)
         self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy,
-                               timeout=settings.connector_timeout)
+                               http=self.egress)
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools)
             for _ in range(settings.workers)
@@ -99,7 +101,7 @@ class Runtime:
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
-                                        on_event=self.signals.outcome_recorded, timeout=settings.connector_timeout,
+                                        on_event=self.signals.outcome_recorded, http=self.egress,
                                         resend_after=settings.resend_after)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
@@ -140,8 +142,7 @@ class Runtime:
             thread.join(timeout=30)
         self.committer.stop()
         self.dispatcher.close()
-        self.actions.close()
-        self.tools.close()
+        self.egress.close()
 
     # -- loops -----------------------------------------------------------------------------------------------------
 

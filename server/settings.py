@@ -100,6 +100,29 @@ class Settings(BaseSettings):
     """Base URL per connector name, overriding the declared one (simulators, staging)."""
     connector_timeout: float = 10.0
     """Seconds a connector request may take; past it the outcome of a write is unknown and is reconciled."""
+    proxy: bool = True
+    """Send every connector call through the egress proxy, which `wakeful serve` starts as a child process; it adds
+    the credential only after the policy decided that exact request. Off: connector calls go out directly and no
+    credential is ever added (local simulators only)."""
+    proxy_port: int = 8788
+    """The egress proxy's port; it listens on 127.0.0.1 only."""
+    proxy_decider_timeout: float = 2.0
+    """Seconds the proxy waits for the policy decision before it refuses the request (`decider_unavailable`)."""
+    egress_grant_ttl: Duration = timedelta(seconds=60)
+    """How long the grant the server issues for one connector request stays usable by the proxy."""
+    egress_allow_private: list[str] = Field(default_factory=list)
+    """Host names the proxy may dial at private, loopback or reserved addresses (a local simulator); any other
+    host resolving there is refused (`address_not_allowed`)."""
+    egress_resolve: dict[str, list[str]] = Field(default_factory=dict)
+    """Fixed addresses for host names, used instead of DNS, e.g. `{"merchant.test" = ["127.0.0.1"]}`."""
+    egress_no_intercept: list[str] = Field(default_factory=list)
+    """Hosts that pin certificates or need mutual TLS: tunnelled without interception, so never given a
+    credential."""
+    egress_upstream_ca: Path | None = None
+    """A CA bundle the proxy trusts for upstream TLS instead of the system store (a lab's own CA)."""
+    vault_key_file: Path | None = None
+    """The credential vault's key file; default `<data_dir>/vault.key`, created on first use. The environment
+    variable `WAKEFUL_VAULT_KEY` (base64 keys, comma-separated, current first) is used instead when set."""
     reconcile_interval: float = 5.0
     """How often unknown outcomes are reconciled and accepted effects verified, in seconds."""
     resend_after: Duration = timedelta(seconds=10)
@@ -160,6 +183,24 @@ class Settings(BaseSettings):
     @property
     def policies(self) -> Path:
         return self.policies_dir or self.data_dir / "policies"
+
+    @property
+    def vault_path(self) -> Path:
+        return self.data_dir / "vault.json"
+
+    @property
+    def vault_key_path(self) -> Path:
+        return self.vault_key_file or self.data_dir / "vault.key"
+
+    @property
+    def proxy_dir(self) -> Path:
+        """The deployment CA (`ca.pem`, `ca.key.enc`)."""
+        return self.data_dir / "proxy"
+
+    @property
+    def decider_socket(self) -> Path:
+        """Where `wakeful serve` answers the proxy's policy questions (a unix socket, owner only)."""
+        return self.data_dir / "run" / "decider.sock"
 
     @property
     def db_url(self) -> str:

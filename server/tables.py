@@ -18,6 +18,7 @@ from sqlalchemy import (
     Column,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -37,6 +38,7 @@ __all__ = [
     "Effect",
     "EventKind",
     "EventStatus",
+    "GrantPurpose",
     "Outcome",
     "OutboxKind",
     "OutboxState",
@@ -55,6 +57,9 @@ __all__ = [
     "attempts_guard_ddl",
     "control",
     "decisions",
+    "egress_audit",
+    "egress_clients",
+    "egress_grants",
     "events",
     "evidence",
     "metadata",
@@ -569,8 +574,84 @@ tool_results = Table(
     UniqueConstraint("run_id", "step", "call_id"),
 )
 
+class GrantPurpose(StrEnum):
+    READ = "read"            # a read tool the agent called
+    WRITE = "write"          # one attempt of an admitted action
+    RECONCILE = "reconcile"  # asking the remote whether an attempt with an unknown outcome landed
+    VERIFY = "verify"        # re-reading the world after an accepted effect
+
+
+egress_grants = Table(
+    "egress_grants",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("token_sha256", String(64), nullable=False, unique=True),  # the token itself is never stored
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("purpose", String(16), nullable=False),
+    Column("action_id", String(40), ForeignKey("actions.id")),
+    Column("attempt_id", String(40), ForeignKey("attempts.id")),
+    Column("tool", String(130), nullable=False),
+    Column("method", String(16), nullable=False),
+    Column("scheme", String(8), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("port", Integer, nullable=False),
+    Column("path", Text, nullable=False),
+    Column("query", Text, nullable=False),
+    Column("body_sha256", String(64), nullable=False),
+    Column("credential", String(64)),
+    _now_col("created_at", nullable=False),
+    _now_col("expires_at", nullable=False),
+    _check("purpose", GrantPurpose),
+    CheckConstraint("purpose <> 'write' OR (action_id IS NOT NULL AND attempt_id IS NOT NULL)",
+                    name="write_names_attempt"),
+)
+"""One row per connector request the server is about to send: the proxy forwards it only if it matches."""
+
+egress_clients = Table(
+    "egress_clients",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("label", String(100), nullable=False),
+    Column("token_sha256", String(64), nullable=False, unique=True),
+    _now_col("created_at", nullable=False),
+    _now_col("revoked_at"),
+)
+"""Proxy credentials of a user's tool computers (Proxy-Authorization); only digests are stored."""
+
+egress_audit = Table(
+    "egress_audit",
+    metadata,
+    Column("request_id", String(128), primary_key=True),
+    _now_col("at", nullable=False),
+    Column("user_id", String(40)),
+    Column("client", String(16), nullable=False),
+    Column("grant_id", String(128)),
+    Column("action_id", String(128)),
+    Column("method", String(16), nullable=False),
+    Column("scheme", String(8), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("port", Integer, nullable=False),
+    Column("path", Text, nullable=False),
+    Column("verdict", String(8), nullable=False),
+    Column("code", String(40)),
+    Column("rule", Text, nullable=False),
+    Column("credential", String(64)),
+    Column("bytes_up", BigInteger, nullable=False),
+    Column("bytes_down", BigInteger, nullable=False),
+    Column("upstream_status", Integer),
+    Column("latency_ms", Float, nullable=False),
+    _now_col("recorded_at", nullable=False),
+    Index(None, "user_id", "at"),
+    Index(None, "at"),
+    CheckConstraint("verdict IN ('allow', 'refuse')", name="verdict_valid"),
+)
+"""One row per request the egress proxy saw, allowed or refused. Never headers, bodies, queries or secrets."""
+
 APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
-               "approval_uses", "evidence", "refusals", "run_contexts", "tool_results")
+               "approval_uses", "evidence", "refusals", "run_contexts", "tool_results", "egress_grants",
+               "egress_audit")
 """History tables: the schema refuses UPDATE and DELETE on them."""
 
 

@@ -39,8 +39,9 @@ from server.db import write
 from server.dispatch import add_evidence
 from server.errors import BadRequest, Refused, WakefulError
 from server.ids import new_id
+from server.outbound import ConnectorHTTP
 from server.policy import Policy
-from server.tables import Outcome, Risk, TaskState, actions, task_versions, verdicts
+from server.tables import GrantPurpose, Outcome, Risk, TaskState, actions, task_versions, verdicts
 
 __all__ = ["Binding", "Completion", "ToolLayer"]
 
@@ -85,12 +86,12 @@ def _request_json(prepared: PreparedRequest) -> dict[str, Any]:
 
 class ToolLayer:
     def __init__(self, engine: Engine, clock: Clock, *, registry: Registry, policy: Policy,
-                 transport: httpx.BaseTransport | None = None, timeout: float = 10.0) -> None:
+                 http: ConnectorHTTP | None = None, timeout: float = 10.0) -> None:
         self.engine = engine
         self.clock = clock
         self.registry = registry
         self.policy = policy
-        self._http = httpx.Client(transport=transport, timeout=timeout)
+        self._http = http or ConnectorHTTP(timeout=timeout)
 
     def close(self) -> None:
         self._http.close()
@@ -140,10 +141,15 @@ class ToolLayer:
         with write(self.engine) as conn:
             task = self._fence(conn, binding)
             resolved = self._resolve(conn, binding, op, valid, task.current_version)
-        prepared = build_request(op, args=valid, resolved={k: o.ref for k, o in resolved.items()},
-                                 idempotency_key=None)
+            prepared = build_request(op, args=valid, resolved={k: o.ref for k, o in resolved.items()},
+                                     idempotency_key=None)
+            grant = self._http.grant(conn, purpose=GrantPurpose.READ, user_id=binding.user_id, task_id=task.id,
+                                     tool=op.tool_name, method=prepared.method, url=prepared.url,
+                                     body_sha256=prepared.body_sha256,
+                                     credential=self.registry.connectors[op.connector].credential,
+                                     now=self.clock.now())
         try:
-            response = self._http.request(prepared.method, prepared.url, headers=dict(prepared.headers),
+            response = self._http.request(prepared.method, prepared.url, headers={**dict(prepared.headers), **grant},
                                           content=prepared.body)
         except httpx.HTTPError as exc:
             raise WakefulError("remote_unreachable", f"{op.tool_name}: {type(exc).__name__}: {exc}") from None

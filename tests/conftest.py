@@ -24,7 +24,7 @@ def clock() -> FakeClock:
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return Settings(data_dir=tmp_path, sources={"hook": {"kind": "generic", "secret": "test-secret"}},
-                    poll_interval=0.05, sweep_interval=3600)
+                    poll_interval=0.05, sweep_interval=3600, proxy=False)
 
 
 @pytest.fixture

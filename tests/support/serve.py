@@ -75,7 +75,8 @@ class ServeProcess:
         self._fixed_port = port is not None
         self.port = port or free_port()
         self.log_path = log_path
-        self._env = {**_clean_environ(), **env, "WAKEFUL_HOST": "127.0.0.1"}
+        # Connector calls go out directly unless a test asks for the egress proxy (WAKEFUL_PROXY=true).
+        self._env = {**_clean_environ(), "WAKEFUL_PROXY": "false", **env, "WAKEFUL_HOST": "127.0.0.1"}
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property

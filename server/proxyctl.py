@@ -1,0 +1,208 @@
+"""The egress proxy's place in a deployment: the vault keys, the deployment CA, the decider channel that `wakeful
+serve` answers on, and `wakeful proxy` run as its child process.
+
+The proxy holds no policy: it asks the server over a unix socket (owner-only, in `<data_dir>/run/`) and
+authenticates with a token the server writes there at each start. The vault's secrets are decrypted only in the
+proxy process; the server never reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Engine
+
+from proxy.contract import DecisionRequest, Verdict
+from proxy.vault import KEY_ENV, KeyRing, Vault, init_key, keys_from_env
+from server import egress
+from server.clock import Clock
+from server.db import read, write
+from server.errors import WakefulError
+from server.settings import Settings
+
+if TYPE_CHECKING:
+    from proxy.audit import EgressRecord
+
+__all__ = ["DeciderService", "ProxyChild", "decider_token", "open_vault", "serve_egress", "vault_keys"]
+
+log = logging.getLogger(__name__)
+TOKEN_FILE = "decider.token"
+READY_TIMEOUT = 20.0
+
+
+def vault_keys(settings: Settings) -> KeyRing:
+    """The vault's keys: from `WAKEFUL_VAULT_KEY` when set, else the key file (created 0600 on first use)."""
+    if os.environ.get(KEY_ENV, "").strip():
+        return keys_from_env()
+    return init_key(settings.vault_key_path)
+
+
+def open_vault(settings: Settings) -> Vault:
+    return Vault(settings.vault_path, vault_keys(settings))
+
+
+def _token_path(settings: Settings) -> Path:
+    return settings.decider_socket.parent / TOKEN_FILE
+
+
+def new_decider_token(settings: Settings) -> str:
+    """A fresh channel token for this server run, written owner-only beside the socket."""
+    directory = settings.decider_socket.parent
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+    token = secrets.token_urlsafe(32)
+    path = _token_path(settings)
+    tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    os.replace(tmp, path)
+    return token
+
+
+def decider_token(settings: Settings) -> str:
+    """The running server's channel token (for `wakeful proxy`)."""
+    try:
+        return _token_path(settings).read_text().strip()
+    except FileNotFoundError:
+        raise WakefulError("decider_unavailable", f"no running `wakeful serve` for {settings.data_dir}: start it "
+                                                  "first (it answers the proxy's policy questions)") from None
+
+
+class DeciderService:
+    """Answers the proxy from the records. Database work runs in threads: the event loop never waits on SQLite."""
+
+    def __init__(self, engine: Engine, clock: Clock, settings: Settings) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._rules_path = settings.policies / "egress.toml"
+        self._rules = egress.load_egress_rules(self._rules_path)  # a typo stops the server at start
+        self._rules_stamp = self._stamp()
+
+    def _stamp(self) -> float | None:
+        try:
+            return self._rules_path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def _current_rules(self) -> egress.EgressRules:
+        stamp = self._stamp()
+        if stamp != self._rules_stamp:
+            try:
+                self._rules = egress.load_egress_rules(self._rules_path)
+            except WakefulError as exc:
+                # Fail closed: a broken edit allows nothing until it is fixed.
+                log.error("%s; tool computers reach nothing until it is fixed", exc.message)
+                self._rules = egress.EgressRules()
+            self._rules_stamp = stamp
+        return self._rules
+
+    def decide_now(self, req: DecisionRequest) -> Verdict:
+        rules = self._current_rules()
+        with read(self._engine) as conn:
+            return egress.decide(conn, req, now=self._clock.now(), rules=rules)
+
+    def record_now(self, records: list[EgressRecord]) -> None:
+        with write(self._engine) as conn:
+            egress.store_audit(conn, records, now=self._clock.now())
+
+    async def decide(self, req: DecisionRequest) -> Verdict:
+        return await asyncio.to_thread(self.decide_now, req)
+
+    async def record(self, records: list[EgressRecord]) -> None:
+        await asyncio.to_thread(self.record_now, records)
+
+
+def _listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
+
+
+class ProxyChild:
+    """`wakeful proxy` as a child of this process: restarted if it dies, stopped by its PID with the server."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "WAKEFUL_DATA_DIR": str(self._settings.data_dir)}
+        return subprocess.Popen([sys.executable, "-m", "server", "proxy"], env=env)
+
+    def start(self) -> None:
+        self._proc = self._spawn()
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not _listening(self._settings.proxy_port):
+            if self._proc.poll() is not None:
+                raise WakefulError("proxy_failed", f"the egress proxy exited with code {self._proc.returncode} "
+                                                   "before it listened; its error is above")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise WakefulError("proxy_failed", f"the egress proxy did not listen on 127.0.0.1:"
+                                                   f"{self._settings.proxy_port} within {READY_TIMEOUT:g} s")
+            self._stopping.wait(0.05)
+        self._watcher = threading.Thread(target=self._watch, name="proxy-child", daemon=True)
+        self._watcher.start()
+        log.info("egress proxy listening on 127.0.0.1:%d (pid %d)", self._settings.proxy_port, self._proc.pid)
+
+    def _watch(self) -> None:
+        backoff = 0.5
+        while not self._stopping.is_set():
+            proc = self._proc
+            if proc is None or proc.poll() is None:
+                self._stopping.wait(1.0)
+                continue
+            log.error("the egress proxy exited with code %s; restarting it in %.1f s", proc.returncode, backoff)
+            if self._stopping.wait(backoff):
+                return
+            backoff = min(backoff * 2, 30.0)
+            self._proc = self._spawn()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def serve_egress(engine: Engine, clock: Clock, settings: Settings) -> AsyncIterator[None]:
+    """Inside `wakeful serve`: answer the proxy on the decider socket and run the proxy as a child."""
+    from proxy.channel import DeciderServer
+    from proxy.tls import load_or_create_ca
+
+    load_or_create_ca(settings.proxy_dir, vault_keys(settings))
+    service = DeciderService(engine, clock, settings)
+    server = DeciderServer(settings.decider_socket, new_decider_token(settings), service.decide, service.record)
+    await server.start()
+    child = ProxyChild(settings)
+    try:
+        await asyncio.to_thread(child.start)
+        yield
+    finally:
+        await asyncio.to_thread(child.stop)
+        await server.close()
+        with contextlib.suppress(FileNotFoundError):
+            _token_path(settings).unlink()
