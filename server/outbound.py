@@ -47,7 +47,7 @@ class ConnectorHTTP:
         # Built on first use: the deployment CA the proxy presents may be created after the runtime.
         with self._lock:
             if self._client is None:
-                if self._proxy_url is None:
+                if self._proxy_url is None or self._transport is not None:  # a test's transport stands in
                     self._client = httpx.Client(transport=self._transport, timeout=self._timeout)
                 else:
                     trust = ssl.create_default_context(cafile=str(self._ca_file))

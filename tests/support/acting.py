@@ -17,6 +17,7 @@ from server.clock import FakeClock
 from server.connectors import load_connectors
 from server.db import write
 from server.dispatch import ActionDispatcher
+from server.outbound import ConnectorHTTP
 from server.policy import Policy
 from server.tools import Binding, ToolLayer
 from tests.sims import Airline, Hotel, Merchant, SimClock, create_airline, create_hotel, create_merchant, serve
@@ -62,7 +63,7 @@ class World:
 
 @contextmanager
 def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None = None,
-          client_timeout: float = 2.0) -> Iterator[World]:
+          client_timeout: float = 2.0, http: ConnectorHTTP | None = None) -> Iterator[World]:
     sim_clock = SimClock()
     clock.set(sim_clock.now())  # one notion of "now" for quote expiry on both sides
     merchant_app, merchant = create_merchant(clock=sim_clock)
@@ -73,9 +74,9 @@ def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None
         apps = {"merchant": merchant_app, "airline": airline_app, "hotel": hotel_app}
         urls = {name: stack.enter_context(serve(app)) for name, app in apps.items()}
         registry = load_connectors(POLICIES / "connectors", base_urls=urls)
-        tools = ToolLayer(engine, clock, registry=registry, policy=policy)
-        dispatcher = ActionDispatcher(engine, clock, policy=policy, timeout=client_timeout,
-                                      resend_after=timedelta(seconds=10))
+        http = http or ConnectorHTTP(timeout=client_timeout)
+        tools = ToolLayer(engine, clock, registry=registry, policy=policy, http=http)
+        dispatcher = ActionDispatcher(engine, clock, policy=policy, http=http, resend_after=timedelta(seconds=10))
         stack.callback(tools.close)
         stack.callback(dispatcher.close)
         yield World(engine=engine, clock=clock, owner=owner, merchant=merchant, airline=airline, hotel=hotel,
