@@ -36,7 +36,7 @@ from server.settings import Settings
 if TYPE_CHECKING:
     from proxy.audit import EgressRecord
 
-__all__ = ["DeciderService", "ProxyChild", "decider_token", "open_vault", "serve_egress", "vault_keys"]
+__all__ = ["DeciderService", "ProxyChild", "decider_token", "open_vault", "run_proxy", "serve_egress", "vault_keys"]
 
 log = logging.getLogger(__name__)
 TOKEN_FILE = "decider.token"
@@ -126,6 +126,12 @@ class DeciderService:
         await asyncio.to_thread(self.record_now, records)
 
 
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _listening(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
         return True
@@ -133,51 +139,63 @@ def _listening(port: int) -> bool:
 
 
 class ProxyChild:
-    """`wakeful proxy` as a child of this process: restarted if it dies, stopped by its PID with the server."""
+    """`wakeful proxy` as a child of this process: restarted if it dies, stopped by its PID with the server.
+
+    One thread spawns and watches it for its whole life: the kernel's parent-death signal is tied to the thread
+    that spawned the child, so that thread must be the one that lives as long as the child is wanted."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self._spawned = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="proxy-child", daemon=True)
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         env = {**os.environ, "WAKEFUL_DATA_DIR": str(self._settings.data_dir)}
-        return subprocess.Popen([sys.executable, "-m", "server", "proxy"], env=env)
+        # Its own session: a Ctrl-C or a signal to our process group reaches us, and we stop it in order. If we
+        # die without that, the kernel ends it too (Linux), so no proxy outlives its policy.
+        return subprocess.Popen([sys.executable, "-m", "server", "proxy"], env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def start(self) -> None:
-        self._proc = self._spawn()
+        """Start it and wait (bounded) until it listens; raises `proxy_failed` if it does not."""
+        self._watcher.start()
+        self._spawned.wait()
         deadline = time.monotonic() + READY_TIMEOUT
         while not _listening(self._settings.proxy_port):
-            if self._proc.poll() is not None:
-                raise WakefulError("proxy_failed", f"the egress proxy exited with code {self._proc.returncode} "
-                                                   "before it listened; its error is above")
+            proc = self._proc
+            if proc is not None and proc.poll() is not None:
+                self.stop()
+                raise WakefulError("proxy_failed", f"the egress proxy exited with code {proc.returncode} before it "
+                                                   f"listened on 127.0.0.1:{self._settings.proxy_port}; its error "
+                                                   "is above")
             if time.monotonic() > deadline:
                 self.stop()
                 raise WakefulError("proxy_failed", f"the egress proxy did not listen on 127.0.0.1:"
                                                    f"{self._settings.proxy_port} within {READY_TIMEOUT:g} s")
             self._stopping.wait(0.05)
-        self._watcher = threading.Thread(target=self._watch, name="proxy-child", daemon=True)
-        self._watcher.start()
-        log.info("egress proxy listening on 127.0.0.1:%d (pid %d)", self._settings.proxy_port, self._proc.pid)
+        log.info("egress proxy listening on 127.0.0.1:%d (pid %d)", self._settings.proxy_port,
+                 self._proc.pid if self._proc else -1)
 
     def _watch(self) -> None:
+        self._proc = self._spawn()
+        self._spawned.set()
         backoff = 0.5
-        while not self._stopping.is_set():
-            proc = self._proc
-            if proc is None or proc.poll() is None:
-                self._stopping.wait(1.0)
+        while not self._stopping.wait(0.5):
+            if self._proc.poll() is None:
                 continue
-            log.error("the egress proxy exited with code %s; restarting it in %.1f s", proc.returncode, backoff)
+            log.error("the egress proxy exited with code %s; restarting it in %.1f s", self._proc.returncode,
+                      backoff)
             if self._stopping.wait(backoff):
-                return
+                break
             backoff = min(backoff * 2, 30.0)
             self._proc = self._spawn()
+        self._terminate(self._proc)  # from this thread: once it ends, the kernel kills the child outright
 
-    def stop(self) -> None:
-        self._stopping.set()
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
+    @staticmethod
+    def _terminate(proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
         try:
@@ -185,6 +203,26 @@ class ProxyChild:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._watcher.is_alive() and threading.current_thread() is not self._watcher:
+            self._watcher.join(timeout=15)
+
+
+def run_proxy(settings: Settings) -> None:
+    """`wakeful proxy`: serve on 127.0.0.1:<proxy_port> until SIGTERM, asking the running server's decider."""
+    from proxy import server
+    from proxy.config import ProxyConfig
+
+    keys = vault_keys(settings)
+    config = ProxyConfig(
+        decider_socket=settings.decider_socket, decider_token=decider_token(settings), ca_dir=settings.proxy_dir,
+        keys=keys, vault=Vault(settings.vault_path, keys), listen_port=settings.proxy_port,
+        decider_timeout=settings.proxy_decider_timeout, upstream_cafile=settings.egress_upstream_ca,
+        resolve=settings.egress_resolve, allowed_private=frozenset(settings.egress_allow_private),
+        no_intercept=frozenset(settings.egress_no_intercept))
+    server.run(config)
 
 
 @contextlib.asynccontextmanager
