@@ -222,12 +222,13 @@ def decide_by_allowlist(req: DecisionRequest, rules: Iterable[AllowRule]) -> Ver
 
 
 def check_verdict(req: DecisionRequest, verdict: Verdict) -> Verdict:
-    """The verdict if it fits the request, else `malformed_verdict`: a connector allow names its attempt and
-    action, a tool-computer allow names neither, and a connector call without an attempt token is never allowed."""
+    """The verdict if it fits the request, else `malformed_verdict`: a connector allow names the attempt (the
+    server's grant for this request) and, for an action's effect, the action; a tool-computer allow names neither;
+    a connector call without an attempt token is never allowed."""
     if isinstance(verdict, Refuse):
         return verdict
     if req.client == "connector":
-        fits = req.attempt_token is not None and verdict.attempt_id is not None and verdict.action_id is not None
+        fits = req.attempt_token is not None and verdict.attempt_id is not None
     else:
         fits = verdict.attempt_id is None and verdict.action_id is None
     return verdict if fits else refuse(RefusalCode.MALFORMED_VERDICT, "the allow does not fit the request's kind")

@@ -144,8 +144,9 @@ class ProxyChild:
     One thread spawns and watches it for its whole life: the kernel's parent-death signal is tied to the thread
     that spawned the child, so that thread must be the one that lives as long as the child is wanted."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, log_file: Path | None = None) -> None:
         self._settings = settings
+        self._log_file = log_file
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._spawned = threading.Event()
@@ -155,8 +156,11 @@ class ProxyChild:
         env = {**os.environ, "WAKEFUL_DATA_DIR": str(self._settings.data_dir)}
         # Its own session: a Ctrl-C or a signal to our process group reaches us, and we stop it in order. If we
         # die without that, the kernel ends it too (Linux), so no proxy outlives its policy.
-        return subprocess.Popen([sys.executable, "-m", "server", "proxy"], env=env, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        with contextlib.ExitStack() as stack:
+            log = stack.enter_context(self._log_file.open("ab")) if self._log_file else None
+            return subprocess.Popen([sys.executable, "-m", "server", "proxy"], env=env, start_new_session=True,
+                                    stdout=log, stderr=log,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def start(self) -> None:
         """Start it and wait (bounded) until it listens; raises `proxy_failed` if it does not."""

@@ -341,14 +341,16 @@ def sim_app(sim: Sim, title: str) -> FastAPI:
 
 
 @contextmanager
-def serve(app: ASGIApp, *, ready_timeout: float = 10.0, stop_timeout: float = 10.0) -> Iterator[str]:
+def serve(app: ASGIApp, *, ready_timeout: float = 10.0, stop_timeout: float = 10.0,
+          tls: str | None = None) -> Iterator[str]:
     """Run `app` with uvicorn on 127.0.0.1 (a free port) in a background thread; yield its base URL.
 
     Returns once the server answers HTTP; on exit asks it to stop and joins the thread (bounded). In-flight
-    requests get `timeout_graceful_shutdown` seconds before uvicorn cancels them.
+    requests get `timeout_graceful_shutdown` seconds before uvicorn cancels them. With `tls` (a PEM file holding
+    the certificate and its key) it serves HTTPS.
     """
     config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="asyncio", lifespan="off", log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=1)
+                            access_log=False, timeout_graceful_shutdown=1, ssl_certfile=tls)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="sim-server", daemon=True)
     thread.start()
@@ -361,10 +363,10 @@ def serve(app: ASGIApp, *, ready_timeout: float = 10.0, stop_timeout: float = 10
                 raise RuntimeError(f"the simulator server did not start within {ready_timeout} s")
             time.sleep(0.01)  # a poll tick inside a bounded loop
         port = server.servers[0].sockets[0].getsockname()[1]
-        url = f"http://127.0.0.1:{port}"
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         while True:
-            try:
-                httpx.get(f"{url}/_sim/ping", timeout=1.0, trust_env=False)  # any HTTP answer will do
+            try:  # any HTTP answer will do; this only checks that it listens
+                httpx.get(f"{url}/_sim/ping", timeout=1.0, trust_env=False, verify=False)
                 break
             except httpx.TransportError:
                 if time.monotonic() > deadline:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import approvals, control, sessions
 from server.clock import FakeClock
@@ -29,6 +30,23 @@ CANCEL_VERIFIED = [{"effect": "merchant__cancel_renewal",
                                "done_when": {"at": "renewal", "equals": "off"}}}]
 
 
+@dataclass(frozen=True)
+class Received:
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+
+
+def recorder(app: ASGIApp, into: list[Received]) -> ASGIApp:
+    """`app`, noting each request to the simulated service (not its `/_sim` controls) before it handles it."""
+    async def recording(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith("/_sim/"):
+            into.append(Received(method=scope["method"], path=scope["path"],
+                                 headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]))
+        await app(scope, receive, send)
+    return recording
+
+
 @dataclass
 class World:
     engine: Engine
@@ -40,6 +58,8 @@ class World:
     tools: ToolLayer
     dispatcher: ActionDispatcher
     policy: Policy
+    received: dict[str, list[Received]]
+    """Per simulator, every request as it arrived (headers included): where an injected credential shows up."""
 
     def task(self, title: str = "cancel my subscription but keep this month",
              completion: list[dict[str, Any]] | None = None, constraints: dict[str, Any] | None = None) -> Binding:
@@ -63,7 +83,10 @@ class World:
 
 @contextmanager
 def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None = None,
-          client_timeout: float = 2.0, http: ConnectorHTTP | None = None) -> Iterator[World]:
+          client_timeout: float = 2.0, http: ConnectorHTTP | None = None, tls: Path | None = None) -> Iterator[World]:
+    """With `tls` (a PEM with a certificate for `<name>.test` and its key), the simulators serve HTTPS and the
+    connectors address them as `https://<name>.test:<port>`: resolving those names is the egress proxy's job."""
+    received: dict[str, list[Received]] = {}
     sim_clock = SimClock()
     clock.set(sim_clock.now())  # one notion of "now" for quote expiry on both sides
     merchant_app, merchant = create_merchant(clock=sim_clock)
@@ -72,7 +95,11 @@ def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None
     policy = policy or Policy(reconcile_window=timedelta(minutes=30))
     with ExitStack() as stack:
         apps = {"merchant": merchant_app, "airline": airline_app, "hotel": hotel_app}
-        urls = {name: stack.enter_context(serve(app)) for name, app in apps.items()}
+        urls = {name: stack.enter_context(serve(recorder(app, received.setdefault(name, [])),
+                                                tls=str(tls) if tls else None))
+                for name, app in apps.items()}
+        if tls is not None:
+            urls = {name: url.replace("127.0.0.1", f"{name}.test") for name, url in urls.items()}
         registry = load_connectors(POLICIES / "connectors", base_urls=urls)
         http = http or ConnectorHTTP(timeout=client_timeout)
         tools = ToolLayer(engine, clock, registry=registry, policy=policy, http=http)
@@ -80,4 +107,4 @@ def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None
         stack.callback(tools.close)
         stack.callback(dispatcher.close)
         yield World(engine=engine, clock=clock, owner=owner, merchant=merchant, airline=airline, hotel=hotel,
-                    tools=tools, dispatcher=dispatcher, policy=policy)
+                    tools=tools, dispatcher=dispatcher, policy=policy, received=received)

@@ -22,7 +22,8 @@ from proxy.decide import (
 )
 from proxy.hosts import normalize_host, parse_authority
 
-REQ = DecisionRequest(request_id="req_1", user_id="usr_1", attempt_token=None, method="GET", scheme="https",
+REQ = DecisionRequest(request_id="req_1", user_id="usr_1", attempt_token=None, client_token="tok_1",
+                      method="GET", scheme="https",
                       host="api.example.com", port=443, path="/v1/items", query="", resolved_ips=("93.184.216.34",),
                       body_sha256=hashlib.sha256(b"").hexdigest(), client="tool_computer")
 RULES = (
@@ -227,11 +228,13 @@ def test_a_connector_call_is_never_decided_by_the_allowlist() -> None:
 
 # --- a verdict must fit its request ------------------------------------------------------------------------------
 
-def test_a_connector_allow_without_attempt_and_action_does_not_fit() -> None:
+def test_a_connector_allow_without_an_attempt_does_not_fit() -> None:
     connector = dataclasses.replace(REQ, client="connector", attempt_token="tok")
     good = Allow(credential=None, rule="act", attempt_id="att_1", action_id="act_1")
     assert check_verdict(connector, good) == good
-    bare = Allow(credential=None, rule="act", attempt_id=None, action_id=None)
+    read = Allow(credential=None, rule="read", attempt_id="egr_1", action_id=None)  # a read tool: no action
+    assert check_verdict(connector, read) == read
+    bare = Allow(credential=None, rule="act", attempt_id=None, action_id="act_1")
     assert code(check_verdict(connector, bare)) == RefusalCode.MALFORMED_VERDICT
     no_token = dataclasses.replace(connector, attempt_token=None)
     assert code(check_verdict(no_token, good)) == RefusalCode.MALFORMED_VERDICT
