@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Connection, Engine, and_, func, or_, select, update
 
+from proxy.contract import RefusalCode
 from server import control, faults, inbox, outbox, waits
 from server.acting import lock_task, objects_problem
 from server.actions import Action, content_hash, load_action
@@ -56,6 +57,8 @@ from server.tables import waits as waits_table
 __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 
 HELD, SETTLED = "held", "settled"
+REFUSAL_HEADER = "X-Wakeful-Refusal"
+_PROXY_REFUSALS = frozenset(code.value for code in RefusalCode)  # not upstream_failed / upstream_timeout
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,12 @@ def classify(response: httpx.Response | None, error: Exception | None) -> Result
     except ValueError:
         body = None
     status = response.status_code
+    refusal = response.headers.get(REFUSAL_HEADER)
+    if refusal in _PROXY_REFUSALS:
+        # The egress proxy refused before dialling anything (it strips this header from upstream answers).
+        reason = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+        return Result(outcome=Outcome.BLOCKED, status_code=status, external_ref=None, body=body,
+                      detail=f"refused by the egress proxy ({refusal}): {reason}".strip())
     if 200 <= status < 300:
         ref = next((str(body[k]) for k in _REF_FIELDS if isinstance(body, dict) and body.get(k)), None)
         return Result(outcome=Outcome.ACCEPTED, status_code=status, external_ref=ref, body=body,

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from proxy.contract import DecisionRequest
 from proxy.rewrite import ATTEMPT_HEADER
 from server import control, egress
 from server.clock import FakeClock
-from server.db import write
-from server.tables import ControlKind
+from server.db import read, write
+from server.tables import ControlKind, attempts
 from tests.support.acting import CANCEL_VERIFIED, POLICIES
 from tests.support.egress import EgressStack, egress_stack
 
@@ -79,6 +79,10 @@ def test_a_write_paused_or_revoked_while_it_travels_to_the_proxy_is_refused_ther
     refused = stack.audit(2)[0]
     assert (refused["verdict"], refused["code"], refused["upstream_status"]) == ("refuse", "not_admitted", None)
     assert f"the task is {state}" in str(refused["rule"])
+    with read(w.engine) as conn:
+        (attempt,) = conn.execute(select(attempts)).all()
+    # Refused before anything was dialled: known not to have happened, so nothing is left to reconcile.
+    assert attempt.outcome == "blocked" and "refused by the egress proxy (not_admitted)" in attempt.detail
 
 
 def test_a_write_is_refused_at_the_proxy_after_stop(stack: EgressStack) -> None:
