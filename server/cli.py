@@ -17,6 +17,7 @@ from server.cli_common import fail as _fail
 from server.cli_common import open_engine as _engine
 from server.cli_common import settings_or_exit as _settings
 from server.cli_egress import egress_app, proxy_app, secret_app
+from server.cli_image import image_app
 from server.clock import SystemClock
 from server.db import read, write
 from server.errors import WakefulError
@@ -30,6 +31,7 @@ app = typer.Typer(help="wakeful: a runtime for always-on personal agents.", no_a
 app.add_typer(proxy_app, name="proxy")
 app.add_typer(secret_app, name="secret")
 app.add_typer(egress_app, name="egress")
+app.add_typer(image_app, name="image")
 
 
 @app.command()
@@ -42,7 +44,9 @@ def serve(
     """Run HTTP, workers, scheduler, dispatcher and sweeper in one process (the embedded default)."""
     import uvicorn
 
+    from server.egress import load_egress_rules
     from server.http import QuietServer, create_app
+    from server.proxyctl import proxy_port_taken
     from server.runtime import Runtime, load_registry, make_handler
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -50,6 +54,11 @@ def serve(
     settings = _settings(data_dir, database_url, host=host, port=port)
     try:
         registry = load_registry(settings)
+        if settings.proxy:
+            load_egress_rules(settings.policies / "egress.toml")
+            if proxy_port_taken(settings):
+                raise WakefulError("proxy_port_in_use", f"127.0.0.1:{settings.proxy_port} is taken (another wakeful "
+                                                        "serve?): set proxy_port, or proxy = false")
     except WakefulError as exc:
         _fail(exc)
     runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry)

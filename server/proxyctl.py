@@ -36,7 +36,8 @@ from server.settings import Settings
 if TYPE_CHECKING:
     from proxy.audit import EgressRecord
 
-__all__ = ["DeciderService", "ProxyChild", "decider_token", "open_vault", "run_proxy", "serve_egress", "vault_keys"]
+__all__ = ["DeciderService", "ProxyChild", "decider_token", "open_vault", "proxy_port_taken", "run_proxy",
+           "serve_egress", "vault_keys"]
 
 log = logging.getLogger(__name__)
 TOKEN_FILE = "decider.token"
@@ -130,6 +131,10 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def proxy_port_taken(settings: Settings) -> bool:
+    return _listening(settings.proxy_port)
 
 
 def _listening(port: int) -> bool:

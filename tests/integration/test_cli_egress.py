@@ -1,0 +1,108 @@
+"""The egress commands docs/egress.md shows, run with bash exactly as written, and `wakeful serve` running the
+proxy as its child: refusals land in the audit that `wakeful egress log` and `GET /v1/egress` show."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from proxy.vault import Vault, load_keys
+from tests.integration.test_cli import run
+from tests.support.serve import WAKEFUL, ServeProcess, free_port
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "egress.md").read_text()
+BLOCKS = re.findall(r"```bash\n(.*?)```", DOC, re.S)
+
+
+def _bash(data_dir: Path, script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}
+    clean |= {"WAKEFUL_DATA_DIR": str(data_dir), "PATH": f"{WAKEFUL.parent}:{clean.get('PATH', '/usr/bin:/bin')}",
+              **env}
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=clean, capture_output=True, text=True,
+                            timeout=120, cwd=data_dir)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_the_secret_commands_in_the_docs_store_list_remove_and_rotate_without_showing_a_value(tmp_path: Path) -> None:
+    key, session = "mk_live_0123456789abcdef", "sess-feedface"
+    out = _bash(tmp_path, BLOCKS[0], MERCHANT_KEY=key, TOKEN=session)
+    assert "merchant_api" in out.stdout and "shop.example.com" in out.stdout  # the list before the rm
+    assert key not in out.stdout + out.stderr and session not in out.stdout + out.stderr
+    vault = Vault(tmp_path / "vault.json", load_keys(tmp_path / "vault.key"))
+    assert [i.name for i in vault.list()] == ["merchant_api"]  # shop_session was removed
+    credential = vault.get("merchant_api")
+    assert credential.render() == f"Bearer {key}" and credential.host == "merchant.example.com"
+    assert key.encode() not in (tmp_path / "vault.json").read_bytes()
+    assert "every credential is now encrypted under key" in out.stdout  # rotate-key ran last
+    assert vault.list()[0].key_id == load_keys(tmp_path / "vault.key").current.key_id
+
+
+def test_a_secret_is_never_taken_from_the_command_line(tmp_path: Path) -> None:
+    refused = run(tmp_path, "secret", "set", "x", "--host", "a.example.com", "--value", "s3cret", check=False)
+    assert refused.returncode == 2 and "No such option" in refused.stderr
+    empty = subprocess.run([WAKEFUL, "secret", "set", "x", "--host", "a.example.com"], input="", text=True,
+                           capture_output=True, env={**os.environ, "WAKEFUL_DATA_DIR": str(tmp_path)}, timeout=60)
+    assert empty.returncode == 2 and "empty_secret" in empty.stderr
+    bad = subprocess.run([WAKEFUL, "secret", "set", "x", "--host", "10.0.0.1"], input="v", text=True,
+                         capture_output=True, env={**os.environ, "WAKEFUL_DATA_DIR": str(tmp_path)}, timeout=60)
+    assert bad.returncode == 2 and "invalid_credential" in bad.stderr
+    assert run(tmp_path, "secret", "rm", "nope", check=False).stderr.count("unknown_credential") == 1
+
+
+def test_the_ca_in_the_docs_is_a_certificate_and_its_key_is_stored_encrypted(tmp_path: Path) -> None:
+    (block,) = [b for b in BLOCKS if "proxy ca" in b]
+    _bash(tmp_path, block)
+    pem = (tmp_path / "wakeful-ca.pem").read_text()
+    assert pem.startswith("-----BEGIN CERTIFICATE-----") and "PRIVATE KEY" not in pem
+    key_file = (tmp_path / "proxy" / "ca.key.enc").read_bytes()
+    assert b"PRIVATE KEY" not in key_file and (tmp_path / "proxy" / "ca.key.enc").stat().st_mode & 0o077 == 0
+    assert run(tmp_path, "proxy", "ca").stdout == pem  # the same CA every time
+
+
+def test_serve_runs_the_proxy_and_its_refusals_are_in_the_audit(tmp_path: Path) -> None:
+    proxy_port = free_port()
+    env = {"WAKEFUL_DATA_DIR": str(tmp_path), "WAKEFUL_PROXY": "true", "WAKEFUL_PROXY_PORT": str(proxy_port)}
+    with ServeProcess(env, log_path=tmp_path / "serve.log") as server:
+        token = run(tmp_path, "token").stdout.strip()
+        (client_block,) = [b for b in BLOCKS if "egress client" in b]
+        credential = _bash(tmp_path, client_block).stdout.strip()
+        user_id, _, secret = credential.partition(":")
+        assert user_id.startswith("usr_") and secret and secret.encode() not in (tmp_path / "wakeful.db").read_bytes()
+        proxy = f"http://{credential}@127.0.0.1:{proxy_port}"
+        with httpx.Client(proxy=proxy, timeout=10.0) as client:
+            refused = client.get("http://nowhere.example/")
+        assert (refused.status_code, refused.headers["x-wakeful-refusal"]) == (403, "host_not_allowed")
+        with httpx.Client(proxy=f"http://127.0.0.1:{proxy_port}", timeout=10.0) as client:
+            anonymous = client.get("http://nowhere.example/")
+        assert anonymous.headers["x-wakeful-refusal"] == "not_admitted"
+
+        def audited() -> list[dict[str, object]]:
+            body = httpx.get(f"{server.url}/v1/egress", headers={"Authorization": f"Bearer {token}"}).json()
+            return body["requests"]
+        from tests.support.polling import wait_until
+        (mine,) = wait_until(audited, 10, "the refusal in GET /v1/egress")  # only the caller's own request
+        assert (mine["host"], mine["verdict"], mine["code"], mine["user_id"]) == (
+            "nowhere.example", "refuse", "host_not_allowed", user_id)
+        (log_block,) = [b for b in BLOCKS if "egress log" in b]
+        out = _bash(tmp_path, log_block).stdout
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert {r["code"] for r in lines} == {"host_not_allowed", "not_admitted"}
+        assert "nowhere.example" in out.split("{", 1)[0]  # the table above the JSON lines
+    assert "egress proxy listening" in server.log()
+
+
+def test_an_egress_policy_with_a_typo_stops_serve_with_the_line(tmp_path: Path) -> None:
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "egress.toml").write_text('[[allow]]\nname = "x"\nhots = "a.example.com"\n')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}, "WAKEFUL_DATA_DIR": str(tmp_path),
+           "WAKEFUL_PROXY": "true", "WAKEFUL_PROXY_PORT": str(free_port()), "WAKEFUL_PORT": str(free_port())}
+    result = subprocess.run([WAKEFUL, "serve"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "invalid_egress_policy" in result.stderr and "line 3" in result.stderr and "hots" in result.stderr
