@@ -1,10 +1,15 @@
 """The egress proxy: a policy decision per request, credential rewriting and the credential vault.
 
-The pure core (`contract`, `decide`, `rewrite`, `credential`, `hosts`) does no I/O; `vault` reads and writes its
-files. Errors: `ProxyRefusal` (code, reason) ← `HeaderRejected`, `InjectionRefused`; `ContractError` for values
-that break the contract; `VaultError` ← `CredentialNotFound`, `DecryptFailed`, `VaultFileError`.
+The pure core (`contract`, `decide`, `rewrite`, `credential`, `hosts`, `wire`, `audit`) does no I/O; `vault` and
+`tls` read and write their files; `channel` (the decider link, both ends) and `server` (with `exchange` and
+`upstream`) are the asyncio shell. Errors: `ProxyRefusal` (code, reason) ← `HeaderRejected`,
+`InjectionRefused`; `ContractError` for values that break the contract; `VaultError` ← `CredentialNotFound`,
+`DecryptFailed`, `VaultFileError`, `CAError`; `ChannelError` for a broken decider-channel frame.
 """
 
+from proxy.audit import EgressRecord
+from proxy.channel import ChannelError, DeciderClient, DeciderServer
+from proxy.config import ProxyConfig
 from proxy.contract import (
     Allow,
     ContractError,
@@ -21,19 +26,30 @@ from proxy.contract import (
 from proxy.credential import Credential, CredentialInfo, SecretBytes
 from proxy.decide import AllowRule, agree, check_request, check_verdict, decide_by_allowlist, match_allowlist
 from proxy.rewrite import HeaderRejected, InjectionRefused, inject, strip_credentials
+from proxy.server import ProxyServer, run, serve_proxy
+from proxy.tls import CAError, DeploymentCA, LeafCertificates, ca_pem, load_or_create_ca
 from proxy.vault import KeyRing, Vault, VaultError
 
 __all__ = [
     "Allow",
     "AllowRule",
+    "CAError",
+    "ChannelError",
     "ContractError",
     "Credential",
     "CredentialInfo",
+    "DeciderClient",
+    "DeciderServer",
     "DecisionRequest",
+    "DeploymentCA",
+    "EgressRecord",
     "HeaderRejected",
     "InjectionRefused",
     "KeyRing",
+    "LeafCertificates",
+    "ProxyConfig",
     "ProxyRefusal",
+    "ProxyServer",
     "RefusalCode",
     "Refuse",
     "SecretBytes",
@@ -41,14 +57,18 @@ __all__ = [
     "VaultError",
     "Verdict",
     "agree",
+    "ca_pem",
     "check_request",
     "check_verdict",
     "decide_by_allowlist",
     "encode_request",
     "encode_verdict",
     "inject",
+    "load_or_create_ca",
     "match_allowlist",
     "parse_request",
     "parse_verdict",
+    "run",
+    "serve_proxy",
     "strip_credentials",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, Literal, TypeAlias, get_args
 
@@ -104,6 +104,9 @@ class DecisionRequest:
     user_id: str | None
     attempt_token: str | None
     """Added by the dispatcher to connector calls (header `X-Wakeful-Attempt`); never forwarded upstream."""
+    client_token: str | None = field(repr=False)
+    """The credential a tool-computer client presented to the proxy in Proxy-Authorization (Basic, as
+    `user_id:token`); checked by the decider; never logged or audited."""
     method: str
     """Upper-case token, e.g. `GET`; `CONNECT` for a tunnel the proxy does not intercept (then `path` is "")."""
     scheme: Literal["http", "https"]
@@ -124,6 +127,7 @@ class DecisionRequest:
         _text(self.request_id, "request_id", limit=128)
         _optional_text(self.user_id, "user_id")
         _optional_text(self.attempt_token, "attempt_token")
+        _optional_text(self.client_token, "client_token")
         if not isinstance(self.method, str) or not _TOKEN.fullmatch(self.method) or self.method != self.method.upper():
             raise ContractError("method must be an upper-case token")
         if self.scheme not in ("http", "https"):
@@ -226,14 +230,15 @@ def _exact_keys(obj: dict[str, object], keys: frozenset[str]) -> None:
         raise ContractError(f"expected exactly the keys {sorted(keys)}")
 
 
-_REQUEST_KEYS = frozenset({"v", "request_id", "user_id", "attempt_token", "method", "scheme", "host", "port", "path",
-                           "query", "body_sha256", "resolved_ips", "client"})
+_REQUEST_KEYS = frozenset({"v", "request_id", "user_id", "attempt_token", "client_token", "method", "scheme", "host",
+                           "port", "path", "query", "body_sha256", "resolved_ips", "client"})
 
 
 def encode_request(req: DecisionRequest) -> bytes:
     return _dumps({
         "v": 1, "request_id": req.request_id, "user_id": req.user_id, "attempt_token": req.attempt_token,
-        "method": req.method, "scheme": req.scheme, "host": req.host, "port": req.port, "path": req.path,
+        "client_token": req.client_token, "method": req.method, "scheme": req.scheme, "host": req.host,
+        "port": req.port, "path": req.path,
         "query": req.query, "body_sha256": req.body_sha256, "resolved_ips": list(req.resolved_ips),
         "client": req.client,
     })

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 
@@ -15,6 +16,7 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and called several times per proxied request
 def normalize_host(host: str) -> str:
     """The canonical spelling of a DNS name or IP literal: lower case, no trailing dot, no IPv6 brackets.
 

@@ -226,10 +226,28 @@ class Vault:
     """Credential bindings encrypted at rest. Every call reads the file, so a running proxy sees `secret set` at
     once; writers serialise on a lock file beside it. Nothing here logs, and nothing returned prints a secret."""
 
-    def __init__(self, path: Path, keys: KeyRing, *, clock: Clock | None = None) -> None:
+    def __init__(self, path: Path, keys: KeyRing, *, clock: Clock | None = None, key_file: Path | None = None) -> None:
         self.path = path
         self._keys = keys
         self._clock = clock or _SystemClock()
+        self._key_file = key_file
+        """When given, the keys are read again from it whenever it changes (a rotation by another process)."""
+        self._key_stamp = self._stamp()
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        if self._key_file is None:
+            return None
+        try:
+            st = self._key_file.stat()
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def _fresh_keys(self) -> KeyRing:
+        stamp = self._stamp()
+        if self._key_file is not None and stamp != self._key_stamp:
+            self._keys, self._key_stamp = load_keys(self._key_file), stamp
+        return self._keys
 
     @property
     def keys(self) -> KeyRing:
@@ -261,7 +279,7 @@ class Vault:
         entry = self._read().get(name)
         if entry is None:
             raise CredentialNotFound(name)
-        return self._open(entry, self._keys)
+        return self._open(entry, self._fresh_keys())
 
     def rotate(self, new_key: Key) -> None:
         """Re-encrypt every entry under `new_key`; all or nothing. Afterwards only `new_key` is kept.

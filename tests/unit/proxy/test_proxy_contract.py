@@ -25,7 +25,8 @@ from proxy.contract import (
 )
 
 EMPTY_SHA = hashlib.sha256(b"").hexdigest()
-REQ = DecisionRequest(request_id="req_1", user_id="usr_1", attempt_token="att_tok", method="POST", scheme="https",
+REQ = DecisionRequest(request_id="req_1", user_id="usr_1", attempt_token="att_tok", client_token=None,
+                      method="POST", scheme="https",
                       host="api.example.com", port=443, path="/v1/cancel", query="a=1", body_sha256=EMPTY_SHA,
                       resolved_ips=("93.184.216.34", "2606:2800:220:1::1"), client="connector")
 ALLOW = Allow(credential="merchant_api", rule="action act_1", attempt_id="att_1", action_id="act_1")
@@ -41,6 +42,15 @@ def allow_json(**changes: object) -> bytes:
 
 def test_a_decision_request_round_trips_through_its_wire_form() -> None:
     assert parse_request(encode_request(REQ)) == REQ
+
+
+def test_a_client_token_round_trips_and_is_a_required_key_on_the_wire() -> None:
+    with_token = dataclasses.replace(REQ, client="tool_computer", attempt_token=None, client_token="tok_9")
+    assert parse_request(encode_request(with_token)).client_token == "tok_9"
+    without_key = json.loads(encode_request(with_token))
+    del without_key["client_token"]
+    with pytest.raises(ContractError):
+        parse_request(json.dumps(without_key).encode())
 
 
 def test_an_allow_and_a_refusal_round_trip_through_their_wire_form() -> None:
@@ -115,7 +125,7 @@ def test_parse_verdict_allows_only_objects_with_exactly_the_allow_fields(obj: di
     {"method": "get"}, {"method": "GE T"}, {"scheme": "ftp"}, {"host": "API.example.com"}, {"host": "a b"},
     {"port": 0}, {"port": 70000}, {"port": True}, {"path": "v1"}, {"path": "/a?b"}, {"body_sha256": "abc"},
     {"resolved_ips": ("not-an-ip",)}, {"resolved_ips": ["1.1.1.1"]}, {"client": "browser"}, {"request_id": ""},
-    {"attempt_token": "a\r\nb"},
+    {"attempt_token": "a\r\nb"}, {"client_token": "t\x00k"}, {"client_token": "x" * 257}, {"client_token": 5},
 ])
 def test_a_decision_request_that_breaks_the_contract_is_refused_on_construction(change: dict[str, object]) -> None:
     with pytest.raises(ContractError):

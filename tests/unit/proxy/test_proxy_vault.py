@@ -214,6 +214,19 @@ def test_rotating_the_key_file_leaves_one_new_key_that_reads_every_secret(tmp_pa
     assert make_vault(tmp_path, load_keys(key_path)).get("a").secret.reveal() == SECRET
 
 
+def test_a_running_reader_follows_a_rotation_done_by_another_process(tmp_path: Path) -> None:
+    key_path = tmp_path / "vault.key"
+    ring = init_key(key_path)
+    reader = Vault(tmp_path / "vault.json", ring, key_file=key_path)  # the proxy's vault
+    frozen = Vault(tmp_path / "vault.json", ring)                     # one that never looks at the key file
+    writer = Vault(tmp_path / "vault.json", load_keys(key_path))      # `wakeful secret rotate-key`
+    writer.set("a", SECRET, "a.example.com", "X-Api-Key", "{secret}")
+    rotate_key_file(writer, key_path)
+    assert reader.get("a").secret.reveal() == SECRET
+    with pytest.raises(DecryptFailed):
+        frozen.get("a")
+
+
 def test_keys_and_vaults_never_print_key_material(tmp_path: Path) -> None:
     vault = make_vault(tmp_path)
     material = vault.keys.current.encoded()

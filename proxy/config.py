@@ -1,0 +1,67 @@
+"""What the proxy server is told at start: where to listen, how to reach the decider, what to trust."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxy.hosts import normalize_host
+from proxy.vault import KeyRing, Vault
+
+__all__ = ["ProxyConfig"]
+
+
+def _hosts(hosts: frozenset[str]) -> frozenset[str]:
+    return frozenset(normalize_host(h) for h in hosts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxyConfig:
+    decider_socket: Path
+    """The decider's unix socket (see `proxy.channel`)."""
+    decider_token: str = field(repr=False)
+    """The shared secret the proxy says hello with on the decider channel."""
+    ca_dir: Path
+    """Holds `ca.pem` and `ca.key.enc`; the CA is created there on first start (see `proxy.tls`)."""
+    keys: KeyRing = field(repr=False)
+    """The vault's key ring; the CA's private key is sealed under its current key."""
+    vault: Vault
+    """Where the credentials named by allows are decrypted from."""
+    listen_host: str = "127.0.0.1"
+    """The address the proxy listens on."""
+    listen_port: int = 0
+    """0 picks a free port; `ProxyServer.port` reports the one bound."""
+    decider_timeout: float = 2.0
+    """Seconds to wait for a verdict before refusing with `decider_unavailable`."""
+    upstream_cafile: Path | None = None
+    """The CA bundle upstream servers are verified against; None means the system's trust store."""
+    resolve: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    """Static answers `{normalised host: [ip, …]}` consulted before DNS, at request time, only after an allow."""
+    allowed_private: frozenset[str] = frozenset()
+    """The only hosts that may resolve to private, loopback or reserved addresses."""
+    no_intercept: frozenset[str] = frozenset()
+    """Hosts that pin certificates or need mutual TLS: CONNECT is decided once (method CONNECT, path "") and
+    tunnelled raw, so no credential can be injected for them."""
+    max_body_bytes: int = 10 * 1024 * 1024
+    """A larger request body is answered 413 and never decided."""
+    client_timeout: float = 60.0
+    """Seconds a client connection may sit idle between requests, or take to send one."""
+    handshake_timeout: float = 10.0
+    """Seconds for the client's TLS handshake inside a CONNECT tunnel, and for the upstream's."""
+    connect_timeout: float = 10.0
+    """Seconds to open a connection to the upstream (per address tried)."""
+    upstream_timeout: float = 60.0
+    """Seconds to wait for the upstream's response headers, and between its body chunks; 504 when exceeded."""
+    pool_idle_seconds: float = 15.0
+    """How long an idle upstream keep-alive connection is kept for reuse."""
+    pool_max_idle: int = 32
+    """Idle upstream connections kept per (address, port, scheme, TLS host)."""
+    leaf_cache_size: int = 1024
+    """Hosts whose leaf certificate and TLS context are kept ready."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_private", _hosts(self.allowed_private))
+        object.__setattr__(self, "no_intercept", _hosts(self.no_intercept))
+        if self.max_body_bytes < 0 or self.decider_timeout <= 0:
+            raise ValueError("max_body_bytes must be ≥ 0 and decider_timeout > 0")

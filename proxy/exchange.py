@@ -1,0 +1,376 @@
+"""One request through the proxy: read it, check it, ask the decider, and only then resolve, inject and forward.
+
+Order, for every request: body read (bounded) → Host/SNI/CONNECT agreement → method → decider → verdict fits →
+resolve → addresses checked → client credentials stripped → credential injected → dial the checked address →
+forward → stream the answer back → one audit record. Nothing is resolved or dialled before an allow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import ssl
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Final
+
+import h11
+
+from proxy.audit import EgressRecord
+from proxy.channel import DeciderClient
+from proxy.config import ProxyConfig
+from proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyRefusal, RefusalCode, Refuse
+from proxy.credential import Credential
+from proxy.decide import agree, check_addresses, check_method, check_verdict
+from proxy.rewrite import HeaderRejected, inject, strip_credentials
+from proxy.upstream import H11Stream, Upstream, UpstreamPool, resolve, response_headers
+from proxy.vault import Vault, VaultError
+from proxy.wire import (
+    REQUEST_TOO_LARGE,
+    UPSTREAM_FAILED,
+    UPSTREAM_TIMEOUT,
+    Identity,
+    attempt_token,
+    error_body,
+    parse_proxy_authorization,
+    parse_target,
+    refusal_status,
+)
+
+__all__ = ["Credentials", "Exchange", "ProxyFailure", "Shared", "Tunnel", "answer_error", "authorize", "handle_request"]
+
+log = logging.getLogger("wakeful.proxy")
+
+EMPTY_SHA256: Final = hashlib.sha256(b"").hexdigest()
+_IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+_DROP_UPSTREAM: Final = frozenset({"content-length", "expect", "host"})
+
+
+class ProxyFailure(Exception):
+    """The proxy could not do what was allowed (upstream down or slow) or would not read the request (too big)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Credentials:
+    """Decrypted credentials, kept while the vault file is unchanged: `wakeful secret set|rm` replaces the file
+    (a new inode), which drops everything cached here. Saves a read, a parse and a decryption per request."""
+
+    def __init__(self, vault: Vault) -> None:
+        self._vault = vault
+        self._stamp: tuple[int, int, int] | None = None
+        self._cache: dict[str, Credential] = {}
+
+    def get(self, name: str) -> Credential:
+        """Raises `VaultError` (`CredentialNotFound`, `DecryptFailed`, `VaultFileError`)."""
+        try:
+            st = os.stat(self._vault.path)
+            stamp: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp != self._stamp or stamp is None:
+            self._cache.clear()
+            self._stamp = stamp
+        credential = self._cache.get(name)
+        if credential is None:
+            credential = self._cache[name] = self._vault.get(name)
+        return credential
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shared:
+    """What every connection of one proxy server uses."""
+
+    config: ProxyConfig
+    decider: DeciderClient
+    pool: UpstreamPool
+    credentials: Credentials
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tunnel:
+    """An intercepted CONNECT: every request inside it must name this host, port and TLS server name."""
+
+    host: str
+    port: int
+    sni: str | None
+    identity: Identity
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_request_id() -> str:
+    return "egr_" + os.urandom(12).hex()
+
+
+class Exchange:
+    """The audit facts of one request, filled in as it goes, written once at the end."""
+
+    def __init__(self, *, method: str, scheme: str, host: str | None, port: int | None) -> None:
+        self.request_id = new_request_id()
+        self.at = _utcnow()
+        self.started = time.perf_counter()
+        self.method = method
+        self.scheme = scheme
+        self.host = host
+        self.port = port
+        self.path = ""
+        self.user_id: str | None = None
+        self.client: Client = "tool_computer"
+        self.attempt_id: str | None = None
+        self.action_id: str | None = None
+        self.verdict: str = "refuse"
+        self.code: RefusalCode | None = None
+        self.rule = "not decided"
+        self.credential: str | None = None
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.upstream_status: int | None = None
+
+    def allowed(self, allow: Allow) -> None:
+        self.verdict, self.rule = "allow", allow.rule
+        self.attempt_id, self.action_id = allow.attempt_id, allow.action_id
+
+    def refused(self, code: RefusalCode | None, reason: str) -> None:
+        self.verdict, self.code, self.rule, self.credential = "refuse", code, reason, None
+
+    def record(self, decider: DeciderClient) -> None:
+        if self.host is None or self.port is None:
+            log.debug("no egress record for a request that named no host")
+            return
+        try:
+            record = EgressRecord(
+                request_id=self.request_id, at=self.at, user_id=self.user_id, client=self.client,
+                attempt_id=self.attempt_id, action_id=self.action_id, method=self.method,
+                scheme="https" if self.scheme == "https" else "http", host=self.host, port=self.port, path=self.path,
+                verdict="allow" if self.verdict == "allow" else "refuse", code=self.code, rule=self.rule,
+                credential=self.credential, bytes_up=self.bytes_up, bytes_down=self.bytes_down,
+                upstream_status=self.upstream_status, latency_ms=(time.perf_counter() - self.started) * 1000.0)
+        except ContractError as exc:
+            log.warning("egress record %s could not be written: %s", self.request_id, exc)
+            return
+        if log.isEnabledFor(logging.DEBUG):  # path only: a query can carry secrets
+            log.debug("%s %s://%s:%d%s → %s %s (%s), upstream %s", record.method, record.scheme, record.host,
+                      record.port, record.path, record.verdict, record.code or "", record.rule,
+                      record.upstream_status)
+        decider.audit(record)
+
+
+async def answer_error(client: H11Stream, code: str, message: str, *, close: bool) -> bool:
+    """Send a refusal or error response if the client still expects one; whether the connection can go on."""
+    if client.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        return False
+    body = error_body(code, message)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii")),
+               (b"x-wakeful-refusal", code.encode("ascii"))]
+    if close:
+        headers.append((b"connection", b"close"))
+    try:
+        client.send(h11.Response(status_code=refusal_status(code), headers=headers))
+        client.send(h11.Data(data=body))
+        client.send(h11.EndOfMessage())
+        await client.drain()
+    except (h11.LocalProtocolError, OSError):
+        return False
+    return not close
+
+
+async def authorize(shared: Shared, req: DecisionRequest, ex: Exchange) -> tuple[Allow, list[str]]:
+    """The decider's allow for `req` and the checked addresses to dial. Raises `ProxyRefusal` or `ProxyFailure`."""
+    verdict = check_verdict(req, await shared.decider.decide(req))
+    if isinstance(verdict, Refuse):
+        raise ProxyRefusal(verdict.code, verdict.reason)
+    ex.allowed(verdict)
+    try:
+        ips = await resolve(req.host, req.port, shared.config.resolve)
+    except OSError:
+        raise ProxyFailure(UPSTREAM_FAILED, f"{req.host} does not resolve") from None
+    refusal = check_addresses(req.host, ips, allowed_private=shared.config.allowed_private)
+    if refusal is not None:
+        raise ProxyRefusal(refusal.code, refusal.reason)
+    return verdict, ips
+
+
+async def _read_body(client: H11Stream, request: h11.Request, limit: int, idle: float) -> bytes:
+    for name, value in request.headers:
+        if name == b"content-length" and int(value) > limit:
+            raise ProxyFailure(REQUEST_TOO_LARGE, f"the request body exceeds {limit} bytes")
+    if client.conn.they_are_waiting_for_100_continue:
+        client.send(h11.InformationalResponse(status_code=100, headers=[]))
+        client.flush()
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        event = await client.next_event(idle)
+        if isinstance(event, h11.Data):
+            size += len(event.data)
+            if size > limit:
+                raise ProxyFailure(REQUEST_TOO_LARGE, f"the request body exceeds {limit} bytes")
+            chunks.append(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return b"".join(chunks)
+        else:
+            raise ConnectionResetError("the client went away while sending its body")
+
+
+async def handle_request(shared: Shared, client: H11Stream, request: h11.Request, tunnel: Tunnel | None) -> bool:
+    """Answer one request read from `client`; whether the client connection can carry another one."""
+    scheme = "https" if tunnel else "http"
+    ex = Exchange(method=request.method.decode("ascii"), scheme=scheme, host=tunnel.host if tunnel else None,
+                  port=tunnel.port if tunnel else None)
+    try:
+        return await _handle(shared, client, request, tunnel, ex)
+    except ProxyRefusal as refusal:
+        ex.refused(refusal.code, refusal.reason)
+        return await answer_error(client, refusal.code, refusal.reason, close=False)
+    except ProxyFailure as failure:
+        if failure.code == REQUEST_TOO_LARGE:
+            ex.refused(None, failure.message)
+        return await answer_error(client, failure.code, failure.message, close=failure.code == REQUEST_TOO_LARGE)
+    except h11.RemoteProtocolError:
+        ex.refused(RefusalCode.HEADER_MISMATCH, "the request body is not well-formed HTTP/1.1")
+        return await answer_error(client, RefusalCode.HEADER_MISMATCH, ex.rule, close=True)
+    except OSError:  # TimeoutError included: the client stalled or left before its request was complete
+        ex.refused(None, "the client did not send its whole request")
+        return False
+    finally:
+        ex.record(shared.decider)
+
+
+async def _handle(shared: Shared, client: H11Stream, request: h11.Request, tunnel: Tunnel | None,
+                  ex: Exchange) -> bool:
+    config = shared.config
+    scheme = "https" if tunnel else "http"
+    headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw_items()]
+    target = parse_target(request.target.decode("latin-1"), in_tunnel=tunnel is not None)
+    host, port = (tunnel.host, tunnel.port) if tunnel else (target.host, target.port)
+    ex.host, ex.port, ex.path = host, port, target.path
+    lowered = [name.lower() for name, _ in headers]
+    if "content-length" in lowered and "transfer-encoding" in lowered:
+        raise HeaderRejected("both Content-Length and Transfer-Encoding: the body's length is ambiguous")
+    identity = tunnel.identity if tunnel else parse_proxy_authorization(
+        [value for name, value in headers if name.lower() == "proxy-authorization"])
+    token = attempt_token(headers)
+    ex.user_id, ex.client = identity.user_id, "connector" if token is not None else "tool_computer"
+    body = await _read_body(client, request, config.max_body_bytes, config.client_timeout)
+    hosts = [value for name, value in headers if name.lower() == "host"]
+    if len(hosts) > 1:
+        raise HeaderRejected("more than one Host header")
+    assert host is not None and port is not None  # parse_target names both outside a tunnel
+    if not agree((host, port), tunnel.sni if tunnel else None, hosts[0] if hosts else None, port, scheme=scheme):
+        raise ProxyRefusal(RefusalCode.HEADER_MISMATCH)
+    refusal = check_method(ex.method)
+    if refusal is not None:
+        raise ProxyRefusal(refusal.code, refusal.reason)
+    try:
+        req = DecisionRequest(
+            request_id=ex.request_id, user_id=identity.user_id, attempt_token=token, client_token=identity.token,
+            method=ex.method, scheme="https" if tunnel else "http", host=host, port=port, path=target.path,
+            query=target.query, body_sha256=hashlib.sha256(body).hexdigest(), resolved_ips=(), client=ex.client)
+    except ContractError as exc:
+        raise HeaderRejected(str(exc)) from None
+    allow, ips = await authorize(shared, req, ex)
+    forward = strip_credentials(headers, bound_host=allow.credential is not None)
+    if allow.credential is not None:
+        try:
+            credential = shared.credentials.get(allow.credential)
+        except VaultError:
+            raise ProxyRefusal(RefusalCode.CREDENTIAL_UNAVAILABLE) from None
+        forward = inject(forward, credential, scheme=req.scheme, host=host)
+        ex.credential = allow.credential
+    out = [(b"host", hosts[0].encode("latin-1") if hosts else _authority(host, port, req.scheme))]
+    out += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in forward
+            if name.lower() not in _DROP_UPSTREAM]
+    if body or request.method in (b"POST", b"PUT", b"PATCH"):
+        out.append((b"content-length", str(len(body)).encode("ascii")))
+    try:
+        upstream_request = h11.Request(method=request.method, target=request.target if tunnel else
+                                       (target.path + (f"?{target.query}" if target.query else "")).encode("latin-1"),
+                                       headers=out)
+    except h11.LocalProtocolError:
+        # Never pass h11's message on: it quotes the offending header value, which may be the injected secret.
+        raise HeaderRejected("a header value cannot be forwarded as it is (e.g. leading or trailing spaces)") from None
+    return await _forward(shared, client, upstream_request, body, ips, port, req.scheme, host, ex)
+
+
+def _authority(host: str, port: int, scheme: str) -> bytes:
+    name = f"[{host}]" if ":" in host else host
+    return (name if port == (443 if scheme == "https" else 80) else f"{name}:{port}").encode("ascii")
+
+
+async def _exchange(upstream: Upstream, request: h11.Request, body: bytes, wait: float) -> h11.Response:
+    upstream.send(request)
+    if body:
+        upstream.send(h11.Data(data=body))
+    upstream.send(h11.EndOfMessage())
+    await upstream.drain()
+    while True:
+        event = await upstream.next_event(wait)
+        if isinstance(event, h11.Response):
+            return event
+        if not isinstance(event, h11.InformationalResponse):  # a 100 Continue is skipped: the body is already sent
+            raise ConnectionResetError("the upstream closed before answering")
+
+
+async def _forward(shared: Shared, client: H11Stream, request: h11.Request, body: bytes, ips: list[str],
+                   port: int, scheme: str, host: str, ex: Exchange) -> bool:
+    config, pool = shared.config, shared.pool
+    upstream = pool.take(ips, port, scheme, host)
+    response: h11.Response | None = None
+    try:
+        if upstream is not None:
+            try:
+                response = await _exchange(upstream, request, body, config.upstream_timeout)
+            except (OSError, h11.RemoteProtocolError):
+                upstream.close()
+                # A kept-alive connection the upstream had already closed: nothing reached it, so an idempotent
+                # request may go again on a fresh one. Anything else might have had an effect: never re-sent.
+                if upstream.received or request.method.decode("ascii") not in _IDEMPOTENT:
+                    raise
+                upstream = None
+        if upstream is None:
+            upstream = await pool.dial(ips, port, scheme, host)
+            response = await _exchange(upstream, request, body, config.upstream_timeout)
+    except TimeoutError:
+        if upstream is not None:
+            upstream.close()
+        raise ProxyFailure(UPSTREAM_TIMEOUT, f"{host} did not answer in time") from None
+    except (OSError, h11.RemoteProtocolError, ssl.SSLError) as exc:
+        if upstream is not None:
+            upstream.close()
+        log.debug("upstream %s:%d failed: %s", host, port, type(exc).__name__)
+        raise ProxyFailure(UPSTREAM_FAILED, f"{host} could not be reached or answered badly") from None
+    assert response is not None
+    ex.bytes_up, ex.upstream_status = len(body), response.status_code
+    try:
+        client.send(h11.Response(status_code=response.status_code, headers=response_headers(response.headers),
+                                 reason=response.reason))
+        while True:
+            event = upstream.conn.next_event()
+            if event is h11.NEED_DATA:
+                # Whatever is already parsed goes out before waiting: usually headers and body in one write.
+                await client.drain()
+                event = await upstream.next_event(config.upstream_timeout)
+            if isinstance(event, h11.Data):
+                ex.bytes_down += len(event.data)
+                client.send(event)
+            elif isinstance(event, h11.EndOfMessage):
+                client.send(h11.EndOfMessage())
+                break
+            else:
+                raise ConnectionResetError("the upstream closed mid-response")
+        await client.drain()
+    except (OSError, h11.ProtocolError) as exc:
+        # Headers already went out: the only honest signal left is to cut the client connection.
+        log.debug("response from %s:%d cut short: %s", host, port, type(exc).__name__)
+        upstream.close()
+        return False
+    pool.give(upstream)
+    return True

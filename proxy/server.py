@@ -1,0 +1,267 @@
+"""The asyncio forward proxy: plain HTTP in absolute form, and HTTPS through CONNECT, intercepted or tunnelled raw.
+
+`serve_proxy(config)` starts it and returns a `ProxyServer`; `run(config)` serves until SIGTERM or SIGINT. What
+happens to each request is in `proxy.exchange`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import ssl
+from collections.abc import Callable
+
+import h11
+
+from proxy.channel import DeciderClient
+from proxy.config import ProxyConfig
+from proxy.contract import ContractError, DecisionRequest, ProxyRefusal, RefusalCode
+from proxy.exchange import (
+    EMPTY_SHA256,
+    Credentials,
+    Exchange,
+    ProxyFailure,
+    Shared,
+    Tunnel,
+    answer_error,
+    authorize,
+    handle_request,
+)
+from proxy.rewrite import HeaderRejected
+from proxy.tls import LeafCertificates, load_or_create_ca, sni_of
+from proxy.upstream import H11Stream, UpstreamPool
+from proxy.wire import Identity, attempt_token, describe, parse_connect_target, parse_proxy_authorization
+
+__all__ = ["ProxyServer", "run", "serve_proxy"]
+
+log = logging.getLogger("wakeful.proxy")
+
+_AUDIT_FLUSH_SECONDS = 2.0
+
+
+class ProxyServer:
+    """A running proxy. `port` is the port it listens on; `close()` stops it and flushes the audit."""
+
+    def __init__(self, config: ProxyConfig, shared: Shared, leaves: LeafCertificates) -> None:
+        self.config = config
+        self.decider = shared.decider
+        self._shared = shared
+        self._leaves = leaves
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self.host = config.listen_host
+        self.port = 0
+
+    def __repr__(self) -> str:
+        return f"ProxyServer({self.host}:{self.port})"
+
+    async def _start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.config.listen_host, self.config.listen_port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self, *, audit_grace: float = _AUDIT_FLUSH_SECONDS) -> None:
+        """Stop listening, cut open connections, then wait up to `audit_grace` seconds for the audit to drain."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        self._shared.pool.close()
+        if not await self.decider.flush(audit_grace):
+            log.warning("%d egress audit records were not acknowledged at shutdown", self.decider.audit_pending)
+        await self.decider.close()
+
+    async def __aenter__(self) -> ProxyServer:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await self._requests(H11Stream(h11.SERVER, reader, writer), None)
+        except asyncio.CancelledError:
+            pass  # close() cut this connection; asyncio would log a cancelled connection task as an error
+        except Exception as exc:
+            log.error("a client connection failed: %s", describe(exc))
+        finally:
+            writer.close()
+            if task is not None:
+                self._connections.discard(task)
+
+    async def _requests(self, client: H11Stream, tunnel: Tunnel | None) -> None:
+        timeout = self.config.client_timeout
+        while True:
+            try:
+                event = await client.next_event(timeout)
+            except h11.RemoteProtocolError:
+                await answer_error(client, RefusalCode.HEADER_MISMATCH,
+                                   "the request is not well-formed HTTP/1.1 (duplicate Host, bad framing or syntax)",
+                                   close=True)
+                return
+            except OSError:  # TimeoutError included: an idle or stalled client
+                return
+            if not isinstance(event, h11.Request):
+                return
+            if event.method == b"CONNECT":
+                if tunnel is None:
+                    await self._connect(client, event)
+                else:
+                    await answer_error(client, RefusalCode.HEADER_MISMATCH, "CONNECT inside a tunnel", close=True)
+                return
+            if not await handle_request(self._shared, client, event, tunnel) or not client.reusable():
+                return
+            client.conn.start_next_cycle()
+
+    async def _connect(self, client: H11Stream, request: h11.Request) -> None:
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw_items()]
+        try:
+            host, port = parse_connect_target(request.target.decode("latin-1"))
+            identity = parse_proxy_authorization(
+                [value for name, value in headers if name.lower() == "proxy-authorization"])
+            token = attempt_token(headers)
+            event = await client.next_event(self.config.client_timeout)
+        except ProxyRefusal as refusal:
+            await answer_error(client, refusal.code, refusal.reason, close=True)
+            return
+        except (OSError, h11.RemoteProtocolError):
+            return
+        if not isinstance(event, h11.EndOfMessage):
+            await answer_error(client, RefusalCode.HEADER_MISMATCH, "a CONNECT request carries no body", close=True)
+            return
+        if host in self.config.no_intercept:
+            await self._raw_tunnel(client, host, port, identity, token)
+            return
+        client.send(h11.Response(status_code=200, headers=[], reason=b"Connection established"))
+        try:
+            await client.drain()
+        except OSError:
+            return
+        if client.conn.trailing_data[0]:
+            log.debug("a client spoke before its tunnel to %s was open; closing", host)
+            return
+        try:
+            context = self._leaves.context_for(host)
+            await client.writer.start_tls(context, ssl_handshake_timeout=self.config.handshake_timeout)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            log.debug("TLS handshake for %s failed: %s", host, type(exc).__name__)
+            return
+        sni = sni_of(client.writer.get_extra_info("ssl_object"))
+        tunnel = Tunnel(host=host, port=port, sni=sni, identity=identity)
+        await self._requests(H11Stream(h11.SERVER, client.reader, client.writer), tunnel)
+
+    async def _raw_tunnel(self, client: H11Stream, host: str, port: int, identity: Identity,
+                          token: str | None) -> None:
+        """A host that is not intercepted: decided once as a CONNECT, then bytes both ways, nothing injected."""
+        ex = Exchange(method="CONNECT", scheme="https", host=host, port=port)
+        ex.user_id, ex.client = identity.user_id, "connector" if token is not None else "tool_computer"
+        try:
+            try:
+                req = DecisionRequest(
+                    request_id=ex.request_id, user_id=identity.user_id, attempt_token=token,
+                    client_token=identity.token, method="CONNECT", scheme="https", host=host, port=port, path="",
+                    query="", body_sha256=EMPTY_SHA256, resolved_ips=(), client=ex.client)
+            except ContractError as exc:
+                raise HeaderRejected(str(exc)) from None
+            _, ips = await authorize(self._shared, req, ex)
+            upstream_reader, upstream_writer = await self._dial_raw(ips, port, host)
+        except ProxyRefusal as refusal:
+            ex.refused(refusal.code, refusal.reason)
+            await answer_error(client, refusal.code, refusal.reason, close=True)
+            ex.record(self.decider)
+            return
+        except ProxyFailure as failure:
+            await answer_error(client, failure.code, failure.message, close=True)
+            ex.record(self.decider)
+            return
+        try:
+            client.send(h11.Response(status_code=200, headers=[], reason=b"Connection established"))
+            client.flush()
+            leftover = client.conn.trailing_data[0]
+            if leftover:
+                upstream_writer.write(leftover)
+                ex.bytes_up += len(leftover)
+            up, down = await asyncio.gather(_pipe(client.reader, upstream_writer),
+                                            _pipe(upstream_reader, client.writer))
+            ex.bytes_up += up
+            ex.bytes_down = down
+        finally:
+            upstream_writer.close()
+            ex.record(self.decider)
+
+    async def _dial_raw(self, ips: list[str], port: int, host: str) -> tuple[asyncio.StreamReader,
+                                                                             asyncio.StreamWriter]:
+        for ip in ips:
+            with contextlib.suppress(OSError):
+                async with asyncio.timeout(self.config.connect_timeout):
+                    return await asyncio.open_connection(ip, port)
+        raise ProxyFailure("upstream_failed", f"{host} could not be reached")
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    total = 0
+    try:
+        while data := await reader.read(65536):
+            total += len(data)
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except OSError:
+        writer.close()
+    return total
+
+
+def _upstream_tls(config: ProxyConfig) -> ssl.SSLContext:
+    cafile = str(config.upstream_cafile) if config.upstream_cafile is not None else None
+    context = ssl.create_default_context(cafile=cafile)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+async def serve_proxy(config: ProxyConfig) -> ProxyServer:
+    """Start the proxy: load (or create) the CA, open the decider channel lazily, listen. Report `.port`."""
+    ca = load_or_create_ca(config.ca_dir, config.keys)
+    leaves = LeafCertificates(ca, cache_size=config.leaf_cache_size)
+    decider = DeciderClient(config.decider_socket, config.decider_token, timeout=config.decider_timeout)
+    pool = UpstreamPool(_upstream_tls(config), connect_timeout=config.connect_timeout,
+                        handshake_timeout=config.handshake_timeout, max_idle=config.pool_max_idle,
+                        idle_seconds=config.pool_idle_seconds)
+    shared = Shared(config=config, decider=decider, pool=pool, credentials=Credentials(config.vault))
+    server = ProxyServer(config, shared, leaves)
+    await server._start()
+    return server
+
+
+def run(config: ProxyConfig, *, ready: Callable[[ProxyServer], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then close cleanly. `ready` is called once the port is bound."""
+
+    async def main() -> None:
+        server = await serve_proxy(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("wakeful proxy listening on %s:%d", server.host, server.port)
+        if ready is not None:
+            ready(server)
+        try:
+            await stop.wait()
+        finally:
+            await server.close()
+            log.info("wakeful proxy stopped")
+
+    asyncio.run(main())

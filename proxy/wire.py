@@ -1,0 +1,163 @@
+"""Pure readings of what a client puts on the request line and in the proxy's own headers, and the refusal answer.
+
+No I/O: the proxy server calls these with text it already parsed with h11. Every function raises `HeaderRejected`
+(code `header_mismatch`) for anything it cannot read without guessing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import traceback
+from dataclasses import dataclass
+from typing import Final
+
+from proxy.contract import RefusalCode
+from proxy.hosts import default_port, parse_authority
+from proxy.rewrite import ATTEMPT_HEADER, HeaderRejected
+
+__all__ = [
+    "ANONYMOUS",
+    "describe",
+    "REQUEST_TOO_LARGE",
+    "UPSTREAM_FAILED",
+    "UPSTREAM_TIMEOUT",
+    "Identity",
+    "Target",
+    "attempt_token",
+    "error_body",
+    "parse_connect_target",
+    "parse_proxy_authorization",
+    "parse_target",
+    "refusal_status",
+]
+
+_ABSOLUTE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)([^#]*)")
+_LIMIT: Final = 256
+_ATTEMPT: Final = ATTEMPT_HEADER.lower()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity:
+    """Who a tool-computer client says it is, from `Proxy-Authorization: Basic base64(user_id:token)`."""
+
+    user_id: str | None
+    token: str | None
+
+    def __repr__(self) -> str:  # the token is a credential: never printed
+        return f"Identity(user_id={self.user_id!r})"
+
+
+ANONYMOUS: Final = Identity(user_id=None, token=None)
+
+
+def _printable(text: str) -> bool:
+    return 0 < len(text) <= _LIMIT and text.isprintable()
+
+
+def parse_proxy_authorization(values: list[str]) -> Identity:
+    """The identity in the Proxy-Authorization header values (none: anonymous; more than one: rejected)."""
+    if not values:
+        return ANONYMOUS
+    if len(values) > 1:
+        raise HeaderRejected("more than one Proxy-Authorization header")
+    scheme, _, param = values[0].strip().partition(" ")
+    if scheme.lower() != "basic":
+        raise HeaderRejected("Proxy-Authorization must use the Basic scheme")
+    try:
+        decoded = base64.b64decode(param.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, ValueError):
+        raise HeaderRejected("Proxy-Authorization is not base64 of user_id:token") from None
+    user_id, colon, token = decoded.partition(":")
+    if not colon or not _printable(user_id) or not _printable(token):
+        raise HeaderRejected("Proxy-Authorization must carry a printable user_id:token")
+    return Identity(user_id=user_id, token=token)
+
+
+def attempt_token(headers: list[tuple[str, str]]) -> str | None:
+    """The `X-Wakeful-Attempt` value (any casing), None without one; two of them are rejected."""
+    values = [value.strip() for name, value in headers if name.lower() == _ATTEMPT]
+    if len(values) > 1:
+        raise HeaderRejected(f"more than one {ATTEMPT_HEADER} header")
+    if values and not _printable(values[0]):
+        raise HeaderRejected(f"the {ATTEMPT_HEADER} header must be printable")
+    return values[0] if values else None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """Where a request goes: normalised host, port, path without the query, and the query without its `?`."""
+
+    host: str | None
+    """None for origin-form (`/path`): the tunnel's CONNECT target names the host."""
+    port: int | None
+    path: str
+    query: str
+
+
+def parse_target(target: str, *, in_tunnel: bool) -> Target:
+    """The request target: absolute-form `http://…` outside a tunnel, origin-form `/…` inside one.
+
+    Outside a tunnel HTTPS goes through CONNECT, so an absolute `https://` target is rejected, as is userinfo.
+    """
+    if not target.isascii() or not target.isprintable() or "#" in target:
+        raise HeaderRejected("the request target holds characters a URL does not")
+    if in_tunnel:
+        if not target.startswith("/"):
+            raise HeaderRejected("inside a tunnel the request target must be a path")
+        path, _, query = target.partition("?")
+        return Target(host=None, port=None, path=path, query=query)
+    match = _ABSOLUTE.fullmatch(target)
+    if match is None:
+        raise HeaderRejected("a proxied request needs an absolute http:// target")
+    scheme, authority, rest = match.groups()
+    if scheme.lower() != "http":
+        raise HeaderRejected(f"{scheme}:// is not forwarded as a plain request; HTTPS goes through CONNECT")
+    if "@" in authority:
+        raise HeaderRejected("userinfo in the request target is never forwarded")
+    try:
+        host, port = parse_authority(authority)
+    except ValueError:
+        raise HeaderRejected("the request target names no valid host") from None
+    path, _, query = rest.partition("?")
+    return Target(host=host, port=port or default_port("http"), path=path or "/", query=query)
+
+
+def parse_connect_target(target: str) -> tuple[str, int]:
+    """`host:port` of a CONNECT request, the port required."""
+    try:
+        host, port = parse_authority(target)
+    except ValueError:
+        raise HeaderRejected("the CONNECT target is not host:port") from None
+    if port is None:
+        raise HeaderRejected("the CONNECT target needs a port")
+    return host, port
+
+
+UPSTREAM_TIMEOUT: Final = "upstream_timeout"
+UPSTREAM_FAILED: Final = "upstream_failed"
+REQUEST_TOO_LARGE: Final = "request_too_large"
+"""Codes of the proxy's own errors, beside the `RefusalCode`s: the request was allowed, or never decided."""
+
+_STATUS: Final[dict[str, int]] = {
+    RefusalCode.DECIDER_UNAVAILABLE: 502, RefusalCode.MALFORMED_VERDICT: 502,
+    UPSTREAM_TIMEOUT: 504, UPSTREAM_FAILED: 502, REQUEST_TOO_LARGE: 413,
+}
+
+
+def refusal_status(code: str) -> int:
+    """The HTTP status of a refusal or proxy error: 403 unless the policy component or the upstream failed."""
+    return _STATUS.get(code, 403)
+
+
+def error_body(code: str, message: str) -> bytes:
+    return json.dumps({"error": {"code": code, "message": message}}, separators=(",", ":")).encode("utf-8")
+
+
+def describe(exc: BaseException) -> str:
+    """An exception's type and where it was raised, without its message: messages can quote header values."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return f"{type(exc).__name__}{where}"

@@ -1,0 +1,58 @@
+"""`proxy.server.run` as a process: reports its port, fails closed with no decider, and exits 0 on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.vault import KEY_ENV, generate_key
+
+pytestmark = pytest.mark.anyio
+
+CHILD = textwrap.dedent("""
+    import logging, sys
+    from pathlib import Path
+    from proxy.config import ProxyConfig
+    from proxy.server import run
+    from proxy.vault import Vault, keys_from_env
+
+    logging.basicConfig(level=logging.INFO)
+    d = Path(sys.argv[1])
+    keys = keys_from_env()
+    config = ProxyConfig(decider_socket=d / "nobody" / "decider.sock", decider_token="t", ca_dir=d / "ca",
+                         keys=keys, vault=Vault(d / "vault.json", keys), decider_timeout=0.5)
+    run(config, ready=lambda server: print(server.port, flush=True))
+""")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_the_proxy_process_serves_until_a_signal_and_then_exits_cleanly(tmp_path: Path, sig: int) -> None:
+    env = {**os.environ, KEY_ENV: generate_key().encoded()}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, str(tmp_path), env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        port = int(await asyncio.wait_for(proc.stdout.readline(), 30))  # type: ignore[union-attr]
+        async with httpx.AsyncClient(proxy=f"http://127.0.0.1:{port}", trust_env=False, timeout=10) as client:
+            response = await client.get("http://example.test/")
+        assert response.status_code == 502 and response.headers["x-wakeful-refusal"] == "decider_unavailable"
+        assert (tmp_path / "ca" / "ca.pem").exists()
+        proc.send_signal(sig)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        stderr = await proc.stderr.read()  # type: ignore[union-attr]
+        assert b"wakeful proxy stopped" in stderr and b"Traceback" not in stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
