@@ -26,7 +26,7 @@ from server.policy import load_policy
 from server.settings import Settings
 from server.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
 
-app = typer.Typer(help="wakeful: a runtime for always-on personal agents.", no_args_is_help=True,
+app = typer.Typer(rich_markup_mode=None, help="wakeful: a runtime for always-on personal agents.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 app.add_typer(proxy_app, name="proxy")
 app.add_typer(secret_app, name="secret")

@@ -23,11 +23,11 @@ from server.proxyctl import open_vault, vault_keys
 __all__ = ["egress_app", "proxy_app", "secret_app"]
 
 proxy_app = typer.Typer(help="The egress proxy: credentials added only to requests the policy allowed.",
-                        invoke_without_command=True, no_args_is_help=False)
+                        invoke_without_command=True, no_args_is_help=False, rich_markup_mode=None)
 secret_app = typer.Typer(help="Credentials in the vault (encrypted at rest; values only ever read from stdin).",
-                         no_args_is_help=True)
+                         no_args_is_help=True, rich_markup_mode=None)
 egress_app = typer.Typer(help="What the egress proxy let through or refused, and tool computers' proxy access.",
-                         no_args_is_help=True)
+                         no_args_is_help=True, rich_markup_mode=None)
 
 
 def _vault_failed(exc: VaultError) -> typer.Exit:

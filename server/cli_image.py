@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -15,7 +17,7 @@ from vm.image import DEFAULT_RECIPE, BuildOptions, ImageError, PrerequisitesMiss
 
 __all__ = ["image_app"]
 
-image_app = typer.Typer(help="Guest images for tool computers.", no_args_is_help=True,
+image_app = typer.Typer(rich_markup_mode=None, help="Guest images for tool computers.", no_args_is_help=True,
                         pretty_exceptions_enable=False)
 err = Console(stderr=True, highlight=False)  # progress and stage lines; the result goes to stdout
 
@@ -67,19 +69,23 @@ def build(
                         MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("[dim]{task.description}"),
                         console=err, transient=True)
     err.print(f"Building image [bold]{escape(name)}[/bold] from {escape(str(recipe))}")
+    # SIGTERM stops a build like Ctrl-C does: children stopped, temporary trees removed, output untouched.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with progress:
             result = build_image(options, _RichReporter(progress))
     except PrerequisitesMissing as exc:
         for problem in exc.problems:
-            err.print(f"[red]wakeful: {problem.code}:[/red] {escape(problem.message)}")
+            err.print(f"[red]wakeful: {problem.code}:[/red] {escape(problem.message)}", soft_wrap=True)
         raise typer.Exit(2) from None
     except ImageError as exc:
-        err.print(f"[red]wakeful: {exc.code}:[/red] {escape(exc.message)}")
+        err.print(f"[red]wakeful: {exc.code}:[/red] {escape(exc.message)}", soft_wrap=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err.print("[red]wakeful: interrupted:[/red] the build stopped; no output was changed")
         raise typer.Exit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if result.ran:
         err.print(f"Ran {len(result.ran)} stages ({', '.join(s.value for s in result.ran)}); "
                   f"reused {len(result.reused)} from the cache.")
@@ -88,3 +94,7 @@ def build(
     typer.echo(f"image: {result.image_dir}")
     typer.echo(f"checksum: {result.checksum}")
 
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt

@@ -87,7 +87,7 @@ def run_demo(data_dir: Path | None = None, out: Callable[[str], None] = print) -
         settings = Settings(data_dir=data_dir or Path(tmp), policies_dir=CHECKOUT / "policies",
                             connector_urls={"merchant": url}, poll_interval=0.1, reconcile_interval=0.2,
                             connector_timeout=0.5,  # shorter than the merchant's stall: the response is lost
-                            sources={})
+                            sources={}, proxy=False)  # the simulator speaks plain HTTP on loopback, holds no key
         runtime = Runtime(settings, handler=SubscriptionAgent())
         runtime.prepare()
         runtime.start()

@@ -50,6 +50,9 @@ class ConnectorHTTP:
                 if self._proxy_url is None or self._transport is not None:  # a test's transport stands in
                     self._client = httpx.Client(transport=self._transport, timeout=self._timeout)
                 else:
+                    if self._ca_file is None or not self._ca_file.exists():
+                        raise httpx.ConnectError(f"the egress proxy's CA {self._ca_file} does not exist yet: the "
+                                                 "proxy has not been started (`wakeful serve` starts it)")
                     trust = ssl.create_default_context(cafile=str(self._ca_file))
                     self._client = httpx.Client(proxy=self._proxy_url, verify=trust, timeout=self._timeout)
             return self._client

@@ -44,9 +44,13 @@ TOKEN_FILE = "decider.token"
 READY_TIMEOUT = 20.0
 
 
+def _keys_in_env() -> bool:
+    return bool(os.environ.get(KEY_ENV, "").strip())
+
+
 def vault_keys(settings: Settings) -> KeyRing:
     """The vault's keys: from `WAKEFUL_VAULT_KEY` when set, else the key file (created 0600 on first use)."""
-    if os.environ.get(KEY_ENV, "").strip():
+    if _keys_in_env():
         return keys_from_env()
     return init_key(settings.vault_key_path)
 
@@ -227,7 +231,8 @@ def run_proxy(settings: Settings) -> None:
     keys = vault_keys(settings)
     config = ProxyConfig(
         decider_socket=settings.decider_socket, decider_token=decider_token(settings), ca_dir=settings.proxy_dir,
-        keys=keys, vault=Vault(settings.vault_path, keys), listen_port=settings.proxy_port,
+        keys=keys, listen_port=settings.proxy_port,
+        vault=Vault(settings.vault_path, keys, key_file=None if _keys_in_env() else settings.vault_key_path),
         decider_timeout=settings.proxy_decider_timeout, upstream_cafile=settings.egress_upstream_ca,
         resolve=settings.egress_resolve, allowed_private=frozenset(settings.egress_allow_private),
         no_intercept=frozenset(settings.egress_no_intercept))

@@ -1,3 +1,45 @@
-"""Tool computers: per-user VMs on libvirt (hypervisor adapter, guest channel, browser, handoff). Not built yet."""
+"""Tool computers: per-user VMs on libvirt (hypervisor adapter, guest channel, browser, handoff).
 
-__all__: list[str] = []
+The front door of the hypervisor layer; the libvirt adapter (`vm.libvirt_adapter.LibvirtHypervisor`) and the fake
+(`vm.fake.FakeHypervisor`) are imported from their modules so that importing `vm` never loads libvirt.
+"""
+
+from vm.errors import (
+    HypervisorUnavailable,
+    IllegalTransition,
+    ImageMissing,
+    LimitExceeded,
+    SnapshotNotFound,
+    VmDead,
+    VmError,
+    VmNotFound,
+)
+from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, SnapshotInfo
+from vm.lifecycle import AfterRestore, AfterRestoreHook, VmInfo, VmManager, VmSettings
+from vm.lifecycle_rules import ActivityKind, Limits, VmSize, VmState
+
+__all__ = [
+    "Accel",
+    "ActivityKind",
+    "AfterRestore",
+    "AfterRestoreHook",
+    "DomainSpec",
+    "DomainState",
+    "Forwards",
+    "Hypervisor",
+    "HypervisorUnavailable",
+    "IllegalTransition",
+    "ImageMissing",
+    "LimitExceeded",
+    "Limits",
+    "SnapshotInfo",
+    "SnapshotNotFound",
+    "VmDead",
+    "VmError",
+    "VmInfo",
+    "VmManager",
+    "VmNotFound",
+    "VmSettings",
+    "VmSize",
+    "VmState",
+]

@@ -1,0 +1,218 @@
+"""The guest channel against a real sshd on loopback: pinned host keys, commands, forwards, reconnect."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.polling import wait_until
+from tests.support.sshd import Sshd, keygen
+from vm.guest import GuestChannel, GuestError
+
+
+class _Hits(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.paths: list[str] = []
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Hits
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)
+        body = f"seen {self.path}".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def sshd(tmp_path: Path) -> Iterator[Sshd]:
+    with Sshd(tmp_path / "sshd") as server:
+        yield server
+
+
+@pytest.fixture
+def http_server() -> Iterator[_Hits]:
+    server = _Hits()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def _channel(sshd: Sshd, **kwargs: object) -> GuestChannel:
+    options: dict[str, object] = {"port": sshd.port, "user": "root", "client_key_path": sshd.client_key,
+                                  "pinned_host_key": sshd.host_public_key, **kwargs}
+    return GuestChannel(**options)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def channel(sshd: Sshd) -> Iterator[GuestChannel]:
+    chan = _channel(sshd)
+    chan.connect()
+    yield chan
+    chan.close()
+
+
+def test_the_pinned_host_key_is_accepted_and_commands_run(channel: GuestChannel) -> None:
+    result = channel.run(["sh", "-c", "echo out; echo err >&2; exit 3"], timeout=10)
+    assert (result.status, result.stdout, result.stderr) == (3, b"out\n", b"err\n")
+
+
+def test_a_host_presenting_another_key_of_the_pinned_type_is_refused(sshd: Sshd, tmp_path: Path) -> None:
+    other = keygen(tmp_path / "other_ed25519")
+    with pytest.raises(GuestError) as refused:
+        _channel(sshd, pinned_host_key=other).connect()
+    assert refused.value.code == "host_key_mismatch"
+
+
+def test_a_host_whose_key_type_was_not_pinned_is_refused(sshd: Sshd, tmp_path: Path) -> None:
+    path = tmp_path / "other_ecdsa"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(path)], check=True, timeout=30)
+    with pytest.raises(GuestError) as refused:
+        _channel(sshd, pinned_host_key=path.with_suffix(".pub").read_text()).connect()
+    assert refused.value.code == "host_key_mismatch"
+
+
+def test_a_client_key_the_guest_does_not_know_is_refused(sshd: Sshd, tmp_path: Path) -> None:
+    keygen(tmp_path / "stranger")
+    with pytest.raises(GuestError) as refused:
+        _channel(sshd, client_key_path=tmp_path / "stranger").connect()
+    assert refused.value.code == "auth_failed"
+
+
+def test_nothing_listening_reads_as_unreachable(sshd: Sshd) -> None:
+    sshd.stop()
+    with pytest.raises(GuestError) as refused:
+        _channel(sshd).connect(timeout=2)
+    assert refused.value.code == "guest_unreachable"
+
+
+def test_input_is_fed_to_the_command_and_binary_output_comes_back_whole(channel: GuestChannel) -> None:
+    payload = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    assert channel.run("cat", input=payload, timeout=30).stdout == payload
+
+
+def test_argv_is_quoted_so_shell_text_stays_text(channel: GuestChannel) -> None:
+    hostile = "$(echo pwned); `id` 'quote\" \\ ;|&"
+    assert channel.run(["printf", "%s", hostile], timeout=10).stdout.decode() == hostile
+
+
+def test_a_command_that_outlives_its_timeout_raises(channel: GuestChannel) -> None:
+    with pytest.raises(GuestError) as slow:
+        channel.run(["sleep", "30"], timeout=0.5)
+    assert slow.value.code == "guest_timeout"
+    assert channel.run(["true"], timeout=10).status == 0  # the channel is still usable
+
+
+def test_output_beyond_the_bound_is_refused(sshd: Sshd) -> None:
+    with _channel(sshd, max_output=1000) as chan:
+        chan.connect()
+        with pytest.raises(GuestError) as big:
+            chan.run(["head", "-c", "100000", "/dev/zero"], timeout=10)
+    assert big.value.code == "output_too_large"
+
+
+def test_a_forward_round_trips_to_a_loopback_server(channel: GuestChannel, http_server: _Hits) -> None:
+    port = channel.forward("127.0.0.1", http_server.server_address[1])
+    assert channel.forward("127.0.0.1", http_server.server_address[1]) == port
+    with httpx.Client(timeout=10) as client:
+        bodies = [client.get(f"http://127.0.0.1:{port}/n/{i}").text for i in range(3)]
+    assert bodies == [f"seen /n/{i}" for i in range(3)]
+    assert http_server.paths == ["/n/0", "/n/1", "/n/2"]
+
+
+def test_close_stops_listeners_and_leaves_no_threads(sshd: Sshd, http_server: _Hits) -> None:
+    chan = _channel(sshd)
+    chan.connect()
+    port = chan.forward("127.0.0.1", http_server.server_address[1])
+    idle = socket.create_connection(("127.0.0.1", port), timeout=5)  # an open, idle tunnelled connection
+    wait_until(lambda: chan.forward_threads() == 2, 10, "the tunnelled connection to be picked up")
+    chan.close()
+    assert chan.forward_threads() == 0
+    assert idle.recv(1) == b""  # the idle client saw its connection end
+    idle.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert not chan.connected
+
+
+def test_reconnect_after_the_guest_sshd_restarts_keeps_the_forward_port(
+        sshd: Sshd, channel: GuestChannel, http_server: _Hits) -> None:
+    port = channel.forward("127.0.0.1", http_server.server_address[1])
+    sshd.restart()  # a restored VM: new process, the old transport is dead
+    wait_until(lambda: not channel.connected, 15, "the client to notice its transport died")
+    with pytest.raises(GuestError) as down:
+        channel.run(["true"], timeout=5)
+    assert down.value.code == "not_connected"
+
+    report = channel.reconnect(timeout=15)
+    assert report.ports == {("127.0.0.1", http_server.server_address[1]): port}
+    assert report.moved == {}
+    assert channel.run(["echo", "back"], timeout=10).stdout == b"back\n"
+    assert httpx.get(f"http://127.0.0.1:{port}/after", timeout=10).text == "seen /after"
+
+
+def test_a_connection_made_while_ssh_is_down_waits_for_the_reconnect(
+        sshd: Sshd, channel: GuestChannel, http_server: _Hits) -> None:
+    port = channel.forward("127.0.0.1", http_server.server_address[1])
+    sshd.stop()
+    wait_until(lambda: not channel.connected, 15, "the client to notice its transport died")
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(lambda: httpx.get(f"http://127.0.0.1:{port}/early", timeout=30).text)
+        sshd.start()
+        channel.reconnect(timeout=15)
+        assert pending.result(timeout=30) == "seen /early"
+
+
+def test_reconnect_retries_until_the_guest_answers(sshd: Sshd, channel: GuestChannel) -> None:
+    sshd.stop()
+    wait_until(lambda: not channel.connected, 15, "the client to notice its transport died")
+    with ThreadPoolExecutor(1) as pool:
+        reconnecting = pool.submit(channel.reconnect, timeout=30)
+        wait_until(lambda: reconnecting.running(), 5, "the reconnect to start")
+        sshd.start()
+        report = reconnecting.result(timeout=40)
+    assert report.attempts >= 1
+    assert channel.connected
+
+
+def test_clock_resync_sets_the_guest_clock_to_the_host_time(sshd: Sshd, tmp_path: Path) -> None:
+    # On a host the real `date -s` would set this machine's clock: record the command's argument instead.
+    target = tmp_path / "clock"
+    chan = _channel(sshd, set_clock=lambda ns: ["sh", "-c", f"echo {ns} > {target}"])
+    with chan:
+        chan.connect()
+        sync = chan.resync_clock()
+        host_now = time.time_ns()
+    set_to = int(target.read_text())
+    assert abs(host_now - set_to) < 60 * 10**9  # it was set to the host's time, not something else
+    assert abs(sync.before.total_seconds()) < 60 and abs(sync.after.total_seconds()) < 60
+    assert sync.round_trip.total_seconds() >= 0
+    assert sync.applied is True
+
+
+def test_clock_resync_never_sets_the_clock_of_the_machine_it_runs_on(channel: GuestChannel) -> None:
+    # The sshd here runs on this very host: the default `date -s` would step the host clock. It must be skipped.
+    sync = channel.resync_clock()
+    assert sync.applied is False
+    assert sync.before == sync.after

@@ -1,0 +1,279 @@
+"""The tool computer shell with in-memory fakes: nothing runs unless check_act accepted it, epochs move on what the
+shell sees, restores reconnect and time every step, and the control lease shuts the agent out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+
+from server.clock import FakeClock
+from vm.browser import BrowserTimeout, ElementGone
+from vm.fake_browser import FakeBrowser
+from vm.fake_guest import FakeChannel, FakeDesktop
+from vm.observe import (
+    Accepted,
+    BumpReason,
+    Click,
+    DesktopClick,
+    DesktopType,
+    Element,
+    Fill,
+    FrameSize,
+    Navigate,
+    Phase,
+    Press,
+    Refused,
+    Scroll,
+    Select,
+    Surface,
+    SwitchTab,
+)
+from vm.toolcomputer import ActResult, ObserveResult, ToolComputer
+
+FORM = [Element(node=1, role="heading", name="Checkout", level=1), Element(node=2, role="textbox", name="Name"),
+        Element(node=3, role="combobox", name="City", value="Choose"), Element(node=4, role="button", name="Pay")]
+
+
+def _ticks() -> Callable[[], float]:
+    counter = itertools.count()
+    return lambda: float(next(counter))
+
+
+class World:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.channel = FakeChannel()
+        self.browser = FakeBrowser()
+        self.desktop = FakeDesktop()
+        self.tc = ToolComputer(vm_id="vm1", channel=self.channel, clock=clock, browser=self.browser,
+                               desktop=self.desktop, timer=_ticks())
+        self.tc.connect()
+        self.browser.show("https://shop.test/checkout", FORM, title="Checkout")
+
+    def observe(self, surface: Surface = Surface.BROWSER) -> ObserveResult:
+        return self.tc.observe(surface)
+
+
+@pytest.fixture
+def world(clock: FakeClock) -> World:
+    return World(clock)
+
+
+def done(result: ActResult | Refused) -> ActResult:
+    assert isinstance(result, ActResult), result
+    return result
+
+
+def refused(result: ActResult | Refused) -> str:
+    assert isinstance(result, Refused), result
+    return result.code
+
+
+def test_connect_tunnels_cdp_through_the_guest_channel(world: World) -> None:
+    assert world.browser.cdp_url == f"http://127.0.0.1:{world.channel.forwards[('127.0.0.1', 9222)]}"
+
+
+def test_fill_and_click_by_ref_run_on_the_right_elements_and_report_for_the_ledger(world: World) -> None:
+    seen = world.observe()
+    filled = done(world.tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="Ada")))
+    assert filled == ActResult(kind="fill", outcome="done", observation=1, epoch=1, ref=seen.ref_for("textbox", "Name"),
+                               role="textbox", name="Name", may_have_changed_page=True)
+    seen = world.observe()
+    world.browser.on_click[4] = lambda b: b.show("https://shop.test/paid", [])
+    clicked = done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+    assert (clicked.kind, clicked.role, clicked.name, clicked.navigated) == ("click", "button", "Pay", True)
+    assert world.browser.acts == [("fill", 2, "Ada"), ("click", 4)]
+
+
+def test_the_second_act_on_one_observation_needs_a_new_observation_and_runs_nothing(world: World) -> None:
+    seen = world.observe()
+    done(world.tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="Ada")))
+    assert refused(world.tc.act(Click(ref=seen.ref_for("button", "Pay")))) == "observation_required"
+    assert world.browser.acts == [("fill", 2, "Ada")]
+
+
+def test_a_navigation_seen_before_the_act_refuses_it_and_starts_a_new_epoch(world: World) -> None:
+    seen = world.observe()
+    world.browser.show("https://shop.test/elsewhere", FORM)  # a redirect the agent has not seen
+    decision = world.tc.act(Click(ref=seen.ref_for("button", "Pay")))
+    assert refused(decision) == "stale_observation"
+    assert isinstance(decision, Refused) and decision.bump is BumpReason.NAVIGATION
+    assert world.browser.acts == []
+    assert world.tc.state.epoch == 2
+    fresh = world.observe()
+    assert fresh.observation.epoch == 2 and fresh.bumped is None
+    done(world.tc.act(Click(ref=fresh.ref_for("button", "Pay"))))
+
+
+def test_an_observation_that_finds_a_new_page_starts_a_new_epoch(world: World) -> None:
+    world.observe()
+    world.browser.show("https://shop.test/next", FORM)
+    again = world.observe()
+    assert (again.bumped, again.observation.epoch) == (BumpReason.NAVIGATION, 2)
+
+
+def test_a_tab_switch_by_someone_else_refuses_acts_on_the_old_tab(world: World) -> None:
+    seen = world.observe()
+    world.browser.new_tab("https://other.test")
+    world.browser.acts.clear()
+    decision = world.tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="x"))
+    assert isinstance(decision, Refused) and decision.bump is BumpReason.FOCUS_CHANGE
+    assert world.browser.acts == []
+
+
+def test_switching_tabs_is_an_act_that_starts_a_new_epoch(world: World) -> None:
+    world.browser.new_tab("https://other.test")
+    world.browser.select_tab("T1")
+    seen = world.observe()
+    assert [t.tab_id for t in seen.tabs] == ["T1", "T2"]
+    done(world.tc.act(SwitchTab(tab_id="T2", observation=seen.observation.number)))
+    assert world.browser.current == "T2"
+    assert (world.tc.state.epoch, world.tc.state.last_bump) == (2, BumpReason.FOCUS_CHANGE)
+
+
+def test_scroll_leaves_the_observation_usable(world: World) -> None:
+    seen = world.observe()
+    scrolled = done(world.tc.act(Scroll(dy=300, observation=seen.observation.number)))
+    assert scrolled.may_have_changed_page is False
+    done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+
+
+def test_an_element_that_is_gone_fails_the_act_and_still_consumes_the_observation(world: World) -> None:
+    seen = world.observe()
+    world.browser.pages["T1"].elements = FORM[:3]  # the button vanished, the URL did not change
+    failed = done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+    assert (failed.outcome, failed.code) == ("failed", ElementGone.code)
+    assert refused(world.tc.act(Select(ref=seen.ref_for("combobox", "City"), option="Paris"))) == \
+        "observation_required"
+
+
+def test_a_timeout_half_way_leaves_the_outcome_unknown(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = world.observe()
+
+    def slow(node: int) -> None:
+        raise BrowserTimeout("the browser did not answer within 30 s")
+    monkeypatch.setattr(world.browser, "click", slow)
+    result = done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+    assert (result.outcome, result.code) == ("unknown", "browser_timeout")
+
+
+def test_observe_reestablishes_dropped_connections(world: World) -> None:
+    world.channel.drop()
+    world.browser.drop()
+    seen = world.observe()
+    assert world.channel.connects == 2 and world.browser.connects == 2
+    assert seen.elements
+
+
+def test_a_lost_browser_connection_refuses_the_act_without_running_it(world: World) -> None:
+    seen = world.observe()
+    world.browser.drop()
+    assert refused(world.tc.act(Click(ref=seen.ref_for("button", "Pay")))) == "observation_required"
+    assert world.browser.acts == []
+
+
+# ------------------------------------------------------------------------------------------ desktop
+
+
+def test_desktop_acts_use_coordinates_of_the_latest_desktop_observation(world: World) -> None:
+    seen = world.observe(Surface.DESKTOP)
+    n = seen.observation.number
+    assert seen.observation.frame == FrameSize(width=1024, height=768) and seen.title == "Chromium"
+    assert refused(world.tc.act(DesktopClick(x=2000, y=10, observation=n))) == "outside_frame"
+    done(world.tc.act(DesktopClick(x=100, y=200, observation=n)))
+    assert refused(world.tc.act(DesktopType(text="hi", observation=n))) == "observation_required"
+    assert world.desktop.acts == [("click", "100", "200", "1")]
+
+
+def test_a_focus_change_in_the_guest_refuses_the_desktop_act_with_nothing_typed(world: World) -> None:
+    seen = world.observe(Surface.DESKTOP)
+    world.desktop.window = "999"  # a dialog took the focus after the screenshot
+    decision = world.tc.act(DesktopType(text="secret", observation=seen.observation.number))
+    assert isinstance(decision, Refused)
+    assert (decision.code, decision.bump) == ("stale_observation", BumpReason.FOCUS_CHANGE)
+    assert world.desktop.acts == []
+    assert world.tc.state.epoch == 2
+
+
+# ------------------------------------------------------------------------------------------ restore
+
+
+def test_after_restore_reconnects_resyncs_bumps_and_times_every_step(world: World) -> None:
+    before = world.observe()
+    world.channel.drop()
+    report = world.tc.after_restore(observe=True)
+    assert world.channel.clock_syncs == 1 and world.browser.connects == 2
+    assert report.epoch == 2 and report.clock_sync.before == timedelta(seconds=-3)
+    t = report.timings
+    assert None not in (t.cdp_reconnect, t.first_observation)
+    assert min(t.ssh_reconnect, t.clock, t.cdp_reconnect or 0, t.first_observation or 0) > 0
+    assert report.observation is not None and report.observation.observation.epoch == 2
+    assert refused(world.tc.act(Click(ref=before.ref_for("button", "Pay")))) == "stale_observation"
+    done(world.tc.act(Click(ref=report.observation.ref_for("button", "Pay"))))
+
+
+def test_after_restore_retries_until_the_guest_answers(world: World) -> None:
+    world.channel.unreachable = 3
+    report = world.tc.after_restore()
+    assert report.observation is None and report.timings.first_observation is None
+    assert world.channel.connected
+
+
+# ------------------------------------------------------------------------------------------ handoff
+
+
+def test_while_the_human_holds_control_the_agent_can_look_but_not_act(world: World) -> None:
+    seen = world.observe()
+    grant = world.tc.request_handoff("captcha", timedelta(minutes=10))
+    assert world.tc.state.phase is Phase.HUMAN
+    assert refused(world.tc.act(Click(ref=seen.ref_for("button", "Pay")))) == "human_in_control"
+    during = world.observe()
+    assert refused(world.tc.act(Press(key="Enter", observation=during.observation.number))) == "human_in_control"
+    assert isinstance(world.tc.redeem_handoff(grant.token), Accepted)
+    assert refused(world.tc.redeem_handoff(grant.token)) == "token_used"  # type: ignore[arg-type]
+    assert world.browser.acts == []
+
+    epoch = world.tc.return_control(grant.lease.lease_id)
+    assert epoch == 2
+    assert refused(world.tc.act(Click(ref=during.ref_for("button", "Pay")))) == "stale_observation"
+    fresh = world.observe()
+    done(world.tc.act(Click(ref=fresh.ref_for("button", "Pay"))))
+
+
+def test_an_expired_lease_hands_control_back_with_a_new_epoch(world: World, clock: FakeClock) -> None:
+    seen = world.observe()
+    world.tc.request_handoff("login", timedelta(minutes=5))
+    clock.advance(timedelta(minutes=5))
+    assert world.tc.lease is None
+    assert world.tc.state.last_bump is BumpReason.HANDOFF_EXPIRED
+    assert refused(world.tc.act(Click(ref=seen.ref_for("button", "Pay")))) == "stale_observation"
+    assert world.tc.return_control() == 2  # returning after expiry changes nothing
+
+
+def test_navigate_needs_the_latest_observation_number(world: World) -> None:
+    seen = world.observe()
+    assert refused(world.tc.act(Navigate(url="https://x.test", observation=seen.observation.number - 1))) == \
+        "stale_observation"
+    went = done(world.tc.act(Navigate(url="https://x.test", observation=seen.observation.number)))
+    assert went.navigated and world.browser.acts == [("navigate", "https://x.test")]
+
+
+def test_the_observation_text_shows_refs_roles_names_and_states(world: World) -> None:
+    seen = world.observe()
+    text = seen.text()
+    assert text.splitlines()[0].startswith("observation 1 (epoch 1) · browser · 1280×720 · https://shop.test/checkout")
+    assert f'[{seen.ref_for("combobox", "City")}] combobox "City" value="Choose"' in text
+    assert f'[{seen.ref_for("heading", "Checkout")}] heading "Checkout" level=1' in text
+    assert "node" not in text and "=2" not in text  # node ids never reach the agent
+
+
+def test_check_names_the_element_for_admission_without_running_or_consuming(world: World) -> None:
+    seen = world.observe()
+    decision = world.tc.check(Click(ref=seen.ref_for("button", "Pay")))
+    assert isinstance(decision, Accepted) and decision.locator is not None
+    assert (decision.locator.role, decision.locator.name) == ("button", "Pay")
+    assert world.browser.acts == [] and world.tc.state.phase is Phase.OBSERVED
+    done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))

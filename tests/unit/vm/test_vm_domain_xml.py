@@ -1,0 +1,94 @@
+"""Domain XML: parsed back, the security- and cost-relevant parts are as promised."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from vm.domain_xml import QEMU_NS, SANDBOX, domain_xml
+from vm.hypervisor import Accel, DomainSpec, Forwards
+
+
+def _spec(accel: Accel = Accel.TCG, **forwards: int | None) -> DomainSpec:
+    fw = {"ssh": 20000, "cdp": 20001, "vnc": 20002, "proxy": 3129} | forwards
+    return DomainSpec(name="wk-alice", accel=accel, memory_mib=1024, vcpus=2, kernel=Path("/img/vmlinux"),
+                      initrd=Path("/img/initrd.img"), cmdline="root=/dev/vda rw", disk=Path("/vms/a/disk.qcow2"),
+                      seed=Path("/vms/a/seed.img"), serial_log=Path("/vms/a/serial.log"), forwards=Forwards(**fw))
+
+
+def _qemu_args(root: ET.Element) -> list[str]:
+    return [a.attrib["value"] for a in root.findall(f"{{{QEMU_NS}}}commandline/{{{QEMU_NS}}}arg")]
+
+
+def _netdev(root: ET.Element) -> list[str]:
+    args = _qemu_args(root)
+    return args[args.index("-netdev") + 1].split(",")
+
+
+def test_tcg_domain_is_type_qemu_with_a_small_translation_cache() -> None:
+    root = ET.fromstring(domain_xml(_spec()))
+    assert root.get("type") == "qemu"
+    cache = root.find("features/tcg/tb-cache")
+    assert cache is not None and cache.text == "64" and cache.get("unit") == "MiB"
+
+
+def test_kvm_domain_is_type_kvm_without_tcg_settings() -> None:
+    root = ET.fromstring(domain_xml(_spec(Accel.KVM)))
+    assert root.get("type") == "kvm"
+    assert root.find("features/tcg") is None
+
+
+def test_cpu_model_is_pinned_and_never_falls_back() -> None:
+    cpu = ET.fromstring(domain_xml(_spec())).find("cpu")
+    assert cpu is not None and cpu.get("mode") == "custom"
+    model = cpu.find("model")
+    assert model is not None and model.text == "Westmere" and model.get("fallback") == "forbid"
+
+
+def test_direct_kernel_boot_with_init_on_free_and_serial_console() -> None:
+    root = ET.fromstring(domain_xml(_spec()))
+    assert root.findtext("os/kernel") == "/img/vmlinux" and root.findtext("os/initrd") == "/img/initrd.img"
+    assert root.find("os/type").get("machine") == "q35"  # type: ignore[union-attr]
+    assert set(root.findtext("os/cmdline", "").split()) >= {"root=/dev/vda", "init_on_free=1", "console=ttyS0"}
+    serial = root.find("devices/serial/source")
+    assert serial is not None and serial.get("path") == "/vms/a/serial.log"
+
+
+def test_limits_and_balloon_with_free_page_reporting() -> None:
+    root = ET.fromstring(domain_xml(_spec()))
+    assert root.findtext("memory") == "1024" and root.find("memory").get("unit") == "MiB"  # type: ignore[union-attr]
+    assert root.findtext("vcpu") == "2"
+    balloon = root.find("devices/memballoon")
+    assert balloon is not None and balloon.get("model") == "virtio" and balloon.get("freePageReporting") == "on"
+
+
+def test_overlay_is_vda_and_the_seed_is_a_read_only_vdb() -> None:
+    disks = {d.find("target").get("dev"): d for d in ET.fromstring(domain_xml(_spec())).findall("devices/disk")}  # type: ignore[union-attr]
+    assert disks["vda"].find("driver").get("type") == "qcow2"  # type: ignore[union-attr]
+    assert disks["vda"].find("source").get("file") == "/vms/a/disk.qcow2"  # type: ignore[union-attr]
+    assert disks["vda"].find("readonly") is None
+    assert disks["vdb"].find("readonly") is not None
+    assert disks["vdb"].find("source").get("file") == "/vms/a/seed.img"  # type: ignore[union-attr]
+
+
+def test_network_is_restricted_user_mode_with_loopback_only_host_forwards() -> None:
+    root = ET.fromstring(domain_xml(_spec()))
+    assert root.find("devices/interface") is None, "no libvirt network (never the NAT bridge)"
+    netdev = _netdev(root)
+    assert netdev[:3] == ["user", "id=n0", "restrict=on"]
+    hostfwds = sorted(p for p in netdev if p.startswith("hostfwd="))
+    assert hostfwds == ["hostfwd=tcp:127.0.0.1:20000-:22", "hostfwd=tcp:127.0.0.1:20001-:9222",
+                        "hostfwd=tcp:127.0.0.1:20002-:5900"]
+    guestfwds = [p for p in netdev if p.startswith("guestfwd=")]
+    assert guestfwds == ["guestfwd=tcp:10.0.2.100:3128-cmd:/bin/busybox nc 127.0.0.1 3129"]
+
+
+def test_absent_forwards_are_not_opened() -> None:
+    netdev = _netdev(ET.fromstring(domain_xml(_spec(cdp=None, vnc=None, proxy=None))))
+    assert [p for p in netdev if "fwd=" in p] == ["hostfwd=tcp:127.0.0.1:20000-:22"]
+
+
+def test_qemu_keeps_a_seccomp_sandbox() -> None:
+    args = _qemu_args(ET.fromstring(domain_xml(_spec())))
+    assert args[args.index("-sandbox") + 1] == SANDBOX
+    assert "obsolete=deny" in SANDBOX and "resourcecontrol=deny" in SANDBOX

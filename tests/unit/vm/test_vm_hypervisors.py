@@ -1,0 +1,175 @@
+"""One contract, two implementations: the in-memory fake and the libvirt adapter on the `test:///default` driver.
+
+The test driver has only internal snapshots, so disk snapshots are covered by the fake here and by the system
+tests on real libvirt.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vm.errors import IllegalTransition, ImageMissing, SnapshotNotFound, VmNotFound
+from vm.fake import FakeHypervisor
+from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor
+from vm.libvirt_adapter import LibvirtHypervisor
+
+
+@pytest.fixture(params=["fake", "test:///default"])
+def hv(request: pytest.FixtureRequest) -> Iterator[Hypervisor]:
+    if request.param == "fake":
+        yield FakeHypervisor()
+        return
+    adapter = LibvirtHypervisor("test:///default")
+    before = set(adapter.names())
+    yield adapter
+    for name in set(adapter.names()) - before:
+        adapter.undefine(name)
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> DomainSpec:
+    for name in ("vmlinux", "initrd", "disk.qcow2", "seed.img"):
+        (tmp_path / name).write_bytes(b"x")
+    return DomainSpec(name=f"wkt-{uuid.uuid4().hex[:8]}", accel=Accel.TCG, memory_mib=512, vcpus=1,
+                      kernel=tmp_path / "vmlinux", initrd=tmp_path / "initrd", cmdline="root=/dev/vda",
+                      disk=tmp_path / "disk.qcow2", seed=tmp_path / "seed.img", serial_log=tmp_path / "serial.log",
+                      forwards=Forwards(ssh=20000, proxy=3129))
+
+
+def test_a_defined_domain_is_shut_off_with_nothing_saved_and_no_memory(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    assert spec.name in hv.names()
+    assert hv.state(spec.name) is DomainState.SHUT_OFF
+    assert not hv.has_saved_state(spec.name)
+    assert hv.memory_bytes(spec.name) == 0
+
+
+def test_managed_save_frees_memory_and_restore_brings_it_back(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    hv.start(spec.name)
+    assert hv.state(spec.name) is DomainState.RUNNING and hv.memory_bytes(spec.name) > 0
+    hv.suspend_to_disk(spec.name)
+    assert hv.state(spec.name) is DomainState.SHUT_OFF and hv.has_saved_state(spec.name)
+    assert hv.memory_bytes(spec.name) == 0
+    hv.restore(spec.name)
+    assert hv.state(spec.name) is DomainState.RUNNING and not hv.has_saved_state(spec.name)
+
+
+def test_start_never_silently_replaces_a_saved_state(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    hv.start(spec.name)
+    hv.suspend_to_disk(spec.name)
+    with pytest.raises(IllegalTransition, match="saved state"):
+        hv.start(spec.name)
+    hv.discard_saved_state(spec.name)
+    hv.start(spec.name)
+    assert hv.state(spec.name) is DomainState.RUNNING
+
+
+def test_restore_without_a_saved_state_is_refused(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    with pytest.raises(IllegalTransition, match="no saved state"):
+        hv.restore(spec.name)
+
+
+def test_pause_holds_memory_and_resume_continues(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    hv.start(spec.name)
+    hv.pause(spec.name)
+    assert hv.state(spec.name) is DomainState.PAUSED and hv.memory_bytes(spec.name) > 0
+    hv.resume(spec.name)
+    assert hv.state(spec.name) is DomainState.RUNNING
+
+
+def test_destroy_is_a_no_op_when_stopped_and_undefine_forgets_everything(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    hv.destroy(spec.name)
+    hv.start(spec.name)
+    hv.suspend_to_disk(spec.name)
+    hv.undefine(spec.name)
+    assert spec.name not in hv.names()
+    with pytest.raises(VmNotFound) as caught:
+        hv.state(spec.name)
+    assert caught.value.code == "vm_not_found"
+
+
+def test_a_running_domain_cannot_be_redefined(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    hv.start(spec.name)
+    with pytest.raises(IllegalTransition):
+        hv.define(spec)
+
+
+def test_a_missing_kernel_is_image_missing(hv: Hypervisor, spec: DomainSpec) -> None:
+    spec.kernel.unlink()
+    with pytest.raises(ImageMissing) as caught:
+        hv.define(spec)
+    assert caught.value.code == "image_missing" and str(spec.kernel) in caught.value.message
+
+
+def test_unknown_snapshot_is_snapshot_not_found(hv: Hypervisor, spec: DomainSpec) -> None:
+    hv.define(spec)
+    with pytest.raises(SnapshotNotFound):
+        hv.snapshot_revert(spec.name, "nope")
+    assert hv.snapshots(spec.name) == []
+
+
+def test_the_libvirt_adapter_names_the_remedy_when_libvirt_is_unreachable() -> None:
+    from vm.errors import HypervisorUnavailable
+
+    with pytest.raises(HypervisorUnavailable, match="scripts/libvirtd") as caught:
+        LibvirtHypervisor("qemu+unix:///system?socket=/nonexistent/sock").names()
+    assert caught.value.code == "hypervisor_unavailable"
+
+
+# ---------------------------------------------------------------------------------------------- fake snapshots
+
+def test_fake_snapshots_stack_overlays_and_revert_drops_the_layers_above(spec: DomainSpec) -> None:
+    hv = FakeHypervisor()
+    hv.define(spec)
+    hv.start(spec.name)
+    s1 = hv.snapshot_create(spec.name, "s1", spec.disk.with_name("s1.qcow2"))
+    s2 = hv.snapshot_create(spec.name, "s2", spec.disk.with_name("s2.qcow2"))
+    assert (s1.frozen, s2.frozen) == (spec.disk, s1.overlay)
+    assert hv.top_layer(spec.name) == s2.overlay
+    hv.snapshot_revert(spec.name, "s1")
+    assert hv.state(spec.name) is DomainState.SHUT_OFF
+    assert [s.name for s in hv.snapshots(spec.name)] == ["s1"]
+    assert hv.top_layer(spec.name) == s1.overlay and s1.overlay.exists() and not s2.overlay.exists()
+
+
+def test_fake_snapshot_delete_merges_and_keeps_later_snapshots_consistent(spec: DomainSpec) -> None:
+    hv = FakeHypervisor()
+    hv.define(spec)
+    s1 = hv.snapshot_create(spec.name, "s1", spec.disk.with_name("s1.qcow2"))
+    hv.snapshot_create(spec.name, "s2", spec.disk.with_name("s2.qcow2"))
+    hv.snapshot_delete(spec.name, "s1")
+    assert not s1.overlay.exists()
+    (only,) = hv.snapshots(spec.name)
+    assert only.name == "s2" and only.frozen == spec.disk
+
+
+def test_fake_refuses_snapshots_of_a_suspended_domain(spec: DomainSpec) -> None:
+    hv = FakeHypervisor()
+    hv.define(spec)
+    hv.start(spec.name)
+    hv.suspend_to_disk(spec.name)
+    with pytest.raises(IllegalTransition, match="restore it"):
+        hv.snapshot_create(spec.name, "s1", spec.disk.with_name("s1.qcow2"))
+
+
+def test_fake_failures_can_be_injected_once(spec: DomainSpec) -> None:
+    from vm.errors import VmDead
+
+    hv = FakeHypervisor()
+    hv.define(spec)
+    hv.fail_next("start", VmDead("qemu died"))
+    with pytest.raises(VmDead):
+        hv.start(spec.name)
+    assert hv.state(spec.name) is DomainState.SHUT_OFF
+    hv.start(spec.name)
+    assert hv.boots(spec.name) == 1

@@ -1,0 +1,122 @@
+"""Domain XML for one tool computer, built with ElementTree from a `DomainSpec` (no string templates).
+
+Security-relevant choices, all checked by unit tests that parse the XML back:
+
+* networking is QEMU user-mode (slirp) through `<qemu:commandline>` with `restrict=on`: the guest reaches nothing
+  but the egress proxy's guest forward; host forwards bind 127.0.0.1 only. Never libvirt's NAT bridge.
+* the proxy guest forward uses the per-connection `cmd:` form. The `tcp:` chardev form is a single stream opened
+  when QEMU starts: the first request goes through and every later connection hangs (measured on QEMU 7.2).
+* a named CPU model with `fallback='forbid'`, so a saved state restores on any host offering that model.
+* QEMU's seccomp sandbox is kept, with spawn and setsid allowed for that connector (see `SANDBOX`).
+* `<tcg><tb-cache>` under TCG, a free-page-reporting balloon and `init_on_free=1` keep RAM and save files small.
+"""
+
+from __future__ import annotations
+
+import shlex
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+
+from vm.hypervisor import Accel, DomainSpec
+
+__all__ = ["GUEST_PROXY", "QEMU_NS", "domain_xml", "netdev_arg", "proxy_connector"]
+
+QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
+GUEST_PROXY = ("10.0.2.100", 3128)
+"""Where the guest finds the egress proxy."""
+SANDBOX = "on,obsolete=deny,elevateprivileges=allow,spawn=allow,resourcecontrol=deny"
+"""QEMU's seccomp filter as libvirt would set it, except `spawn` and `elevateprivileges`: slirp forks the proxy
+connector per connection and calls setsid() in the child (measured: SIGSYS on syscall 112 otherwise).
+libvirt's own sandbox must be off (`seccomp_sandbox = 0` in qemu.conf, see scripts/libvirtd): filters stack."""
+GUEST_PORTS = {"ssh": 22, "cdp": 9222, "vnc": 5900}
+
+ET.register_namespace("qemu", QEMU_NS)
+
+
+def proxy_connector(port: int, command: Sequence[str]) -> str:
+    """The command slirp runs per guest connection to the proxy: `command` followed by 127.0.0.1 and the port."""
+    return shlex.join([*command, "127.0.0.1", str(port)])
+
+
+def netdev_arg(spec: DomainSpec) -> str:
+    """The `-netdev user,...` value. Every host forward binds 127.0.0.1."""
+    parts = ["user", "id=n0", "restrict=on"]
+    fw = spec.forwards
+    for key, host_port in (("ssh", fw.ssh), ("cdp", fw.cdp), ("vnc", fw.vnc)):
+        if host_port is not None:
+            parts.append(f"hostfwd=tcp:127.0.0.1:{host_port}-:{GUEST_PORTS[key]}")
+    if fw.proxy is not None:
+        addr, port = GUEST_PROXY
+        connector = proxy_connector(fw.proxy, spec.proxy_command)
+        parts.append(f"guestfwd=tcp:{addr}:{port}-cmd:{connector.replace(',', ',,')}")  # QEMU escapes ',' as ',,'
+    return ",".join(parts)
+
+
+def _cmdline(spec: DomainSpec) -> str:
+    words = spec.cmdline.split()
+    for required in ("console=ttyS0", "init_on_free=1"):
+        if required not in words:
+            words.append(required)
+    return " ".join(words)
+
+
+def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrib: str) -> ET.Element:
+    el = ET.SubElement(parent, tag, attrib)
+    if text is not None:
+        el.text = text
+    return el
+
+
+def domain_xml(spec: DomainSpec) -> str:
+    dom = ET.Element("domain", {"type": "kvm" if spec.accel is Accel.KVM else "qemu"})
+    _sub(dom, "name", spec.name)
+    _sub(dom, "memory", str(spec.memory_mib), unit="MiB")
+    _sub(dom, "currentMemory", str(spec.memory_mib), unit="MiB")
+    _sub(dom, "vcpu", str(spec.vcpus), placement="static")
+
+    os_el = _sub(dom, "os")
+    _sub(os_el, "type", "hvm", arch="x86_64", machine=spec.machine)
+    _sub(os_el, "kernel", str(spec.kernel))
+    if spec.initrd is not None:
+        _sub(os_el, "initrd", str(spec.initrd))
+    _sub(os_el, "cmdline", _cmdline(spec))
+
+    features = _sub(dom, "features")
+    _sub(features, "acpi")
+    if spec.accel is Accel.TCG:
+        tcg = _sub(features, "tcg")
+        _sub(tcg, "tb-cache", str(spec.tb_cache_mib), unit="MiB")
+
+    cpu = _sub(dom, "cpu", mode="custom", match="exact", check="partial")
+    _sub(cpu, "model", spec.cpu_model, fallback="forbid")
+    _sub(dom, "clock", offset="utc")
+    _sub(dom, "on_poweroff", "destroy")
+    _sub(dom, "on_reboot", "restart")
+    _sub(dom, "on_crash", "destroy")
+
+    devices = _sub(dom, "devices")
+    disk = _sub(devices, "disk", type="file", device="disk")
+    _sub(disk, "driver", name="qemu", type="qcow2", discard="unmap")
+    _sub(disk, "source", file=str(spec.disk))
+    _sub(disk, "target", dev="vda", bus="virtio")
+    if spec.seed is not None:
+        seed = _sub(devices, "disk", type="file", device="disk")
+        _sub(seed, "driver", name="qemu", type="raw")
+        _sub(seed, "source", file=str(spec.seed))
+        _sub(seed, "target", dev="vdb", bus="virtio")
+        _sub(seed, "readonly")
+    _sub(devices, "controller", type="usb", model="none")
+    serial = _sub(devices, "serial", type="file")
+    _sub(serial, "source", path=str(spec.serial_log), append="on")
+    _sub(serial, "target", port="0")
+    _sub(devices, "memballoon", model="virtio", freePageReporting="on")
+    rng = _sub(devices, "rng", model="virtio")
+    _sub(rng, "backend", "/dev/urandom", model="random")
+
+    cmd = ET.SubElement(dom, f"{{{QEMU_NS}}}commandline")
+    for value in ("-netdev", netdev_arg(spec),
+                  "-device", "virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x10",
+                  "-sandbox", SANDBOX):
+        ET.SubElement(cmd, f"{{{QEMU_NS}}}arg", {"value": value})
+    ET.indent(dom)
+    return ET.tostring(dom, encoding="unicode")

@@ -1,0 +1,67 @@
+"""The errors of the tool-computer layer, each with a stable code and a message a user can act on.
+
+    VmError                      code
+    ├── VmNotFound               vm_not_found            no such VM / domain
+    ├── VmDead                   vm_dead                 the VM's process is gone or it cannot do what was asked now
+    ├── IllegalTransition        illegal_transition      a lifecycle step not allowed from the current state
+    ├── ImageMissing             image_missing           base image, kernel or initrd not on disk
+    ├── HypervisorUnavailable    hypervisor_unavailable  libvirtd / QEMU / qemu-img not reachable or failing
+    ├── LimitExceeded            limit_exceeded          a per-user limit (RAM, vCPUs, disk, ports) would be exceeded
+    └── SnapshotNotFound         snapshot_not_found      no such disk snapshot
+
+Other `vm/` modules (guest channel, browser) subclass `VmError` with their own codes.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "HypervisorUnavailable",
+    "IllegalTransition",
+    "ImageMissing",
+    "LimitExceeded",
+    "SnapshotNotFound",
+    "VmDead",
+    "VmError",
+    "VmNotFound",
+]
+
+
+class VmError(Exception):
+    """Base of the tree; `code` is stable and meant for machines, the message for people."""
+
+    code: ClassVar[str] = "vm_error"
+
+    def __init__(self, message: str, *, vm: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.vm = vm
+
+
+class VmNotFound(VmError):
+    code = "vm_not_found"
+
+
+class VmDead(VmError):
+    code = "vm_dead"
+
+
+class IllegalTransition(VmError):
+    code = "illegal_transition"
+
+
+class ImageMissing(VmError):
+    code = "image_missing"
+
+
+class HypervisorUnavailable(VmError):
+    code = "hypervisor_unavailable"
+
+
+class LimitExceeded(VmError):
+    code = "limit_exceeded"
+
+
+class SnapshotNotFound(VmError):
+    code = "snapshot_not_found"

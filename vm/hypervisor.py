@@ -1,0 +1,156 @@
+"""The hypervisor interface: what the VM manager needs from libvirt, and nothing more.
+
+One real adapter (`vm.libvirt_adapter.LibvirtHypervisor`) and one in-memory fake (`vm.fake.FakeHypervisor`) implement
+it. Domains are addressed by name. Semantics every implementation keeps:
+
+* `start` boots cold and refuses when a saved state exists (a restore is never silently replaced by a boot);
+  `restore` starts from the saved state and refuses when there is none.
+* `suspend_to_disk` is libvirt's managed save: memory goes to a file, the QEMU process exits, RAM is freed.
+* Disk snapshots are external overlays: the current top layer is frozen and a new overlay file is stacked on it.
+  Reverting discards every layer above the snapshot and stops the domain (its memory no longer matches the disk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+__all__ = ["Accel", "DomainSpec", "DomainState", "Forwards", "Hypervisor", "SnapshotInfo"]
+
+
+class Accel(StrEnum):
+    KVM = "kvm"
+    TCG = "tcg"
+
+
+class DomainState(StrEnum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    SHUT_OFF = "shut_off"  # includes "saved": check `has_saved_state`
+    CRASHED = "crashed"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Forwards:
+    """Host ports on 127.0.0.1 and where they lead. Nothing else of the VM is reachable from the host."""
+
+    ssh: int
+    """Host port forwarded to guest port 22."""
+    cdp: int | None = None
+    """Host port forwarded to guest port 9222 (Chromium remote debugging), if any."""
+    vnc: int | None = None
+    """Host port forwarded to guest port 5900 (x11vnc), if any."""
+    proxy: int | None = None
+    """Host port of the egress proxy; the guest reaches it at 10.0.2.100:3128 and nowhere else."""
+
+    def host_ports(self) -> tuple[int, ...]:
+        return tuple(p for p in (self.ssh, self.cdp, self.vnc) if p is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DomainSpec:
+    """Everything needed to define one tool-computer domain."""
+
+    name: str
+    """Domain name, unique on the host."""
+    accel: Accel
+    """KVM where a real boot probe succeeded (see `vm.accel`), TCG otherwise."""
+    memory_mib: int
+    vcpus: int
+    kernel: Path
+    """Direct kernel boot: a bzImage, or an uncompressed PVH vmlinux (boots ~3 s faster under TCG)."""
+    initrd: Path | None
+    cmdline: str
+    """Kernel command line; `console=ttyS0` and `init_on_free=1` are added when missing."""
+    disk: Path
+    """The VM's qcow2 overlay on the shared read-only base (the active top layer)."""
+    seed: Path | None
+    """Read-only ext4 image labelled WKSEED with per-VM keys (see `vm.seed`)."""
+    serial_log: Path
+    forwards: Forwards
+    cpu_model: str = "Westmere"
+    """A named model (never host-passthrough) so a saved state restores on any host that offers it."""
+    tb_cache_mib: int = 64
+    """TCG translation cache; QEMU's 1 GiB default costs ~0.5 GB resident per VM."""
+    machine: str = "q35"
+    proxy_command: tuple[str, ...] = ("/bin/busybox", "nc")
+    """Run by QEMU per guest connection to the proxy, with `127.0.0.1 PORT` appended: a stdio-to-TCP bridge."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotInfo:
+    name: str
+    frozen: Path
+    """The layer frozen when the snapshot was taken; reverting stacks a fresh overlay on it."""
+    overlay: Path
+    """The overlay created by the snapshot (the top layer until the next snapshot)."""
+
+
+class Hypervisor(Protocol):
+    def define(self, spec: DomainSpec) -> None:
+        """Define (or redefine, when shut off) the domain. Raises `ImageMissing` if a file it needs is absent."""
+        ...
+
+    def names(self) -> list[str]:
+        """Names of all defined domains."""
+        ...
+
+    def start(self, name: str) -> None:
+        """Cold boot. Refuses (`IllegalTransition`) when a saved state exists."""
+        ...
+
+    def restore(self, name: str) -> None:
+        """Start from the managed-save state, in place. Refuses (`IllegalTransition`) when there is none."""
+        ...
+
+    def suspend_to_disk(self, name: str) -> None:
+        """Managed save: write memory to disk and end the QEMU process. The domain must be running or paused."""
+        ...
+
+    def discard_saved_state(self, name: str) -> None:
+        """Remove the managed-save state, if any (the next start is a cold boot)."""
+        ...
+
+    def pause(self, name: str) -> None:
+        """Stop the vCPUs; RAM stays held."""
+        ...
+
+    def resume(self, name: str) -> None:
+        ...
+
+    def destroy(self, name: str) -> None:
+        """Hard stop (pull the plug). A no-op when the domain is not running."""
+        ...
+
+    def undefine(self, name: str) -> None:
+        """Remove the definition with its managed-save state and snapshot metadata. Stops the domain first."""
+        ...
+
+    def state(self, name: str) -> DomainState:
+        ...
+
+    def has_saved_state(self, name: str) -> bool:
+        ...
+
+    def memory_bytes(self, name: str) -> int:
+        """Resident bytes of the domain's QEMU process; 0 when it has none (shut off or saved)."""
+        ...
+
+    def snapshot_create(self, name: str, snapshot: str, overlay: Path) -> SnapshotInfo:
+        """Freeze the current top disk layer and continue on a new overlay file `overlay`. Running or shut off."""
+        ...
+
+    def snapshot_revert(self, name: str, snapshot: str) -> None:
+        """Discard every layer above the snapshot's frozen layer and stop the domain (its saved state goes too)."""
+        ...
+
+    def snapshot_delete(self, name: str, snapshot: str) -> None:
+        """Forget a snapshot; its layers stay in the chain (they hold data later layers need)."""
+        ...
+
+    def snapshots(self, name: str) -> list[SnapshotInfo]:
+        """Snapshots, oldest first."""
+        ...

@@ -1,0 +1,438 @@
+"""The tool computer shell for one VM: joins the guest channel, browser and desktop under the rules of vm.observe.
+
+    tc = ToolComputer(vm_id="u1", channel=channel, browser=CdpBrowser(), desktop=XDesktop(channel), clock=clock)
+    tc.connect()                                   # SSH, the forward to the guest's CDP port, CDP
+    seen = tc.observe()                            # screenshot + snapshot; refs bound to this observation
+    tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="Ada"))   # → ActResult, or Refused: nothing ran
+    ... the VM is restored ...
+    tc.after_restore()                             # reconnect SSH ‖ CDP, resync the clock, bump the epoch
+
+`act` always asks `check_act` first and records the act (consuming the observation) before anything executes, so
+a failure half-way still needs a new observation. Before a browser act it reads the current view (tab, URL,
+viewport) and refuses with `stale_observation` if the page moved on since the observation. Desktop acts carry the
+observed focused window into the guest, where the same shell command checks it before any input.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Literal
+
+from vm.browser import (
+    Browser,
+    BrowserDisconnected,
+    BrowserError,
+    BrowserTimeout,
+    Effect,
+    ElementGone,
+    ElementObscured,
+    NavigationFailed,
+    NoSuchOption,
+    NoSuchTab,
+    NotEditable,
+    Tab,
+)
+from vm.clock import Clock
+from vm.desktop import BadKeys, Desktop, FocusChanged
+from vm.errors import VmError
+from vm.guest import Channel, ClockSync
+from vm.observe import (
+    Accepted,
+    Act,
+    BumpReason,
+    Capture,
+    Click,
+    CloseTab,
+    ComputerState,
+    DesktopClick,
+    DesktopKey,
+    DesktopType,
+    Fill,
+    HandoffLease,
+    LeaseGrant,
+    Locator,
+    Navigate,
+    NewTab,
+    Observation,
+    Press,
+    Refused,
+    Scroll,
+    Select,
+    Surface,
+    SwitchTab,
+    act_may_change_page,
+    bump_epoch,
+    check_act,
+    grant_lease,
+    new_ref,
+    record_act,
+    record_observation,
+    redeem_token,
+    return_control,
+    settle,
+    view_change,
+)
+
+__all__ = ["ActResult", "ObserveResult", "RefElement", "RestoreReport", "RestoreTimings", "ToolComputer", "act_kind"]
+
+Outcome = Literal["done", "failed", "unknown"]
+# Errors raised before the act touched the page: nothing happened. Anything else (a timeout, a dropped connection)
+# leaves the outcome unknown, to be reconciled by observing, never by repeating the act.
+_NOTHING_DONE: tuple[type[VmError], ...] = (ElementGone, ElementObscured, NotEditable, NoSuchOption, NoSuchTab,
+                                            NavigationFailed, BadKeys)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RefElement:
+    ref: str
+    role: str
+    name: str
+    value: str | None = None
+    states: tuple[str, ...] = ()
+    level: int | None = None
+
+    def line(self) -> str:
+        parts = [f"[{self.ref}] {self.role}", f'"{self.name}"' if self.name else ""]
+        if self.level is not None:
+            parts.append(f"level={self.level}")
+        if self.value is not None:
+            parts.append(f'value="{self.value}"')
+        parts.extend(self.states)
+        return " ".join(p for p in parts if p)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObserveResult:
+    observation: Observation
+    title: str
+    elements: tuple[RefElement, ...]
+    tabs: tuple[Tab, ...]
+    screenshot: bytes = field(repr=False)
+    truncated: bool = False
+    bumped: BumpReason | None = None
+    """This observation found the screen changed (navigation, focus, resize) and started a new epoch."""
+
+    def ref_for(self, role: str, name: str) -> str:
+        """The ref of the first element with this role and name (KeyError if none): for scripts and tests."""
+        for e in self.elements:
+            if e.role == role and e.name == name:
+                return e.ref
+        raise KeyError(f"no {role} named {name!r} in observation {self.observation.number}")
+
+    def text(self) -> str:
+        """The observation as the agent reads it."""
+        o = self.observation
+        frame = f"{o.frame.width}×{o.frame.height}"
+        head = f"observation {o.number} (epoch {o.epoch}) · {o.surface} · {frame}"
+        if o.surface is Surface.BROWSER:
+            head += f" · {o.view.url} · {self.title!r} · tab {o.tab_id} of {len(self.tabs)}"
+        else:
+            head += f" · focused window {self.title!r}"
+        lines = [head, *(e.line() for e in self.elements)]
+        if self.truncated:
+            lines.append("… more elements not shown; scroll or narrow the page")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActResult:
+    """What an accepted act did, small and typed for the ledger."""
+
+    kind: str
+    outcome: Outcome
+    observation: int
+    epoch: int
+    ref: str | None = None
+    role: str | None = None
+    name: str | None = None
+    may_have_changed_page: bool = True
+    navigated: bool = False
+    code: str | None = None
+    """The error code when the outcome is not `done`."""
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreTimings:
+    """Seconds per step of `after_restore`; SSH and CDP reconnect run in parallel, so total < their sum."""
+
+    ssh_reconnect: float
+    clock: float
+    cdp_reconnect: float | None
+    first_observation: float | None
+    total: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestoreReport:
+    timings: RestoreTimings
+    clock_sync: ClockSync
+    epoch: int
+    observation: ObserveResult | None = None
+
+
+def act_kind(act: Act) -> str:
+    return {Click: "click", Fill: "fill", Press: "press", Select: "select", Scroll: "scroll", Navigate: "navigate",
+            NewTab: "new_tab", SwitchTab: "switch_tab", CloseTab: "close_tab", DesktopClick: "desktop_click",
+            DesktopType: "desktop_type", DesktopKey: "desktop_key"}[type(act)]
+
+
+class ToolComputer:
+    def __init__(self, *, vm_id: str, channel: Channel, clock: Clock, browser: Browser | None = None,
+                 desktop: Desktop | None = None, cdp: tuple[str, int] = ("127.0.0.1", 9222),
+                 mint_ref: Callable[[], str] = new_ref, new_id: Callable[[], str] = lambda: secrets.token_hex(8),
+                 new_token: Callable[[], str] = lambda: secrets.token_urlsafe(32),
+                 timer: Callable[[], float] = time.perf_counter, reconnect_timeout: float = 60.0) -> None:
+        self.vm_id = vm_id
+        self._channel = channel
+        self._browser = browser
+        self._desktop = desktop
+        self._clock = clock
+        self._cdp = cdp
+        self._mint = mint_ref
+        self._new_id = new_id
+        self._new_token = new_token
+        self._timer = timer
+        self._reconnect_timeout = reconnect_timeout
+        self._state = ComputerState(vm_id=vm_id)
+        self._lock = threading.RLock()
+
+    @property
+    def state(self) -> ComputerState:
+        return self._state
+
+    @property
+    def lease(self) -> HandoffLease | None:
+        with self._lock:
+            self._state = settle(self._state, now=self._clock.now())
+            return self._state.lease
+
+    # ---------------------------------------------------------------------------------------- connection
+
+    def connect(self) -> None:
+        """SSH, then the CDP forward and the browser connection."""
+        with self._lock:
+            self._channel.connect()
+            if self._browser is not None:
+                self._browser.connect(self._cdp_url())
+
+    def _cdp_url(self) -> str:
+        return f"http://127.0.0.1:{self._channel.forward(*self._cdp)}"
+
+    def _ensure_connected(self) -> None:
+        if not self._channel.connected:
+            self._channel.reconnect(timeout=self._reconnect_timeout)
+        if self._browser is not None and not self._browser.connected:
+            self._browser.connect(self._cdp_url())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._browser is not None:
+                self._browser.close()
+            self._channel.close()
+
+    # ---------------------------------------------------------------------------------------- observe
+
+    def observe(self, surface: Surface = Surface.BROWSER) -> ObserveResult:
+        """A fresh observation of the browser tab or the desktop, re-establishing the connections if needed."""
+        with self._lock:
+            self._state = settle(self._state, now=self._clock.now())
+            self._ensure_connected()
+            return self._observe(surface)
+
+    def _observe(self, surface: Surface) -> ObserveResult:
+        tabs: tuple[Tab, ...] = ()
+        truncated = False
+        if surface is Surface.BROWSER:
+            page = self._need_browser().capture()
+            capture, png, truncated, tabs = page.capture(), page.screenshot, page.truncated, page.tabs
+        else:
+            shot = self._need_desktop().capture()
+            capture, png = Capture(view=shot.view, title=shot.title), shot.screenshot
+        bumped = None
+        latest = self._state.latest
+        if latest is not None and (bumped := view_change(latest, capture.view)) is not None:
+            self._state = bump_epoch(self._state, bumped)
+        self._state, observation = record_observation(self._state, capture, mint=self._mint)
+        by_node = {e.node: e for e in capture.elements}
+        elements = tuple(RefElement(ref=ref, role=loc.role, name=loc.name, value=by_node[loc.node].value,
+                                    states=by_node[loc.node].states, level=by_node[loc.node].level)
+                         for ref, loc in observation.refs.items())
+        return ObserveResult(observation=observation, title=capture.title, elements=elements, tabs=tabs,
+                             screenshot=png, truncated=truncated, bumped=bumped)
+
+    def _need_browser(self) -> Browser:
+        if self._browser is None:
+            raise BrowserDisconnected("this tool computer has no browser", vm=self.vm_id)
+        return self._browser
+
+    def _need_desktop(self) -> Desktop:
+        if self._desktop is None:
+            raise VmError("this tool computer has no desktop", vm=self.vm_id)
+        return self._desktop
+
+    # ---------------------------------------------------------------------------------------- act
+
+    def check(self, act: Act) -> Accepted | Refused:
+        """What `act` would be checked against, without running or consuming anything: admission uses the
+        accepted element's role and name (a button named "Pay" needs approval) before the act is dispatched."""
+        with self._lock:
+            now = self._clock.now()
+            self._state = settle(self._state, now=now)
+            return check_act(self._state, act, now=now)
+
+    def act(self, act: Act) -> ActResult | Refused:
+        """Check, record, then run one act. A `Refused` means nothing was executed."""
+        with self._lock:
+            now = self._clock.now()
+            self._state = settle(self._state, now=now)
+            decision = check_act(self._state, act, now=now)
+            if isinstance(decision, Accepted) and not isinstance(act, DesktopClick | DesktopType | DesktopKey):
+                try:  # what the browser shows right now, against what was observed
+                    view = self._need_browser().view()
+                except BrowserDisconnected:
+                    return Refused(code="observation_required",
+                                   message="The connection to the browser was lost. Observe again before acting.")
+                decision = check_act(self._state, act, now=now, view=view)
+            if isinstance(decision, Refused):
+                if decision.bump is not None:
+                    self._state = bump_epoch(self._state, decision.bump)
+                return decision
+            self._state = record_act(self._state, act)  # consumed before it runs
+            return self._run(act, decision)
+
+    def _run(self, act: Act, accepted: Accepted) -> ActResult | Refused:
+        locator = accepted.locator
+        base = ActResult(kind=act_kind(act), outcome="done", observation=accepted.observation, epoch=accepted.epoch,
+                         ref=getattr(act, "ref", None), role=locator.role if locator else None,
+                         name=locator.name if locator else None, may_have_changed_page=act_may_change_page(act))
+        try:
+            effect = self._execute(act, locator)
+        except FocusChanged:
+            self._state = bump_epoch(self._state, BumpReason.FOCUS_CHANGE)
+            return Refused(code="stale_observation", bump=BumpReason.FOCUS_CHANGE,
+                           message="Another window took the focus since the observation; nothing was done. "
+                                   "Observe again.")
+        except _NOTHING_DONE as exc:
+            return replace(base, outcome="failed", code=exc.code, detail=exc.message)
+        except (BrowserError, VmError) as exc:  # timeouts, dropped connections: it may or may not have happened
+            code = exc.code if not isinstance(exc, BrowserTimeout) else "browser_timeout"
+            return replace(base, outcome="unknown", code=code, detail=exc.message)
+        return replace(base, navigated=effect.navigated, detail=effect.detail)
+
+    def _execute(self, act: Act, locator: Locator | None) -> Effect:
+        node = locator.node if locator is not None else None
+        window = self._state_window()
+        match act:
+            case Click():
+                return self._need_browser().click(_node(node))
+            case Fill(text=text):
+                return self._need_browser().fill(_node(node), text)
+            case Press(key=key):
+                return self._need_browser().press(key, node)
+            case Select(option=option):
+                return self._need_browser().select_option(_node(node), option)
+            case Scroll(dx=dx, dy=dy):
+                return self._need_browser().scroll(node, dx=dx, dy=dy)
+            case Navigate(url=url):
+                return self._need_browser().navigate(url)
+            case NewTab(url=url):
+                return Effect(detail=self._need_browser().new_tab(url))
+            case SwitchTab(tab_id=tab_id):
+                self._need_browser().select_tab(tab_id)
+                return Effect(detail=tab_id)
+            case CloseTab(tab_id=tab_id):
+                self._need_browser().close_tab(tab_id)
+                return Effect(detail=tab_id)
+            case DesktopClick(x=x, y=y, button=button):
+                self._need_desktop().click(x, y, expect_window=window, button=button)
+            case DesktopType(text=text):
+                self._need_desktop().type_text(text, expect_window=window)
+            case DesktopKey(keys=keys):
+                self._need_desktop().key(keys, expect_window=window)
+        return Effect()
+
+    def _state_window(self) -> str | None:
+        latest = self._state.latest
+        return latest.view.window if latest is not None else None
+
+    # ---------------------------------------------------------------------------------------- restore
+
+    def after_restore(self, *, observe: bool = False, surface: Surface = Surface.BROWSER) -> RestoreReport:
+        """The VM was restored (a new QEMU process): bump the epoch, reconnect SSH and CDP in parallel (a CDP
+        connection made through the forward waits for the new SSH transport), resync the guest clock, and
+        optionally take the first fresh observation. Every step is timed."""
+        with self._lock:
+            start = self._timer()
+            self._state = bump_epoch(self._state, BumpReason.RESTORE)
+            self._channel.drop()  # the old transport is dead even if it has not noticed: forwards wait for the new one
+            with ThreadPoolExecutor(2, thread_name_prefix=f"restore-{self.vm_id}") as pool:
+                ssh = pool.submit(self._timed_ssh)
+                cdp = pool.submit(self._timed_cdp) if self._browser is not None else None
+                ssh_seconds, clock_seconds, sync, moved = ssh.result()
+                cdp_seconds = cdp.result() if cdp is not None else None
+            if moved and self._browser is not None:  # the CDP forward had to move: attach to the new port
+                t = self._timer()
+                self._browser.connect(self._cdp_url())
+                cdp_seconds = (cdp_seconds or 0.0) + self._timer() - t
+            first = None
+            first_seconds = None
+            if observe:
+                t = self._timer()
+                first = self._observe(surface)
+                first_seconds = self._timer() - t
+            timings = RestoreTimings(ssh_reconnect=ssh_seconds, clock=clock_seconds, cdp_reconnect=cdp_seconds,
+                                     first_observation=first_seconds, total=self._timer() - start)
+            return RestoreReport(timings=timings, clock_sync=sync, epoch=self._state.epoch, observation=first)
+
+    def _timed_ssh(self) -> tuple[float, float, ClockSync, bool]:
+        t0 = self._timer()
+        report = self._channel.reconnect(timeout=self._reconnect_timeout)
+        t1 = self._timer()
+        sync = self._channel.resync_clock()
+        return t1 - t0, self._timer() - t1, sync, self._cdp in report.moved
+
+    def _timed_cdp(self) -> float:
+        assert self._browser is not None
+        t0 = self._timer()
+        self._browser.connect(self._cdp_url())  # the forward's port survives the restore; the connection does not
+        return self._timer() - t0
+
+    # ---------------------------------------------------------------------------------------- handoff
+
+    def request_handoff(self, reason: str, ttl: timedelta) -> LeaseGrant:
+        """Give the human control until `ttl` from now; the grant's one-time token goes into their link."""
+        with self._lock:
+            now = self._clock.now()
+            self._state = settle(self._state, now=now)
+            self._state, grant = grant_lease(self._state, now=now, ttl=ttl, reason=reason,
+                                             lease_id=self._new_id(), token=self._new_token())
+            return grant
+
+    def redeem_handoff(self, token: str) -> Accepted | Refused:
+        with self._lock:
+            now = self._clock.now()
+            self._state = settle(self._state, now=now)
+            self._state, decision = redeem_token(self._state, token, now=now)
+            return decision
+
+    def return_control(self, lease_id: str | None = None) -> int:
+        """The human hands the screen back; returns the new epoch (the agent must observe again)."""
+        with self._lock:
+            self._state = settle(self._state, now=self._clock.now())
+            if self._state.lease is None:
+                return self._state.epoch  # it already expired: control is back, the epoch already moved
+            self._state = return_control(self._state, lease_id=lease_id)
+            return self._state.epoch
+
+
+def _node(node: int | None) -> int:
+    assert node is not None, "ref acts always resolve to a node"
+    return node
+
