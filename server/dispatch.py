@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,8 +31,11 @@ from server import control, faults, inbox, outbox, waits
 from server.acting import lock_task, objects_problem
 from server.actions import Action, content_hash, load_action
 from server.clock import Clock
+from server.computers import ACT_TOOL, Computers, act_from_args
+from server.computers import execute as execute_act
 from server.connectors import DoneWhen, done_when_holds
 from server.db import read, upsert, write
+from server.errors import WakefulError
 from server.ids import new_id
 from server.outbound import ConnectorHTTP
 from server.policy import Policy
@@ -53,6 +57,7 @@ from server.tables import actions as actions_table
 from server.tables import outbox as outbox_table
 from server.tables import tasks as tasks_table
 from server.tables import waits as waits_table
+from vm.observe import Refused as ActRefused
 
 __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 
@@ -113,13 +118,16 @@ def classify(response: httpx.Response | None, error: Exception | None) -> Result
 class ActionDispatcher:
     def __init__(self, engine: Engine, clock: Clock, *, policy: Policy, timeout: float = 10.0,
                  resend_after: timedelta = timedelta(seconds=10), http: ConnectorHTTP | None = None,
-                 on_event: Any = lambda: None) -> None:
+                 computers: Computers | None = None, on_event: Any = lambda: None) -> None:
         self._engine = engine
         self._clock = clock
         self._policy = policy
         self._resend_after = resend_after
         self._http = http or ConnectorHTTP(timeout=timeout)
+        self._computers = computers
         self._on_event = on_event
+        self._sending: dict[str, threading.Lock] = {}
+        self._sending_lock = threading.Lock()
 
     def close(self) -> None:
         self._http.close()
@@ -148,19 +156,61 @@ class ActionDispatcher:
         return done
 
     def dispatch(self, intent_id: str, action_id: str) -> int:
-        """Returns 1 when the intent was settled (sent, voided or handed to reconciliation), 0 when held."""
+        """Returns 1 when the intent was settled (sent, voided or handed to reconciliation), 0 when held.
+
+        One action is dispatched by one caller at a time in this process (the loop, or a tool call executing an
+        act it just admitted): a second caller waits and then finds the intent settled."""
+        with self._sending_lock:
+            lock = self._sending.setdefault(action_id, threading.Lock())
+        with lock:
+            try:
+                return self._dispatch(intent_id, action_id)
+            finally:
+                with self._sending_lock:
+                    self._sending.pop(action_id, None)
+
+    def _dispatch(self, intent_id: str, action_id: str) -> int:
         now = self._clock.now()
         with write(self._engine) as conn:
+            pending = conn.execute(select(outbox_table.c.state).where(outbox_table.c.id == intent_id)).scalar()
+            if pending != OutboxState.PENDING.value:
+                return 1  # settled by another caller meanwhile
             action = load_action(conn, action_id)
             prepared = self._prepare(conn, intent_id, action, now)
         if isinstance(prepared, str):
             return 0 if prepared == HELD else 1
         attempt_id, grant = prepared
         faults.crash_point("after_attempt_persisted")
-        response, error = self._send(action.content["request"], grant)
+        if action.tool == ACT_TOOL:
+            result = self._act(action)
+        else:
+            response, error = self._send(action.content["request"], grant)
+            result = classify(response, error)
         faults.crash_point("after_send")
-        self._record(attempt_id, action, classify(response, error), intent_id=intent_id)
+        self._record(attempt_id, action, result, intent_id=intent_id)
         return 1
+
+    def _act(self, action: Action) -> Result:
+        """Run a tool-computer act. The tool computer checks it against the latest observation first: a stale or
+        refused act runs nothing (blocked); an act that failed before touching the page is blocked; one whose
+        effect is unclear (a timeout, a lost connection) is unknown, to be settled by observing, never repeated."""
+        if self._computers is None:
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail="tool computers are not enabled on this server; nothing was done")
+        act = act_from_args(action.content["act"])
+        try:
+            done = execute_act(self._computers, action.user_id, act)
+        except WakefulError as exc:
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail=f"{exc.code}: {exc.message}")
+        if isinstance(done, ActRefused):  # refused by the tool computer: nothing ran
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail=f"{done.code}: {done.message}")
+        outcome = {"done": Outcome.ACCEPTED, "failed": Outcome.BLOCKED}.get(done.outcome, Outcome.UNKNOWN)
+        detail = done.detail or done.outcome
+        return Result(outcome=outcome, status_code=None, external_ref=None, detail=detail if not done.code else
+                      f"{done.code}: {detail}", body={"navigated": done.navigated, "observation": done.observation,
+                                                       "epoch": done.epoch})
 
     def _prepare(self, conn: Connection, intent_id: str, action: Action,
                  now: datetime) -> str | tuple[str, dict[str, str]]:
@@ -200,6 +250,11 @@ class ActionDispatcher:
             self._finish_intent(conn, intent_id, now)
             return SETTLED
         attempt_id = new_id("att")
+        if action.tool == ACT_TOOL:  # an act on the tool computer: no HTTP request, no egress grant
+            conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,
+                                                  request=json.dumps({"act": action.content["act"]}, sort_keys=True),
+                                                  created_at=now))
+            return attempt_id, {}
         request = dict(action.content["request"])
         request["idempotency_key"] = action.content.get("idempotency_key")
         conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,

@@ -32,6 +32,7 @@ from sqlalchemy import Engine, and_, select
 
 from server import control, ledger, outbox, sessions, timers, users
 from server.clock import Clock
+from server.computers import computer_tools
 from server.connectors import Registry
 from server.db import read, write
 from server.errors import BadRequest, NotFound, WakefulError
@@ -158,7 +159,18 @@ class WakefulMCP:
                                                   destructive_hint=hints["destructiveHint"],
                                                   idempotent_hint=hints["idempotentHint"],
                                                   open_world_hint=hints["openWorldHint"])))
-        return [*DELEGATION_TOOLS, *connector_tools]
+        computer = []
+        if self.tools.computers is not None:
+            for spec in computer_tools():
+                schema = spec["schema"]
+                schema = {**schema, "properties": {"task_id": _TASK_ID, **schema["properties"]},
+                          "required": ["task_id", *schema.get("required", [])]}
+                read_only = spec["read_only"]
+                computer.append(types.Tool(
+                    name=spec["name"], description=spec["description"], input_schema=schema, output_schema=_OBJECT,
+                    annotations=types.ToolAnnotations(read_only_hint=read_only, destructive_hint=not read_only,
+                                                      idempotent_hint=read_only, open_world_hint=True)))
+        return [*DELEGATION_TOOLS, *connector_tools, *computer]
 
     async def _list_tools(self, ctx: ServerRequestContext[Any],
                           params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
@@ -174,8 +186,11 @@ class WakefulMCP:
         except WakefulError as exc:
             return types.CallToolResult(is_error=True, content=[types.TextContent(text=f"{exc.code}: {exc.message}")],
                                         structured_content=exc.to_json())
-        return types.CallToolResult(content=[types.TextContent(text=json.dumps(result, sort_keys=True))],
-                                    structured_content=result)
+        screenshot = result.pop("screenshot_png_base64", None)  # an observation: the picture goes as an image
+        content: list[types.ContentBlock] = [types.TextContent(text=json.dumps(result, sort_keys=True))]
+        if isinstance(screenshot, str):
+            content.append(types.ImageContent(data=screenshot, mime_type="image/png"))
+        return types.CallToolResult(content=content, structured_content=result)
 
     def dispatch_tool(self, user: str, name: str, args: dict[str, Any]) -> dict[str, Any]:
         handlers: dict[str, Callable[[str, dict[str, Any]], dict[str, Any]]] = {

@@ -15,8 +15,9 @@ from datetime import datetime
 
 from sqlalchemy import Engine, and_, func, select
 
-from server import control, faults, timers, users, waits
+from server import control, faults, outbox, timers, users, waits
 from server.clock import Clock, SystemClock
+from server.computers import Computers, LazyVmComputers
 from server.connectors import Registry, load_connectors
 from server.db import make_engine, migrate, read, write
 from server.dispatch import ActionDispatcher
@@ -28,9 +29,10 @@ from server.policy import load_policy
 from server.settings import Settings
 from server.sweeper import sweep
 from server.tables import TimerState, WaitState
+from server.tables import tasks as tasks_table
 from server.tables import timers as timers_table
 from server.tables import waits as waits_table
-from server.tools import ToolLayer
+from server.tools import Binding, ToolLayer
 from server.worker import IdlePoll, RunHandler, Worker
 
 __all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
@@ -82,7 +84,8 @@ def make_handler(settings: Settings, registry: Registry) -> RunHandler:
 
 class Runtime:
     def __init__(self, settings: Settings, *, handler: RunHandler, clock: Clock | None = None,
-                 engine: Engine | None = None, registry: Registry | None = None) -> None:
+                 engine: Engine | None = None, registry: Registry | None = None,
+                 computers: Computers | None = None) -> None:
         faults.configure(settings.crash_at)
         self.settings = settings
         self.clock = clock or SystemClock()
@@ -100,9 +103,14 @@ class Runtime:
         ]
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
+        if computers is None and settings.computers:
+            computers = LazyVmComputers(settings, self.clock)
+        self.computers = computers
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
                                         on_event=self.signals.outcome_recorded, http=self.egress,
-                                        resend_after=settings.resend_after)
+                                        resend_after=settings.resend_after, computers=computers)
+        if computers is not None:
+            self.tools.attach_computers(computers, dispatch_now=self._dispatch_now, notify=self._send_live_view)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
 
@@ -115,6 +123,22 @@ class Runtime:
             for name, source in self.settings.sources.items():
                 self.source_users[name] = users.user_id_by_name(conn, source.user)
         return token
+
+    def _dispatch_now(self, action_id: str) -> None:
+        """An act on the tool computer that admission let through runs now, within the agent's tool call."""
+        self.actions.dispatch(f"dsp_{action_id}", action_id)
+
+    def _send_live_view(self, binding: Binding, token: str) -> None:
+        """The user's one-time link to take the screen (served by `wakeful serve`)."""
+        link = f"http://{self.settings.host}:{self.settings.port}/v1/live/{token}"
+        with write(self.engine) as conn:
+            session_id = conn.execute(select(tasks_table.c.session_id).where(
+                tasks_table.c.id == binding.task_id)).scalar_one()
+            outbox.enqueue(conn, user_id=binding.user_id, session_id=session_id, run_id=binding.run_id,
+                           now=self.clock.now(), body={"kind": "handoff", "task_id": binding.task_id, "link": link,
+                                                       "text": "Your tool computer needs you: open the link to take "
+                                                               "the screen, and press 'Return control' when done."})
+        self.signals.dispatch.set()
 
     def _after_run(self) -> None:
         # A run's commit may hold outbox rows; new timers are found by the scheduler's next look (≤ poll_interval).
@@ -224,4 +248,8 @@ class Runtime:
             self.signals.work.set()
         if report.failed_events:
             self.signals.dispatch.set()
+        if self.computers is not None:
+            suspended = self.computers.reap()  # idle tool computers go to disk: their RAM is freed
+            if suspended:
+                log.info("suspended idle tool computers of %s", ", ".join(suspended))
         return 0.0

@@ -123,6 +123,16 @@ class Settings(BaseSettings):
     vault_key_file: Path | None = None
     """The credential vault's key file; default `<data_dir>/vault.key`, created on first use. The environment
     variable `WAKEFUL_VAULT_KEY` (base64 keys, comma-separated, current first) is used instead when set."""
+    computers: bool = True
+    """Give each user a tool computer (a VM from `wakeful image build`, started on first use, suspended when idle)."""
+    computer_image: str = "guest"
+    """The image under `<data_dir>/images/` tool computers boot from."""
+    computer_idle_after: Duration = timedelta(minutes=10)
+    """A tool computer with nothing in flight for this long is suspended (memory saved to disk, RAM freed)."""
+    computer_accel: Literal["kvm", "tcg"] | None = None
+    """Force the acceleration; by default KVM is probed (a stock kernel must boot under it) and TCG used otherwise."""
+    libvirt_uri: str = "qemu:///system"
+    """Where tool computers run."""
     reconcile_interval: float = 5.0
     """How often unknown outcomes are reconciled and accepted effects verified, in seconds."""
     resend_after: Duration = timedelta(seconds=10)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,8 @@ from server import objects, sessions
 from server.acting import admit_and_record, lock_task
 from server.actions import create_action
 from server.clock import Clock
+from server.computer_tools import ComputerToolLayer
+from server.computers import COMPUTER_TOOLS, Computers
 from server.connectors import (
     OBJECT_ID_PATTERN,
     DoneWhen,
@@ -92,11 +94,22 @@ class ToolLayer:
         self.registry = registry
         self.policy = policy
         self._http = http or ConnectorHTTP(timeout=timeout)
+        self.computers: ComputerToolLayer | None = None
+        """Set when the server runs tool computers (`attach_computers`)."""
+
+    def attach_computers(self, computers: Computers, *, dispatch_now: Callable[[str], None],
+                         notify: Callable[[Binding, str], None]) -> None:
+        self.computers = ComputerToolLayer(self.engine, self.clock, computers=computers, policy=self.policy,
+                                           fence=self._fence, dispatch_now=dispatch_now, notify=notify)
 
     def close(self) -> None:
         self._http.close()
 
     def call(self, binding: Binding, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        if tool in COMPUTER_TOOLS:
+            if self.computers is None:
+                raise WakefulError("tool_computer_unavailable", "this server runs no tool computers")
+            return self.computers.call(binding, tool, dict(args))
         op = self.registry.operation(tool)
         if op.internal:
             raise WakefulError("unknown_tool", f"there is no tool named {tool!r}")
@@ -234,10 +247,15 @@ class ToolLayer:
         return content, amount, currency
 
     def _status(self, conn: Connection, action_id: str) -> dict[str, Any]:
-        v = conn.execute(select(verdicts).where(verdicts.c.action_id == action_id)
-                         .order_by(verdicts.c.created_at.desc(), verdicts.c.id.desc()).limit(1)).one()
-        failed = [r for r in json.loads(v.reasons) if not r["ok"]]
-        return {"action_id": action_id, "status": v.verdict, "code": v.code,
-                "reason": failed[0]["detail"] if failed else "admitted: it will be sent by the dispatcher"}
+        return verdict_status(conn, action_id)
+
+
+def verdict_status(conn: Connection, action_id: str) -> dict[str, Any]:
+    """What the latest verdict on an action says, as a tool result."""
+    v = conn.execute(select(verdicts).where(verdicts.c.action_id == action_id)
+                     .order_by(verdicts.c.created_at.desc(), verdicts.c.id.desc()).limit(1)).one()
+    failed = [r for r in json.loads(v.reasons) if not r["ok"]]
+    return {"action_id": action_id, "status": v.verdict, "code": v.code,
+            "reason": failed[0]["detail"] if failed else "admitted: it will be sent by the dispatcher"}
 
 

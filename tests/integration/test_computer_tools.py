@@ -1,0 +1,227 @@
+"""The tool-computer tools through the real MCP client, over real SQLite, with the vm layer's in-memory guest and
+browser: observe is a read, every act is an action through admission with its attempt recorded, a stale ref never
+reaches the page, acts on "Pay"-like elements wait for the user's approval, and a handoff shuts the agent out."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from mcp import Client
+from sqlalchemy import Engine, select
+
+from server import approvals, control, sessions
+from server.clock import FakeClock
+from server.db import read, write
+from server.handlers import EchoHandler
+from server.mcpserver import WakefulMCP
+from server.policy import Policy
+from server.runtime import Runtime
+from server.settings import Settings
+from server.tables import actions, attempts, refusals, verdicts
+from tests.support.records import messages
+from vm.fake_browser import FakeBrowser
+from vm.fake_guest import FakeChannel, FakeDesktop
+from vm.observe import Element
+from vm.toolcomputer import ToolComputer
+
+pytestmark = pytest.mark.anyio
+
+FORM = [Element(node=1, role="heading", name="Checkout", level=1), Element(node=2, role="textbox", name="Name"),
+        Element(node=3, role="button", name="Next"), Element(node=4, role="button", name="Pay 19.99 EUR")]
+
+
+class FakeComputers:
+    """One tool computer per user on the vm fakes; records what kept the VM busy."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.browser = FakeBrowser()
+        self.tc = ToolComputer(vm_id="vm-owner", channel=FakeChannel(), clock=clock, browser=self.browser,
+                               desktop=FakeDesktop())
+        self.tc.connect()
+        self.browser.show("https://shop.test/checkout", FORM, title="Checkout")
+        self.activities: list[str] = []
+        self.reaped = 0
+
+    def computer(self, user_id: str) -> ToolComputer:
+        return self.tc
+
+    @contextlib.contextmanager
+    def activity(self, user_id: str, kind: str) -> Iterator[None]:
+        self.activities.append(kind)
+        yield
+
+    def reap(self) -> list[str]:
+        self.reaped += 1
+        return []
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def setup(engine: Engine, clock: FakeClock, owner: str, settings: Settings) -> tuple[Runtime, FakeComputers, str]:
+    computers = FakeComputers(clock)
+    runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine, computers=computers)
+    runtime.prepare()
+    with write(engine) as conn:
+        session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+        task_id = control.create_task(conn, user_id=owner, session_id=session_id, title="buy the thing",
+                                      now=clock.now())
+    return runtime, computers, task_id
+
+
+def _mcp(runtime: Runtime, settings: Settings) -> WakefulMCP:
+    return WakefulMCP(engine=runtime.engine, clock=runtime.clock, settings=settings, tools=runtime.tools,
+                      local_user="owner")
+
+
+async def _observe(client: Client, task_id: str) -> tuple[dict[str, Any], dict[str, str]]:
+    result = await client.call_tool("computer__observe", {"task_id": task_id})
+    assert not result.is_error, result.content
+    body = json.loads(result.content[0].text)  # type: ignore[union-attr]
+    assert result.content[1].type == "image" and result.content[1].mime_type == "image/png"  # type: ignore[union-attr]
+    refs = {line.split('"')[1]: line.split("]")[0][1:] for line in body["text"].splitlines()
+            if line.startswith("[") and '"' in line}
+    return body, refs
+
+
+async def test_observe_then_fill_and_click_by_ref_each_act_an_action_with_its_attempt(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+    runtime, computers, task_id = setup
+    async with Client(_mcp(runtime, settings).server) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert tools["computer__observe"].annotations.read_only_hint is True  # type: ignore[union-attr]
+        assert tools["computer__act"].annotations.destructive_hint is True  # type: ignore[union-attr]
+        _, refs = await _observe(client, task_id)
+        filled = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "fill", "ref": refs["Name"], "text": "Ada"}})
+        again, refs = await _observe(client, task_id)
+        clicked = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "click", "ref": refs["Next"]}})
+    for result in (filled, clicked):
+        assert not result.is_error and result.structured_content["outcome"] == "accepted"  # type: ignore[index]
+    assert [a[0] for a in computers.browser.acts] == ["fill", "click"]
+    with read(runtime.engine) as conn:
+        rows = conn.execute(select(actions.c.tool, actions.c.content, verdicts.c.verdict)
+                            .join(verdicts, verdicts.c.action_id == actions.c.id)
+                            .order_by(actions.c.created_at)).all()
+        outcomes = conn.execute(select(attempts.c.outcome).order_by(attempts.c.created_at)).scalars().all()
+    assert [(r.tool, r.verdict) for r in rows] == [("computer__act", "admitted")] * 2
+    contents = [json.loads(r.content) for r in rows]
+    assert contents[0]["element"] == {"role": "textbox", "name": "Name"} and contents[0]["act"]["text"] == "Ada"
+    assert contents[1]["observation"] == again["observation"]
+    assert outcomes == ["accepted", "accepted"]
+    assert computers.activities == ["observe", "act", "observe", "act"]  # the reaper sees each as busy
+
+
+async def test_a_ref_from_before_an_act_is_refused_and_nothing_runs(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+    runtime, computers, task_id = setup
+    async with Client(_mcp(runtime, settings).server) as client:
+        _, refs = await _observe(client, task_id)
+        await client.call_tool("computer__act", {"task_id": task_id, "act": {"kind": "click", "ref": refs["Next"]}})
+        stale = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "fill", "ref": refs["Name"], "text": "late"}})
+    assert stale.is_error and stale.structured_content["error"]["code"] == "observation_required"  # type: ignore[index]
+    assert [a[0] for a in computers.browser.acts] == ["click"]
+    with read(runtime.engine) as conn:
+        assert conn.execute(select(actions)).all().__len__() == 1  # the refused act never became an action
+        assert conn.execute(select(refusals.c.code)).scalars().all() == ["observation_required"]
+
+
+async def test_clicking_pay_waits_for_approval_and_runs_once_approved(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+    runtime, computers, task_id = setup
+    async with Client(_mcp(runtime, settings).server) as client:
+        _, refs = await _observe(client, task_id)
+        held = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "click", "ref": refs["Pay 19.99 EUR"]}})
+    assert held.structured_content["status"] == "needs_approval"  # type: ignore[index]
+    assert computers.browser.acts == []  # nothing touched the page
+    (card,) = [m for m in messages(runtime.engine) if m.get("kind") == "approval_request"]
+    assert "click button 'Pay 19.99 EUR'" in card["card"]["lines"][0]
+    with write(runtime.engine) as conn:
+        approvals.decide(conn, user_id=_owner(runtime), action_id=card["card"]["action_id"], approve=True,
+                         actor="user:test", policy=Policy(), now=runtime.clock.now())
+    assert runtime.actions.drain() == 1
+    assert [a[0] for a in computers.browser.acts] == ["click"]
+    assert runtime.actions.drain() == 0 and len(computers.browser.acts) == 1
+
+
+def _owner(runtime: Runtime) -> str:
+    from server import users
+
+    with read(runtime.engine) as conn:
+        return users.user_id_by_name(conn, "owner")
+
+
+async def test_an_approved_act_whose_observation_went_stale_is_blocked_not_run(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+    runtime, computers, task_id = setup
+    async with Client(_mcp(runtime, settings).server) as client:
+        _, refs = await _observe(client, task_id)
+        held = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "click", "ref": refs["Pay 19.99 EUR"]}})
+        await _observe(client, task_id)  # the agent looked again meanwhile: the approved ref is no longer current
+    action_id = held.structured_content["action_id"]  # type: ignore[index]
+    with write(runtime.engine) as conn:
+        approvals.decide(conn, user_id=_owner(runtime), action_id=action_id, approve=True, actor="user:test",
+                         policy=Policy(), now=runtime.clock.now())
+    runtime.actions.drain()
+    assert computers.browser.acts == []
+    with read(runtime.engine) as conn:
+        attempt = conn.execute(select(attempts)).one()
+    assert attempt.outcome == "blocked" and attempt.detail.startswith("stale_observation")
+
+
+async def test_a_handoff_sends_the_user_a_link_and_refuses_agent_acts_until_control_returns(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+    runtime, computers, task_id = setup
+    async with Client(_mcp(runtime, settings).server) as client:
+        _, refs = await _observe(client, task_id)
+        handed = await client.call_tool("computer__request_handoff", {"task_id": task_id, "reason": "CAPTCHA"})
+        refused = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "click", "ref": refs["Next"]}})
+        assert not handed.is_error
+        assert refused.is_error and refused.structured_content["error"]["code"] == "human_in_control"  # type: ignore[index]
+        (link,) = [m["link"] for m in messages(runtime.engine) if m.get("kind") == "handoff"]
+        assert link.startswith(f"http://{settings.host}:{settings.port}/v1/live/")
+        computers.tc.return_control()
+        after = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "click", "ref": refs["Next"]}})
+        assert after.is_error  # control is back, but the epoch moved: observe first
+        _, refs = await _observe(client, task_id)
+        ok = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "click", "ref": refs["Next"]}})
+    assert not ok.is_error and computers.browser.acts == [("click", 3)]
+    assert "handoff" in computers.activities
+
+
+async def test_a_paused_task_cannot_act_and_a_malformed_act_is_refused_with_its_field(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+    runtime, computers, task_id = setup
+    async with Client(_mcp(runtime, settings).server) as client:
+        bad = await client.call_tool("computer__act", {"task_id": task_id, "act": {"kind": "click"}})
+        assert bad.is_error and "invalid_act" in bad.content[0].text  # type: ignore[union-attr]
+        _, refs = await _observe(client, task_id)
+        with write(runtime.engine) as conn:
+            from server.tables import ControlKind
+
+            control.set_task_state(conn, user_id=_owner(runtime), task_id=task_id, kind=ControlKind.PAUSE,
+                                   actor="user:test", reason="wait", now=runtime.clock.now())
+        paused = await client.call_tool("computer__act", {"task_id": task_id, "act": {
+            "kind": "click", "ref": refs["Next"]}})
+    assert paused.is_error and "paused" in paused.content[0].text  # type: ignore[union-attr]
+    assert computers.browser.acts == []
+
+
+def test_the_sweeper_reaps_idle_tool_computers(setup: tuple[Runtime, FakeComputers, str]) -> None:
+    runtime, computers, _ = setup
+    runtime.sweep_once()
+    assert computers.reaped == 1
