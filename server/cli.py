@@ -314,7 +314,7 @@ def replay(run_id: Annotated[str, typer.Argument(help="The run to re-run from it
     try:
         registry = load_registry(settings)
         with read(_engine(settings)) as conn:
-            report = replay_run(conn, run_id, registry=registry,
+            report = replay_run(conn, run_id, registry=registry, computers=settings.computers,
                                 instructions=settings.instructions_file or settings.data_dir / "instructions.md")
     except WakefulError as exc:
         _fail(exc)

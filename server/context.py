@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, select
 
+from server.computers import computer_tools
 from server.connectors import Registry
 from server.ledger import task_status
 from server.tables import tasks
@@ -61,11 +62,14 @@ class Context:
         return hashlib.sha256(self.prefix.encode()).hexdigest()
 
 
-def tool_definitions(registry: Registry) -> tuple[dict[str, Any], ...]:
-    """Harness tools and one tool per connector operation, sorted: the same bytes for the same declarations."""
+def tool_definitions(registry: Registry, *, computers: bool = False) -> tuple[dict[str, Any], ...]:
+    """Harness tools, one tool per connector operation and, with `computers`, the tool-computer tools; sorted: the
+    same bytes for the same declarations."""
     connector_tools = [{"name": op.tool_name, "description": op.description, "input_schema": op.input_schema()}
                        for op in registry.tools()]
-    return tuple(sorted((*HARNESS_TOOLS, *connector_tools), key=lambda t: str(t["name"])))
+    computer = [{"name": spec["name"], "description": spec["description"], "input_schema": spec["schema"]}
+                for spec in computer_tools()] if computers else []
+    return tuple(sorted((*HARNESS_TOOLS, *connector_tools, *computer), key=lambda t: str(t["name"])))
 
 
 def _instructions(path: Path | None) -> str:
@@ -75,8 +79,8 @@ def _instructions(path: Path | None) -> str:
 
 
 def assemble(conn: Connection, *, registry: Registry, instructions: Path | None, user_id: str, session_id: str,
-             events: tuple[EventView, ...], now: datetime) -> Context:
-    tools = tool_definitions(registry)
+             events: tuple[EventView, ...], now: datetime, computers: bool = False) -> Context:
+    tools = tool_definitions(registry, computers=computers)
     prefix = "\n\n".join([
         SYSTEM_PROMPT,
         "<user_instructions owner=\"user\" editable_by=\"user only\">\n" + _instructions(instructions)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import Connection, and_, insert, select, update
+from sqlalchemy import Connection, Row, Select, and_, bindparam, insert, select, update
 
 from proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
 from proxy.decide import AllowRule, decide_by_allowlist
@@ -35,6 +35,7 @@ from server.actions import load_action
 from server.errors import BadRequest, NotFound
 from server.ids import new_id
 from server.tables import (
+    ControlKind,
     GrantPurpose,
     TaskState,
     attempts,
@@ -44,21 +45,27 @@ from server.tables import (
     tasks,
     users,
 )
+from server.tables import control as control_records
 from server.toml_lines import TomlLines
 
 if TYPE_CHECKING:
     from proxy.audit import EgressRecord
 
 __all__ = [
+    "ClientState",
     "EgressRules",
     "Target",
     "audit_rows",
+    "client_digest",
+    "client_state",
+    "client_state_statement",
     "decide",
     "issue_client_token",
     "issue_grant",
     "load_egress_rules",
     "revoke_client",
     "store_audit",
+    "tool_computer_verdict",
 ]
 
 
@@ -234,18 +241,72 @@ def revoke_client(conn: Connection, client_id: str, *, now: datetime) -> None:
         raise NotFound("unknown_client", f"no active egress client {client_id}")
 
 
-def _decide_tool_computer(conn: Connection, req: DecisionRequest, rules: EgressRules) -> Verdict:
+@dataclass(frozen=True, kw_only=True)
+class ClientState:
+    """What the records say about one tool-computer proxy credential at the moment of the request."""
+
+    user_id: str
+    """The user the (unrevoked) credential belongs to."""
+    user_name: str
+    """Whose egress rules apply (`users` in egress.toml names users)."""
+    stopped: bool
+    """A STOP is in force for this user or for the whole deployment."""
+
+
+def _latest_stop_kind(scope: Any) -> Any:
+    # The newest STOP/START row of one scope decides it, exactly as `control.stop_state` orders them.
+    return (select(control_records.c.kind)
+            .where(scope, control_records.c.kind.in_([ControlKind.STOP.value, ControlKind.START.value]))
+            .order_by(control_records.c.created_at.desc(), control_records.c.id.desc())
+            .limit(1).scalar_subquery())
+
+
+_CLIENT_STATE = (
+    select(egress_clients.c.user_id, users.c.name.label("user_name"),
+           _latest_stop_kind(control_records.c.user_id.is_(None)).label("stop_all"),
+           _latest_stop_kind(control_records.c.user_id == egress_clients.c.user_id).label("stop_user"))
+    .join_from(egress_clients, users, users.c.id == egress_clients.c.user_id)
+    .where(egress_clients.c.token_sha256 == bindparam("digest", ""), egress_clients.c.revoked_at.is_(None))
+)
+
+
+def client_state_statement() -> Select[Any]:
+    """One statement, one snapshot: the credential's user (unrevoked only), that user's name and both STOP scopes.
+    Bind `digest` to `client_digest(req)`. Every lookup is by index (the credential's digest, the user's id)."""
+    return _CLIENT_STATE
+
+
+def client_digest(req: DecisionRequest) -> str | None:
+    """The digest `client_state_statement` looks up, or None when the request presents no proxy credential."""
+    if not req.user_id or not req.client_token:
+        return None
+    return _digest(req.client_token)
+
+
+def client_state(row: Row[Any] | tuple[Any, ...] | None) -> ClientState | None:
+    """The state from a row of `client_state_statement` (None: no such credential, or revoked)."""
+    if row is None:
+        return None
+    user_id, user_name, stop_all, stop_user = row
+    stop = ControlKind.STOP.value
+    return ClientState(user_id=user_id, user_name=user_name, stopped=stop in (stop_all, stop_user))
+
+
+def tool_computer_verdict(req: DecisionRequest, state: ClientState | None, rules: EgressRules) -> Verdict:
+    """The decision for tool-computer traffic, given what the records say about its credential. Pure."""
     if not req.user_id or not req.client_token:
         return _not_admitted("a tool computer authenticates to the proxy (Proxy-Authorization)")
-    client = conn.execute(select(egress_clients.c.user_id, users.c.name)
-                          .join(users, users.c.id == egress_clients.c.user_id)
-                          .where(and_(egress_clients.c.token_sha256 == _digest(req.client_token),
-                                      egress_clients.c.revoked_at.is_(None)))).one_or_none()
-    if client is None or client.user_id != req.user_id:
+    if state is None or state.user_id != req.user_id:
         return _not_admitted("this tool computer's proxy credential is unknown or revoked")
-    if control.stop_state(conn).blocks(client.user_id):
+    if state.stopped:
         return _not_admitted("STOP is in force; nothing new goes out until the user lifts it")
-    return decide_by_allowlist(req, rules.for_user(client.name))
+    return decide_by_allowlist(req, rules.for_user(state.user_name))
+
+
+def _decide_tool_computer(conn: Connection, req: DecisionRequest, rules: EgressRules) -> Verdict:
+    digest = client_digest(req)
+    row = None if digest is None else conn.execute(_CLIENT_STATE, {"digest": digest}).one_or_none()
+    return tool_computer_verdict(req, client_state(row), rules)
 
 
 def decide(conn: Connection, req: DecisionRequest, *, now: datetime, rules: EgressRules) -> Verdict:

@@ -34,8 +34,9 @@ HARNESS_VERSION = "1"
 
 class Harness:
     def __init__(self, model: ModelAdapter, *, registry: Registry, instructions: Path | None,
-                 max_tokens_per_run: int) -> None:
+                 max_tokens_per_run: int, computers: bool = False) -> None:
         self.model = model
+        self.computers = computers
         self.registry = registry
         self.instructions = instructions
         self.max_tokens = max_tokens_per_run
@@ -44,7 +45,8 @@ class Harness:
         engine = ctx._worker.engine
         with read(engine) as conn:
             context = assemble(conn, registry=self.registry, instructions=self.instructions, user_id=ctx.user_id,
-                               session_id=ctx.session_id, events=ctx.events, now=ctx.now())
+                               session_id=ctx.session_id, events=ctx.events, now=ctx.now(),
+                               computers=self.computers)
         ctx.persist(lambda conn: conn.execute(run_contexts.insert().values(
             run_id=ctx.run_id, prefix_sha256=context.prefix_sha256, prefix=context.prefix,
             tail=json.dumps(context.tail, sort_keys=True, default=str), model=self.model.name,
@@ -99,6 +101,9 @@ class Harness:
                 return {"scheduled_for": at.isoformat()}
             result: dict[str, Any] = ctx.call_tool(task_id=task_id, tool=call.name, args=dict(call.args),
                                                    decision_id=decision_id)
+            if result.pop("screenshot_png_base64", None) is not None:
+                # The model reads the observation's text (roles, names, refs); the picture stays out of the records.
+                result["screenshot"] = "omitted: the element list above is what to act on"
             if result.get("status") == "needs_approval" and ctx.ended_by is None:
                 ctx.ended_by = f"wait: approval of {result['action_id']}"
             return result

@@ -56,7 +56,8 @@ def ending_of(calls: list[tuple[str, dict[str, Any]]]) -> str:
     return "silence"
 
 
-def replay(conn: Connection, run_id: str, *, registry: Registry, instructions: Path | None) -> ReplayReport:
+def replay(conn: Connection, run_id: str, *, registry: Registry, instructions: Path | None,
+           computers: bool = False) -> ReplayReport:
     run = conn.execute(select(runs).where(runs.c.id == run_id)).first()
     context = conn.execute(select(run_contexts).where(run_contexts.c.run_id == run_id)).first()
     if run is None or context is None:
@@ -66,7 +67,7 @@ def replay(conn: Connection, run_id: str, *, registry: Registry, instructions: P
                             corr_key=e.corr_key, payload=json.loads(e.payload), received_at=e.received_at)
                   for e in handled)
     now_context = assemble(conn, registry=registry, instructions=instructions, user_id=run.user_id,
-                           session_id=run.session_id, events=views, now=run.started_at)
+                           session_id=run.session_id, events=views, now=run.started_at, computers=computers)
     recorded_results = {(r.step, r.call_id): json.loads(r.result)
                         for r in conn.execute(select(tool_results).where(tool_results.c.run_id == run_id))}
     report = ReplayReport(run_id=run_id, recorded_ending=(run.reason or "").split(":")[0], replayed_ending="",

@@ -79,7 +79,8 @@ def make_handler(settings: Settings, registry: Registry) -> RunHandler:
 
     model = AnthropicModel(api_key=settings.anthropic_api_key.get_secret_value(), model=settings.model)
     return Harness(model, registry=registry, instructions=settings.instructions_file
-                   or settings.data_dir / "instructions.md", max_tokens_per_run=settings.run_max_tokens)
+                   or settings.data_dir / "instructions.md", max_tokens_per_run=settings.run_max_tokens,
+                   computers=settings.computers)
 
 
 class Runtime:
