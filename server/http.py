@@ -21,11 +21,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from mcp.server.auth.settings import AuthSettings
 from pydantic import AnyHttpUrl
 
 from server.errors import BadRequest, NotFound, PayloadTooLarge, Unauthorized, WakefulError
 from server.inbox import Delivery
+from server.liveview import NOVNC_DIR, live_router
 from server.mcpserver import TokenVerifier, WakefulMCP
 from server.proxyctl import serve_egress
 from server.routes import router
@@ -94,6 +96,10 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> FastAPI:
 
     app = FastAPI(title="wakeful", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = runtime
+    if runtime.live is not None:
+        app.include_router(live_router(runtime.live))
+        if NOVNC_DIR.is_dir():
+            app.mount("/novnc", StaticFiles(directory=NOVNC_DIR), name="novnc")
 
     @app.exception_handler(WakefulError)
     async def _wakeful_error(_request: Request, exc: WakefulError) -> JSONResponse:

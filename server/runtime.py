@@ -23,6 +23,7 @@ from server.db import make_engine, migrate, read, write
 from server.dispatch import ActionDispatcher
 from server.handlers import EchoHandler
 from server.inbox import GroupCommitter
+from server.liveview import LiveViews
 from server.outbound import ConnectorHTTP
 from server.outbox import Dispatcher
 from server.policy import load_policy
@@ -107,6 +108,7 @@ class Runtime:
         if computers is None and settings.computers:
             computers = LazyVmComputers(settings, self.clock)
         self.computers = computers
+        self.live = LiveViews(computers) if computers is not None else None
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
                                         on_event=self.signals.outcome_recorded, http=self.egress,
                                         resend_after=settings.resend_after, computers=computers)
@@ -132,6 +134,8 @@ class Runtime:
     def _send_live_view(self, binding: Binding, token: str) -> None:
         """The user's one-time link to take the screen (served by `wakeful serve`)."""
         link = f"http://{self.settings.host}:{self.settings.port}/v1/live/{token}"
+        assert self.live is not None
+        self.live.offer(binding.user_id, token)
         with write(self.engine) as conn:
             session_id = conn.execute(select(tasks_table.c.session_id).where(
                 tasks_table.c.id == binding.task_id)).scalar_one()

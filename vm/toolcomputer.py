@@ -422,6 +422,12 @@ class ToolComputer:
             self._state, decision = redeem_token(self._state, token, now=now)
             return decision
 
+    def vnc_port(self, guest_port: int = 5900) -> int:
+        """A local port (127.0.0.1) forwarded over SSH to x11vnc on the guest's loopback: what a live view bridges."""
+        with self._lock:
+            self._ensure_connected()
+            return self._channel.forward("127.0.0.1", guest_port)
+
     def return_control(self, lease_id: str | None = None) -> int:
         """The human hands the screen back; returns the new epoch (the agent must observe again)."""
         with self._lock:

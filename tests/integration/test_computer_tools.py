@@ -6,22 +6,29 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from mcp import Client
 from sqlalchemy import Engine, select
 
 from server import approvals, control, sessions
 from server.clock import FakeClock
 from server.db import read, write
+from server.errors import Refused
 from server.handlers import EchoHandler
+from server.http import create_app
 from server.mcpserver import WakefulMCP
 from server.policy import Policy
 from server.runtime import Runtime
 from server.settings import Settings
 from server.tables import actions, attempts, refusals, verdicts
+from server.tools import Binding
+from tests.support.polling import wait_until
 from tests.support.records import messages
 from vm.fake_browser import FakeBrowser
 from vm.fake_guest import FakeChannel, FakeDesktop
@@ -225,3 +232,59 @@ def test_the_sweeper_reaps_idle_tool_computers(setup: tuple[Runtime, FakeCompute
     runtime, computers, _ = setup
     runtime.sweep_once()
     assert computers.reaped == 1
+
+
+class FakeVnc:
+    """A loopback TCP server that greets like x11vnc and keeps what the viewer sent."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.received = bytearray()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.sendall(b"RFB 003.008\n")
+            while data := conn.recv(4096):
+                self.received += data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_ends_it(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+    runtime, computers, task_id = setup
+    owner = _owner(runtime)
+    vnc = FakeVnc()
+    computers.tc.vnc_port = lambda guest_port=5900: vnc.port  # type: ignore[method-assign]
+    binding = Binding(user_id=owner, task_id=task_id)
+    before = runtime.tools.call(binding, "computer__observe", {})["epoch"]
+    runtime.tools.call(binding, "computer__request_handoff", {"reason": "a CAPTCHA"})
+    (link,) = [m["link"] for m in messages(runtime.engine) if m.get("kind") == "handoff"]
+    path = link.split(str(settings.port), 1)[1]
+    with TestClient(create_app(runtime, manage_runtime=False)) as client:
+        redirect = client.get(path, follow_redirects=False)
+        assert redirect.status_code == 303
+        session_path = redirect.headers["location"]
+        assert client.get(path, follow_redirects=False).status_code == 410  # the token works once
+        page = client.get(session_path)
+        assert page.status_code == 200 and "Return control" in page.text and "/novnc/core/rfb.js" in page.text
+        assert client.get("/novnc/core/rfb.js").status_code == 200
+        with client.websocket_connect(f"{session_path}/ws", subprotocols=["binary"]) as ws:
+            assert ws.receive_bytes() == b"RFB 003.008\n"
+            ws.send_bytes(b"RFB 003.008\n")
+            with pytest.raises(Refused) as refused:
+                runtime.tools.call(binding, "computer__act", {"act": {"kind": "scroll", "dy": 100,
+                                                                      "observation": 1}})
+            assert refused.value.code == "human_in_control"
+        assert wait_until(lambda: bytes(vnc.received) == b"RFB 003.008\n", 5, "the viewer's bytes at the VNC server")
+        assert client.post(f"{session_path}/return").status_code == 200
+        assert client.get(session_path).status_code == 410  # the session ended with the lease
+    assert computers.tc.lease is None
+    seen = runtime.tools.call(binding, "computer__observe", {})
+    assert seen["epoch"] > before  # control came back: a new epoch, observed afresh
+    vnc.close()
