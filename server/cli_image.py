@@ -49,8 +49,10 @@ class _RichReporter:
 def build(
     name: Annotated[str, typer.Option(help="Image name: the output goes to <data_dir>/images/<name>/.")] = "guest",
     ca_cert: Annotated[Path | None, typer.Option(
-        "--ca-cert", help="PEM CA certificate (the egress proxy's) to trust in the guest's system store and "
-                          "chromium's NSS db. Without it the image trusts no deployment CA.")] = None,
+        "--ca-cert", help="PEM CA certificate to trust in the guest's system store and chromium's NSS db. "
+                          "Default: this deployment's egress proxy CA (created if missing).")] = None,
+    no_ca: Annotated[bool, typer.Option("--no-ca", help="Trust no deployment CA (HTTPS through the egress proxy "
+                                                        "will then fail in the guest).")] = False,
     mirror: Annotated[str | None, typer.Option(
         help="Debian mirror URL. Default: the first URIs line of /etc/apt/sources.list.d/debian.sources.")] = None,
     recipe: Annotated[Path, typer.Option(help="Recipe folder.")] = DEFAULT_RECIPE,
@@ -63,6 +65,12 @@ def build(
     manifest.json). Each stage's output is cached under <data_dir>/images/.cache/ by a hash of its inputs, so a
     rebuild runs only the stages whose inputs changed. Prints the image checksum at the end."""
     settings = settings_or_exit(data_dir, None)
+    if ca_cert is None and not no_ca:
+        from proxy.tls import CA_CERT_FILE, load_or_create_ca
+        from server.proxyctl import vault_keys
+
+        load_or_create_ca(settings.proxy_dir, vault_keys(settings))
+        ca_cert = settings.proxy_dir / CA_CERT_FILE
     options = BuildOptions(data_dir=settings.data_dir, name=name, recipe_dir=recipe, mirror=mirror, ca_cert=ca_cert,
                            use_cache=not no_cache)
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[stage]}"), BarColumn(bar_width=20),

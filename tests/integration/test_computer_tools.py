@@ -288,3 +288,23 @@ def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_
     seen = runtime.tools.call(binding, "computer__observe", {})
     assert seen["epoch"] > before  # control came back: a new epoch, observed afresh
     vnc.close()
+
+
+async def test_the_policy_file_in_the_docs_makes_every_act_ask(engine: Engine, clock: FakeClock, owner: str,
+                                                               settings: Settings) -> None:
+    settings.policies.mkdir(parents=True, exist_ok=True)
+    (settings.policies / "policy.toml").write_text('tiers = { computer__act = "ask" }\n')
+    computers = FakeComputers(clock)
+    runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine, computers=computers)
+    runtime.prepare()
+    binding = Binding(user_id=owner, task_id=_task(runtime, owner))
+    seen = runtime.tools.call(binding, "computer__observe", {})
+    ref = next(line.split("]")[0][1:] for line in seen["text"].splitlines() if '"Next"' in line)
+    held = runtime.tools.call(binding, "computer__act", {"act": {"kind": "click", "ref": ref}})
+    assert held["status"] == "needs_approval" and computers.browser.acts == []
+
+
+def _task(runtime: Runtime, owner: str) -> str:
+    with write(runtime.engine) as conn:
+        session_id = sessions.create_session(conn, user_id=owner, now=runtime.clock.now())
+        return control.create_task(conn, user_id=owner, session_id=session_id, title="t", now=runtime.clock.now())
