@@ -2,6 +2,7 @@
 
     python bench/_proxyload.py upstream HTTP_PORT HTTPS_PORT LEAF_PEM      # answers "ok" to anything, keep-alive
     python bench/_proxyload.py client SPEC_JSON                           # prints JSON results
+    python bench/_proxyload.py decider SOCKET TOKEN_FILE CREDENTIAL        # allows everything, stores nothing
 
 Both speak HTTP/1.1 over raw asyncio streams with the least parsing that is still correct for these fixed
 exchanges, so neither end is the bottleneck the numbers end up describing.
@@ -14,6 +15,7 @@ import json
 import ssl
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 EXCHANGE_TIMEOUT = 10.0
@@ -164,8 +166,35 @@ async def client(spec: dict[str, Any]) -> dict[str, Any]:
     return await throughput(target, spec["connections"], spec["seconds"], spec["fresh"])
 
 
+# -- a decider that asks nothing ----------------------------------------------------------------------------------
+
+
+async def trivial_decider(socket_path: str, token: str, credential: str) -> None:
+    """wakeful's own decider channel (`proxy.channel.DeciderServer`) answering every request inline with an allow
+    (the credential for HTTPS) and acknowledging audit records without storing them: what the proxy costs when the
+    policy component costs nothing."""
+    from proxy.channel import DeciderServer
+    from proxy.contract import Allow, DecisionRequest, Verdict
+
+    def allow(req: DecisionRequest) -> Verdict:
+        return Allow(credential=credential if req.scheme == "https" else None, rule="always", attempt_id=None,
+                     action_id=None)
+
+    async def decide(req: DecisionRequest) -> Verdict:
+        return allow(req)
+
+    async def record(records: list[Any]) -> None:
+        return None
+
+    async with DeciderServer(socket_path, token, decide, record, decide_now=allow):
+        await asyncio.Event().wait()
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "upstream":
+    if sys.argv[1] == "decider":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: `proxy`
+        asyncio.run(trivial_decider(sys.argv[2], Path(sys.argv[3]).read_text().strip(), sys.argv[4]))
+    elif sys.argv[1] == "upstream":
         asyncio.run(upstream(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
     else:
         print(json.dumps(asyncio.run(client(json.loads(sys.argv[2])))))

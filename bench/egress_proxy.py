@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 import socket
 import subprocess
 import sys
@@ -104,6 +105,38 @@ def _wakeful_setup(tmp: Path, http_port: int, https_port: int, upstream_ca: Path
     return server, proxy_port, "Basic " + base64.b64encode(credential.encode()).decode(), ca
 
 
+def _trivial_setup(tmp: Path, upstream_ca: Path) -> tuple[list[subprocess.Popen[bytes]], int, Path]:
+    """The same `wakeful proxy` (same vault secret, same settings) asking a decider that allows everything at once
+    and stores no audit: the difference to the real run is what the server's decision and audit cost."""
+    data = tmp / "trivial"
+    run_dir = data / "run"
+    run_dir.mkdir(parents=True, mode=0o700)
+    port = free_port()
+    (data / "wakeful.toml").write_text(
+        f'proxy = true\nproxy_port = {port}\negress_upstream_ca = "{upstream_ca}"\n'
+        f'egress_allow_private = ["{HOST}"]\negress_resolve = {{ "{HOST}" = ["127.0.0.1"] }}\n')
+    env = {"WAKEFUL_DATA_DIR": str(data), "WAKEFUL_CONFIG": str(data / "wakeful.toml"), "PATH": "/usr/bin:/bin"}
+    subprocess.run([str(WAKEFUL), "secret", "set", "bench_api", "--host", HOST], input=SECRET.encode(), env=env,
+                   check=True, capture_output=True)
+    token = run_dir / "decider.token"
+    token.write_text(secrets.token_urlsafe(32))
+    token.chmod(0o600)
+    socket_path = run_dir / "decider.sock"
+    procs = [subprocess.Popen([str(PYTHON), str(BENCH_DIR / "_proxyload.py"), "decider", str(socket_path),
+                               str(token), "bench_api"])]
+    deadline = time.monotonic() + 30
+    while not socket_path.exists():
+        if time.monotonic() > deadline or procs[0].poll() is not None:
+            raise RuntimeError("the always-allow decider did not start")
+        time.sleep(0.05)
+    procs.append(subprocess.Popen([str(WAKEFUL), "proxy"], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=(tmp / "trivial-proxy.log").open("wb")))
+    _listening(port)
+    ca = data / "deployment-ca.pem"
+    subprocess.run([str(WAKEFUL), "proxy", "ca", "-o", str(ca)], env=env, check=True, capture_output=True)
+    return procs, port, ca
+
+
 def _mitm_setup(tmp: Path, upstream_ca: Path) -> tuple[subprocess.Popen[bytes], int, Path]:
     confdir = tmp / "mitm"
     confdir.mkdir()
@@ -134,15 +167,18 @@ def run(quick: bool) -> list[Table]:
         upstream = subprocess.Popen([str(PYTHON), str(BENCH_DIR / "_proxyload.py"), "upstream", str(http_port),
                                      str(https_port), str(ca.leaf_file)])
         server = mitm = None
+        trivial: list[subprocess.Popen[bytes]] = []
         try:
             _listening(http_port)
             _listening(https_port)
             server, wk_port, wk_auth, wk_ca = _wakeful_setup(tmp, http_port, https_port, ca.ca_file)
+            trivial, tr_port, tr_ca = _trivial_setup(tmp, ca.ca_file)
             mitm, mitm_port, mitm_ca = _mitm_setup(tmp, ca.ca_file)
             for scheme, port in (("https", https_port), ("http", http_port)):
                 targets = {
                     "direct": _target(scheme, port, ca.ca_file),
                     "wakeful": _target(scheme, port, wk_ca, wk_port, wk_auth),
+                    "always-allow": _target(scheme, port, tr_ca, tr_port, wk_auth),
                     "mitmproxy": _target(scheme, port, mitm_ca, mitm_port, host="127.0.0.1"),
                 }
                 rows: list[Row] = []
@@ -158,6 +194,8 @@ def run(quick: bool) -> list[Table]:
                         met = ours <= 0.002 if target != "-" else None
                         rows.append(Row(f"{mode}: added latency p{p} (direct p{p} {fmt_ms(direct)})", fmt_ms(ours),
                                         f"{fmt_ms(theirs)} (mitmproxy)", target, verdict(met)))
+                        rows.append(Row(f"{mode}: added latency p{p}, always-allow decider",
+                                        fmt_ms(percentile(lat["always-allow"], p) - direct), "-"))
                     rate = {name: _client({"kind": "throughput", "target": t, "connections": connections,
                                            "seconds": seconds, "fresh": fresh}) for name, t in targets.items()}
                     ratio = rate["wakeful"]["rate"] / rate["mitmproxy"]["rate"] if rate["mitmproxy"]["rate"] else 0
@@ -167,15 +205,18 @@ def run(quick: bool) -> list[Table]:
                                     f"{fmt_rate(rate['wakeful']['rate'])} ({ratio:.2f}x mitmproxy)",
                                     f"{fmt_rate(rate['mitmproxy']['rate'])} (mitmproxy)", "≥ 3x mitmproxy",
                                     verdict(ratio >= 3.0) + (f" errors {errors}" if errors else "")))
+                    rows.append(Row(f"{mode}: requests/s, always-allow decider",
+                                    f"{fmt_rate(rate['always-allow']['rate'])}", "-"))
                 notes = ["added latency = the proxied percentile minus the direct one, same client, same upstream",
                          "wakeful asks its decider (SQLite, allowlist) per request; mitmproxy's add-on asks nobody",
+                         "always-allow decider: the same proxy, its decider answering at once and storing no audit",
                          "mitmproxy is addressed by IP (it has no static resolver); wakeful by name via egress_resolve"]
                 if scheme == "https":
                     notes.append("HTTPS: both proxies intercept TLS with their own CA and inject Authorization")
                 tables.append(Table(title=f"egress proxy, {scheme.upper()}: wakeful vs direct vs mitmproxy",
                                     rows=rows, reproduce=reproduce("egress_proxy.py", quick), notes=notes))
         finally:
-            for proc in (mitm, upstream):
+            for proc in (mitm, upstream, *reversed(trivial)):
                 if proc is not None and proc.poll() is None:
                     proc.terminate()
                     proc.wait(timeout=10)

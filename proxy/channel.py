@@ -46,7 +46,7 @@ from proxy.contract import (
 )
 from proxy.wire import describe
 
-__all__ = ["ChannelError", "DeciderClient", "DeciderServer", "Decide", "Record"]
+__all__ = ["ChannelError", "DeciderClient", "DeciderServer", "Decide", "DecideNow", "Record"]
 
 log = logging.getLogger("wakeful.proxy.channel")
 
@@ -59,9 +59,11 @@ ACK: Final = b"K"
 MAX_FRAME: Final = MAX_MESSAGE_BYTES + 1
 HELLO_TIMEOUT: Final = 2.0
 AUDIT_DELAY: Final = 0.02  # audit frames ride along with the next decision request, or go out after this long
+RECORD_GATHER: Final = 0.02  # the decider gathers records this long before storing them: one transaction for many
 _RECORD_BATCH: Final = 500
 
 Decide = Callable[[DecisionRequest], Awaitable[Verdict]]
+DecideNow = Callable[[DecisionRequest], Verdict | None]
 Record = Callable[[list[EgressRecord]], Awaitable[None]]
 
 
@@ -401,20 +403,26 @@ class _Peer:
 class DeciderServer:
     """The decider's end: authenticates the proxy, answers decision requests concurrently, stores audit records.
 
-    `decide` answers one request; an exception in it answers `Refuse(decider_unavailable)`. `record` stores a batch
-    of records durably; each is acknowledged after it returns. Records already stored by this server are acked
-    without being stored twice, but a record may still reach `record` again after a restart: store idempotently,
-    keyed by request_id. If `record` raises, the connection is closed and the proxy re-sends.
+    `decide` answers one request; an exception in it answers `Refuse(decider_unavailable)`. `decide_now`, when
+    given, is tried first, on the event loop, as each request is read: it answers at once or returns None to leave
+    the request to `decide` (it must not wait on anything). `record` stores a batch of records durably; each is
+    acknowledged after it returns; records are gathered for `record_gather` seconds into one batch. Records already
+    stored by this server are acked without being stored twice, but a record may still reach `record` again after a
+    restart: store idempotently, keyed by request_id. If `record` raises, the connection is closed and the proxy
+    re-sends.
     """
 
     def __init__(self, path: Path | str, token: str, decide: Decide, record: Record, *,
-                 hello_timeout: float = HELLO_TIMEOUT, remember: int = 100_000) -> None:
+                 decide_now: DecideNow | None = None, hello_timeout: float = HELLO_TIMEOUT,
+                 remember: int = 100_000, record_gather: float = RECORD_GATHER) -> None:
         if not token:
             raise ValueError("the decider channel needs a non-empty token")
         self.path = Path(path)
         self._token = token.encode("utf-8")
         self._decide = decide
+        self._decide_now = decide_now
         self._record = record
+        self._record_gather = record_gather
         self._hello_timeout = hello_timeout
         self._remember = remember
         self._stored: OrderedDict[str, None] = OrderedDict()
@@ -467,9 +475,11 @@ class DeciderServer:
             while True:
                 kind, body = await read_frame(reader)
                 if kind == DECIDE:
-                    answer = asyncio.create_task(self._answer(peer, parse_request(body)))
-                    peer.tasks.add(answer)
-                    answer.add_done_callback(peer.tasks.discard)
+                    req = parse_request(body)
+                    if not self._answer_now(peer, req):
+                        answer = asyncio.create_task(self._answer(peer, req))
+                        peer.tasks.add(answer)
+                        answer.add_done_callback(peer.tasks.discard)
                 elif kind == AUDIT:
                     peer.records.append(parse_record(body))
                     if peer.recording is None:
@@ -502,6 +512,21 @@ class DeciderServer:
         peer.send(frame(WELCOME, b'{"v":1}'))
         return True
 
+    def _answer_now(self, peer: _Peer, req: DecisionRequest) -> bool:
+        if self._decide_now is None:
+            return False
+        try:
+            verdict = self._decide_now(req)
+            if verdict is None:
+                return False
+            if not isinstance(verdict, Allow | Refuse):
+                raise TypeError(f"decide_now returned a {type(verdict).__name__}, not a verdict")
+        except Exception as exc:  # its message is not logged: it may quote the request's client token
+            log.error("the decider failed on request %s; refusing it: %s", req.request_id, describe(exc))
+            verdict = refuse(RefusalCode.DECIDER_UNAVAILABLE)
+        peer.send(frame(VERDICT, encode_verdict(verdict, request_id=req.request_id)))
+        return True
+
     async def _answer(self, peer: _Peer, req: DecisionRequest) -> None:
         try:
             verdict = await self._decide(req)
@@ -515,6 +540,8 @@ class DeciderServer:
     async def _store(self, peer: _Peer) -> None:
         try:
             while peer.records:
+                if len(peer.records) < _RECORD_BATCH and self._record_gather > 0:
+                    await asyncio.sleep(self._record_gather)  # more arrive meanwhile: one transaction for them all
                 batch, peer.records = peer.records[:_RECORD_BATCH], peer.records[_RECORD_BATCH:]
                 fresh = list({r.request_id: r for r in batch if r.request_id not in self._stored}.values())
                 if fresh:
@@ -529,7 +556,6 @@ class DeciderServer:
                         self._stored[r.request_id] = None
                     while len(self._stored) > self._remember:
                         self._stored.popitem(last=False)
-                for r in batch:
-                    peer.send(frame(ACK, _ack(r.request_id)))
+                peer.send(b"".join(frame(ACK, _ack(r.request_id)) for r in batch))  # one write for the batch
         finally:
             peer.recording = None

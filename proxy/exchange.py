@@ -32,14 +32,17 @@ from proxy.wire import (
     UPSTREAM_FAILED,
     UPSTREAM_TIMEOUT,
     Identity,
+    IdentityChanged,
     attempt_token,
     error_body,
     parse_proxy_authorization,
     parse_target,
     refusal_status,
+    settle_identity,
 )
 
-__all__ = ["Credentials", "Exchange", "ProxyFailure", "Shared", "Tunnel", "answer_error", "authorize", "handle_request"]
+__all__ = ["ClientConnection", "Credentials", "Exchange", "ProxyFailure", "Shared", "Tunnel", "answer_error",
+           "authorize", "handle_request"]
 
 log = logging.getLogger("wakeful.proxy")
 
@@ -100,6 +103,16 @@ class Tunnel:
     port: int
     sni: str | None
     identity: Identity
+
+
+class ClientConnection:
+    """A client connection outside a tunnel. Its identity is settled by its first request (see `settle_identity`):
+    later keep-alive requests without Proxy-Authorization act under it."""
+
+    __slots__ = ("identity",)
+
+    def __init__(self) -> None:
+        self.identity: Identity | None = None
 
 
 def _utcnow() -> datetime:
@@ -220,16 +233,18 @@ async def _read_body(client: H11Stream, request: h11.Request, limit: int, idle: 
             raise ConnectionResetError("the client went away while sending its body")
 
 
-async def handle_request(shared: Shared, client: H11Stream, request: h11.Request, tunnel: Tunnel | None) -> bool:
+async def handle_request(shared: Shared, client: H11Stream, request: h11.Request,
+                         tunnel: Tunnel | ClientConnection) -> bool:
     """Answer one request read from `client`; whether the client connection can carry another one."""
-    scheme = "https" if tunnel else "http"
-    ex = Exchange(method=request.method.decode("ascii"), scheme=scheme, host=tunnel.host if tunnel else None,
-                  port=tunnel.port if tunnel else None)
+    inside = tunnel if isinstance(tunnel, Tunnel) else None
+    ex = Exchange(method=request.method.decode("ascii"), scheme="https" if inside else "http",
+                  host=inside.host if inside else None, port=inside.port if inside else None)
     try:
         return await _handle(shared, client, request, tunnel, ex)
     except ProxyRefusal as refusal:
         ex.refused(refusal.code, refusal.reason)
-        return await answer_error(client, refusal.code, refusal.reason, close=False)
+        # A connection that changed identity is not trusted with another request.
+        return await answer_error(client, refusal.code, refusal.reason, close=isinstance(refusal, IdentityChanged))
     except ProxyFailure as failure:
         if failure.code == REQUEST_TOO_LARGE:
             ex.refused(None, failure.message)
@@ -244,9 +259,10 @@ async def handle_request(shared: Shared, client: H11Stream, request: h11.Request
         ex.record(shared.decider)
 
 
-async def _handle(shared: Shared, client: H11Stream, request: h11.Request, tunnel: Tunnel | None,
+async def _handle(shared: Shared, client: H11Stream, request: h11.Request, connection: Tunnel | ClientConnection,
                   ex: Exchange) -> bool:
     config = shared.config
+    tunnel = connection if isinstance(connection, Tunnel) else None
     scheme = "https" if tunnel else "http"
     headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw_items()]
     target = parse_target(request.target.decode("latin-1"), in_tunnel=tunnel is not None)
@@ -255,8 +271,14 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, tunne
     lowered = [name.lower() for name, _ in headers]
     if "content-length" in lowered and "transfer-encoding" in lowered:
         raise HeaderRejected("both Content-Length and Transfer-Encoding: the body's length is ambiguous")
-    identity = tunnel.identity if tunnel else parse_proxy_authorization(
-        [value for name, value in headers if name.lower() == "proxy-authorization"])
+    if tunnel is not None:
+        identity = tunnel.identity
+    else:
+        assert isinstance(connection, ClientConnection)
+        if connection.identity is not None:
+            ex.user_id = connection.identity.user_id
+        identity = connection.identity = settle_identity(connection.identity, parse_proxy_authorization(
+            [value for name, value in headers if name.lower() == "proxy-authorization"]))
     token = attempt_token(headers)
     ex.user_id, ex.client = identity.user_id, "connector" if token is not None else "tool_computer"
     body = await _read_body(client, request, config.max_body_bytes, config.client_timeout)

@@ -25,6 +25,7 @@ __all__ = [
     "UPSTREAM_FAILED",
     "UPSTREAM_TIMEOUT",
     "Identity",
+    "IdentityChanged",
     "Target",
     "attempt_token",
     "error_body",
@@ -32,6 +33,7 @@ __all__ = [
     "parse_proxy_authorization",
     "parse_target",
     "refusal_status",
+    "settle_identity",
 ]
 
 _ABSOLUTE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://([^/?#]*)([^#]*)")
@@ -74,6 +76,29 @@ def parse_proxy_authorization(values: list[str]) -> Identity:
     if not colon or not _printable(user_id) or not _printable(token):
         raise HeaderRejected("Proxy-Authorization must carry a printable user_id:token")
     return Identity(user_id=user_id, token=token)
+
+
+class IdentityChanged(HeaderRejected):
+    """A request on a plain-HTTP connection that presents another identity than the connection's first request."""
+
+    def __init__(self) -> None:
+        super().__init__("this connection already speaks for another Proxy-Authorization identity; "
+                         "open a new connection for another one")
+
+
+def settle_identity(settled: Identity | None, presented: Identity) -> Identity:
+    """The identity one request on a plain-HTTP client connection acts under.
+
+    The connection's first request settles it (`settled` is None then): whatever it presents, anonymous included.
+    A later request without Proxy-Authorization acts under the settled identity; one presenting the same acts
+    under it too; one presenting another (or any, on a connection settled as anonymous) raises `IdentityChanged`.
+    A guest's forward inserts the credential after the first request line of each connection only: this is what
+    lets its later keep-alive requests speak for it, and nothing else."""
+    if settled is None or presented == settled:
+        return presented
+    if presented == ANONYMOUS:
+        return settled
+    raise IdentityChanged()
 
 
 def attempt_token(headers: list[tuple[str, str]]) -> str | None:

@@ -32,6 +32,7 @@ from proxy.hosts import default_port, normalize_host
 from server import control
 from server.acting import objects_problem
 from server.actions import load_action
+from server.db import upsert
 from server.errors import BadRequest, NotFound
 from server.ids import new_id
 from server.tables import (
@@ -336,12 +337,9 @@ def store_audit(conn: Connection, records: Iterable[EgressRecord], *, now: datet
                      "latency_ms": r.latency_ms, "recorded_at": now})
     if not rows:
         return 0
-    known = set(conn.execute(select(egress_audit.c.request_id).where(
-        egress_audit.c.request_id.in_([r["request_id"] for r in rows]))).scalars())
-    fresh = list({r["request_id"]: r for r in rows if r["request_id"] not in known}.values())
-    if fresh:
-        conn.execute(insert(egress_audit), fresh)
-    return len(fresh)
+    # A record already stored is left as it is (the table is append-only): one statement, no read before it.
+    stored = conn.execute(upsert(conn, egress_audit).on_conflict_do_nothing(index_elements=["request_id"]), rows)
+    return stored.rowcount
 
 
 def audit_rows(conn: Connection, *, user_id: str | None, limit: int = 100, since: datetime | None = None,

@@ -166,7 +166,7 @@ class DeciderService:
             self._rules_stamp = stamp
         return self._rules
 
-    def _decide_inline(self, req: DecisionRequest) -> Verdict | None:
+    def decide_inline(self, req: DecisionRequest) -> Verdict | None:
         """The verdict without a transaction or a thread, or None when it needs the ordinary path."""
         if req.client != "tool_computer" or self._inline is None:
             return None
@@ -179,7 +179,7 @@ class DeciderService:
         return egress.tool_computer_verdict(req, found[0], self._current_rules())
 
     def decide_now(self, req: DecisionRequest) -> Verdict:
-        verdict = self._decide_inline(req)
+        verdict = self.decide_inline(req)
         if verdict is not None:
             return verdict
         rules = self._current_rules()
@@ -191,7 +191,7 @@ class DeciderService:
             egress.store_audit(conn, records, now=self._clock.now())
 
     async def decide(self, req: DecisionRequest) -> Verdict:
-        verdict = self._decide_inline(req)
+        verdict = self.decide_inline(req)
         if verdict is not None:
             return verdict
         return await asyncio.to_thread(self.decide_now, req)
@@ -320,7 +320,8 @@ async def serve_egress(engine: Engine, clock: Clock, settings: Settings) -> Asyn
 
     load_or_create_ca(settings.proxy_dir, vault_keys(settings))
     service = DeciderService(engine, clock, settings)
-    server = DeciderServer(settings.decider_socket, new_decider_token(settings), service.decide, service.record)
+    server = DeciderServer(settings.decider_socket, new_decider_token(settings), service.decide, service.record,
+                           decide_now=service.decide_inline)
     await server.start()
     child = ProxyChild(settings)
     try:

@@ -30,7 +30,7 @@ from server import approvals, control
 from server.actions import Action, load_action
 from server.clock import FakeClock
 from server.db import read, write
-from server.dispatch import HELD, SETTLED, ActionDispatcher
+from server.dispatch import ActionDispatcher
 from server.tables import ControlKind, OutboxKind, OutboxState, TaskState, VerdictKind, attempts, outbox, verdicts
 from server.tables import control as control_table
 from server.tools import Binding
@@ -199,10 +199,11 @@ class OrderedDispatcher(ActionDispatcher):
         super().__init__(*args, **kwargs)
         self.ledger = ledger
 
-    def _prepare(self, conn: Connection, intent_id: str, action: Action, now: datetime) -> str:
+    def _prepare(self, conn: Connection, intent_id: str, action: Action,
+                 now: datetime) -> str | tuple[str, dict[str, str]]:
         order = self.ledger.take()
         prepared = super()._prepare(conn, intent_id, action, self._clock.advance(TICK))
-        self.ledger.prepares.append((order, action.id, None if prepared in (HELD, SETTLED) else prepared))
+        self.ledger.prepares.append((order, action.id, None if isinstance(prepared, str) else prepared[0]))
         return prepared
 
 

@@ -17,10 +17,6 @@ ATTEMPT = "att_tok_canary_91c3"
 QUERY_SECRET = "card_4111_canary"
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 async def decide(req: DecisionRequest) -> Verdict:
     if req.attempt_token is not None:

@@ -15,10 +15,6 @@ from proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def nothing_went_out(w: World) -> None:
     assert w.dialled == 0

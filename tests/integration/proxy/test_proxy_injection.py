@@ -13,10 +13,6 @@ from proxy.contract import Allow, DecisionRequest, Verdict
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 CLIENT_CREDENTIALS = {"authorization": "Bearer client-own", "x-API-key": "client-key", "COOKIE": "session=client",
                       "X-Auth-Token": "client-token"}

@@ -12,10 +12,6 @@ from proxy_world import World, allow_tool, world
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def refused(w: World, answer: tuple[int, dict[str, str], bytes], code: str, status: int = 403) -> None:
     got_status, headers, body = answer

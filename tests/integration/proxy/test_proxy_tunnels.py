@@ -13,10 +13,6 @@ from proxy_world import CLIENT_TOKEN, SECRET, allow_tool, refusal_code, refuse_a
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
 
 def end_to_end(w_proxy_port: int, upstream_ca: Path) -> httpx.AsyncClient:
     # The client verifies the upstream's own certificate: the proxy is not in the TLS session at all.

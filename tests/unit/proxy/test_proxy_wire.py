@@ -13,6 +13,7 @@ from proxy.rewrite import HeaderRejected
 from proxy.wire import (
     ANONYMOUS,
     Identity,
+    IdentityChanged,
     Target,
     attempt_token,
     error_body,
@@ -20,6 +21,7 @@ from proxy.wire import (
     parse_proxy_authorization,
     parse_target,
     refusal_status,
+    settle_identity,
 )
 
 
@@ -130,3 +132,21 @@ def test_refusals_are_403_and_failures_of_the_decider_or_upstream_are_gateway_er
     assert (refusal_status("upstream_timeout"), refusal_status("upstream_failed"),
             refusal_status("request_too_large")) == (504, 502, 413)
     assert error_body("not_admitted", "why") == b'{"error":{"code":"not_admitted","message":"why"}}'
+
+
+def test_the_first_request_settles_a_connections_identity_and_later_ones_without_one_inherit_it() -> None:
+    owner = Identity(user_id="usr_1", token="tok_1")
+    assert settle_identity(None, owner) == owner
+    assert settle_identity(None, ANONYMOUS) == ANONYMOUS
+    assert settle_identity(owner, ANONYMOUS) == owner
+    assert settle_identity(owner, Identity(user_id="usr_1", token="tok_1")) == owner
+    assert settle_identity(ANONYMOUS, ANONYMOUS) == ANONYMOUS
+
+
+@pytest.mark.parametrize("presented", [Identity(user_id="usr_2", token="tok_2"), Identity(user_id="usr_1", token="x")])
+def test_a_later_request_naming_another_identity_is_refused(presented: Identity) -> None:
+    with pytest.raises(IdentityChanged) as refused:
+        settle_identity(Identity(user_id="usr_1", token="tok_1"), presented)
+    assert refused.value.code == RefusalCode.HEADER_MISMATCH
+    with pytest.raises(IdentityChanged):
+        settle_identity(ANONYMOUS, presented)  # a connection that began anonymous cannot take an identity on later
