@@ -1,7 +1,7 @@
 """Run every benchmark in one invocation, print all tables and write them to bench/results/latest.txt.
 
     .venv/bin/python bench/run_all.py           # the full run (several minutes)
-    .venv/bin/python bench/run_all.py --quick   # a smoke run, under a minute on an otherwise idle machine
+    .venv/bin/python bench/run_all.py --quick   # a smoke run, a few minutes on an otherwise idle machine
 
 Benchmarks run one after another, never side by side, so they do not load each other. Each is imported only when
 its turn comes, so a benchmark that fails to import or to run is reported in its place and the others still run.
@@ -26,6 +26,8 @@ BENCHMARKS: list[tuple[str, bool]] = [
     ("idle", True),
     ("admission", True),
     ("mcp_roundtrip", False),
+    ("egress_proxy", True),
+    ("tool_computer", False),  # boots a 1 GiB guest: minutes under TCG, and it needs the built image
 ]
 
 

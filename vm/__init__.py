@@ -14,7 +14,7 @@ from vm.errors import (
     VmError,
     VmNotFound,
 )
-from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, SnapshotInfo
+from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, ProxyCredential, SnapshotInfo
 from vm.lifecycle import AfterRestore, AfterRestoreHook, VmInfo, VmManager, VmSettings
 from vm.lifecycle_rules import ActivityKind, Limits, VmSize, VmState
 
@@ -32,6 +32,7 @@ __all__ = [
     "ImageMissing",
     "LimitExceeded",
     "Limits",
+    "ProxyCredential",
     "SnapshotInfo",
     "SnapshotNotFound",
     "VmDead",

@@ -6,6 +6,8 @@ Security-relevant choices, all checked by unit tests that parse the XML back:
   but the egress proxy's guest forward; host forwards bind 127.0.0.1 only. Never libvirt's NAT bridge.
 * the proxy guest forward uses the per-connection `cmd:` form. The `tcp:` chardev form is a single stream opened
   when QEMU starts: the first request goes through and every later connection hangs (measured on QEMU 7.2).
+  With a proxy credential the command is a small relay that inserts `Proxy-Authorization` after the first request
+  line (see `proxy_connector`): Chromium cannot send it unprompted, and the guest never holds the credential.
 * a named CPU model with `fallback='forbid'`, so a saved state restores on any host offering that model.
 * QEMU's seccomp sandbox is kept, with spawn and setsid allowed for that connector (see `SANDBOX`).
 * `<tcg><tb-cache>` under TCG, a free-page-reporting balloon and `init_on_free=1` keep RAM and save files small.
@@ -17,9 +19,9 @@ import shlex
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from vm.hypervisor import Accel, DomainSpec
+from vm.hypervisor import Accel, DomainSpec, ProxyCredential
 
-__all__ = ["GUEST_PROXY", "QEMU_NS", "domain_xml", "netdev_arg", "proxy_connector"]
+__all__ = ["GUEST_PROXY", "QEMU_NS", "RELAY", "domain_xml", "netdev_arg", "proxy_connector"]
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 GUEST_PROXY = ("10.0.2.100", 3128)
@@ -33,9 +35,34 @@ GUEST_PORTS = {"ssh": 22, "cdp": 9222, "vnc": 5900}
 ET.register_namespace("qemu", QEMU_NS)
 
 
-def proxy_connector(port: int, command: Sequence[str]) -> str:
-    """The command slirp runs per guest connection to the proxy: `command` followed by 127.0.0.1 and the port."""
-    return shlex.join([*command, "127.0.0.1", str(port)])
+RELAY = (
+    'exec 2>/dev/null; '
+    '{ IFS= read -r line && printf "%s\\n" "$line" && printf "Proxy-Authorization: Basic %s\\r\\n" "$1" '
+    '&& exec /bin/busybox dd bs=65536; } | { BRIDGE; kill 0; }'
+)
+"""The busybox sh relay, run on the host per guest connection with the Basic credential as `$1`. slirp gives it
+the guest's socket as stdin/stdout/stderr, in a session of its own (libslirp calls setsid() in the child).
+
+* `read -r` takes the request line byte by byte, so nothing after it is consumed; it keeps the line's `\r`, and
+  `printf "%s\n"` puts back the `\n` that `read` removed: the line goes on byte for byte.
+* then one header line, then the rest of the connection unchanged. `dd bs=65536`, not `cat`: busybox cat
+  `sendfile`s from the socket into the pipe, and on this kernel the splice holds the pipe's lock while it waits
+  for the guest, so the bridge can never read the two lines already in the pipe (measured: a deadlock).
+* the response direction is the bridge writing straight to the guest's socket: not touched.
+* `kill 0` when the bridge ends (the proxy closed, or could not be reached) ends the relay's whole process group,
+  so no process keeps the guest's socket open and the guest sees the close at once.
+* stderr goes to /dev/null: slirp wires it to the guest's socket."""
+
+
+def proxy_connector(port: int, command: Sequence[str], credential: ProxyCredential | None = None) -> str:
+    """The command slirp runs per guest connection to the proxy: `command` followed by 127.0.0.1 and the port,
+    behind the identity relay (`RELAY`) when there is a credential. slirp splits it like a shell (GLib's
+    `g_shell_parse_argv`) and runs it without one, so the relay is an explicit `busybox sh -c`."""
+    bridge = shlex.join([*command, "127.0.0.1", str(port)])
+    if credential is None:
+        return bridge
+    return shlex.join(["/bin/busybox", "sh", "-c", RELAY.replace("BRIDGE", bridge), "wk-proxy-relay",
+                       credential.basic()])
 
 
 def netdev_arg(spec: DomainSpec) -> str:
@@ -47,7 +74,7 @@ def netdev_arg(spec: DomainSpec) -> str:
             parts.append(f"hostfwd=tcp:127.0.0.1:{host_port}-:{GUEST_PORTS[key]}")
     if fw.proxy is not None:
         addr, port = GUEST_PROXY
-        connector = proxy_connector(fw.proxy, spec.proxy_command)
+        connector = proxy_connector(fw.proxy, spec.proxy_command, spec.proxy_credential)
         parts.append(f"guestfwd=tcp:{addr}:{port}-cmd:{connector.replace(',', ',,')}")  # QEMU escapes ',' as ',,'
     return ",".join(parts)
 

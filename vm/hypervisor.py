@@ -12,12 +12,13 @@ it. Domains are addressed by name. Semantics every implementation keeps:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import base64
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["Accel", "DomainSpec", "DomainState", "Forwards", "Hypervisor", "SnapshotInfo"]
+__all__ = ["Accel", "DomainSpec", "DomainState", "Forwards", "Hypervisor", "ProxyCredential", "SnapshotInfo"]
 
 
 class Accel(StrEnum):
@@ -51,6 +52,29 @@ class Forwards:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProxyCredential:
+    """Who a tool computer is to the egress proxy (`server.egress.issue_client_token`).
+
+    It never enters the guest: the host's per-connection relay (see `vm.domain_xml.proxy_connector`) inserts
+    `Proxy-Authorization: Basic base64(user_id:token)` after the first request line of each guest connection, and
+    the proxy takes that first request's identity for the whole connection. It lives in the domain definition (the
+    QEMU command line) and the VM's 0600 record on the host."""
+
+    user_id: str
+    token: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.user_id or ":" in self.user_id or not self.token:
+            raise ValueError("a proxy credential is a non-empty user ID without ':' and a non-empty token")
+        if any(not c.isprintable() for c in self.user_id + self.token):
+            raise ValueError("a proxy credential must be printable")
+
+    def basic(self) -> str:
+        """The Basic credential: base64 of `user_id:token` (only [A-Za-z0-9+/=], safe on any command line)."""
+        return base64.b64encode(f"{self.user_id}:{self.token}".encode()).decode("ascii")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DomainSpec:
     """Everything needed to define one tool-computer domain."""
 
@@ -78,6 +102,8 @@ class DomainSpec:
     machine: str = "q35"
     proxy_command: tuple[str, ...] = ("/bin/busybox", "nc")
     """Run by QEMU per guest connection to the proxy, with `127.0.0.1 PORT` appended: a stdio-to-TCP bridge."""
+    proxy_credential: ProxyCredential | None = None
+    """When set, each guest connection to the proxy gets this identity inserted by the host (see `ProxyCredential`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -30,7 +31,7 @@ from pathlib import Path
 from vm.clock import Clock, SystemClock
 from vm.disks import Disks, QemuImg
 from vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmError, VmNotFound
-from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, SnapshotInfo
+from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, ProxyCredential, SnapshotInfo
 from vm.keys import VmKeys, generate_keys, load_keys
 from vm.lifecycle_rules import (
     Activity,
@@ -98,6 +99,8 @@ class VmInfo:
     keys: VmKeys
     """`keys.host_public` is what the SSH layer pins; `keys.client_key` is what it logs in with."""
     size: VmSize
+    proxy_credential: ProxyCredential | None = None
+    """The identity the host inserts into the guest's connections to the egress proxy (never inside the guest)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +171,8 @@ class VmManager:
                 user=data["user"], name=data["name"], state=VmState.PROVISIONED, directory=directory,
                 disk=directory / "disk.qcow2", seed=directory / "seed.img", serial_log=directory / "serial.log",
                 forwards=Forwards(**data["forwards"]), keys=load_keys(directory / "keys"),
-                size=VmSize(**data["size"]))
+                size=VmSize(**data["size"]),
+                proxy_credential=ProxyCredential(**data["proxy_credential"]) if data.get("proxy_credential") else None)
             record = _Record(info=info)
             self._sync(record)
             self._records[info.user] = record
@@ -217,10 +221,14 @@ class VmManager:
         return DomainSpec(name=info.name, accel=s.accel, memory_mib=info.size.memory_mib, vcpus=info.size.vcpus,
                           kernel=s.kernel, initrd=s.initrd, cmdline=s.cmdline, disk=info.disk, seed=info.seed,
                           serial_log=info.serial_log, forwards=info.forwards, cpu_model=s.cpu_model,
-                          tb_cache_mib=s.tb_cache_mib, proxy_command=s.proxy_command)
+                          tb_cache_mib=s.tb_cache_mib, proxy_command=s.proxy_command,
+                          proxy_credential=info.proxy_credential)
 
-    def provision(self, user: str, size: VmSize | None = None) -> VmInfo:
-        """Create the user's VM: overlay on the base, keys, seed disk, ports, domain. It is left provisioned."""
+    def provision(self, user: str, size: VmSize | None = None, *,
+                  proxy_credential: ProxyCredential | None = None) -> VmInfo:
+        """Create the user's VM: overlay on the base, keys, seed disk, ports, domain. It is left provisioned.
+        `proxy_credential` (from `server.egress.issue_client_token`) is what the host presents to the egress proxy
+        for this VM's connections; without it the guest's connections reach the proxy anonymous."""
         s = self.settings
         size = size or s.size
         name = domain_name(s.domain_prefix, user)
@@ -246,7 +254,8 @@ class VmManager:
             info = VmInfo(user=user, name=name, state=VmState.PROVISIONED, directory=directory,
                           disk=directory / "disk.qcow2", seed=directory / "seed.img",
                           serial_log=directory / "serial.log", forwards=forwards,
-                          keys=VmKeys(host_key=Path(), host_public="", client_key=Path(), client_public=""), size=size)
+                          keys=VmKeys(host_key=Path(), host_public="", client_key=Path(), client_public=""), size=size,
+                          proxy_credential=proxy_credential)
             record = _Record(info=info)
             self._records[user] = record  # holds the ports while we build
         try:
@@ -257,8 +266,11 @@ class VmManager:
             (directory / "snapshots").mkdir(mode=0o700)
             record.info = info = replace(info, keys=keys)
             self._hv.define(self._spec(info))
-            meta = {"user": user, "name": name, "size": vars(size), "forwards": vars(forwards)}
-            (directory / "vm.json").write_text(json.dumps(meta, indent=2) + "\n")
+            meta = {"user": user, "name": name, "size": vars(size), "forwards": vars(forwards),
+                    "proxy_credential": vars(proxy_credential) if proxy_credential else None}
+            fd = os.open(directory / "vm.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold a token
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(meta, indent=2) + "\n")
         except BaseException:
             with self._lock:
                 self._records.pop(user, None)

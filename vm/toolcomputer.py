@@ -367,23 +367,34 @@ class ToolComputer:
     def after_restore(self, *, observe: bool = False, surface: Surface = Surface.BROWSER) -> RestoreReport:
         """The VM was restored (a new QEMU process): bump the epoch, reconnect SSH and CDP in parallel (a CDP
         connection made through the forward waits for the new SSH transport), resync the guest clock, and
-        optionally take the first fresh observation. Every step is timed."""
+        optionally take the first fresh observation. Every step is timed.
+
+        A browser observation does not wait for the clock: it runs on the CDP side while the SSH side resyncs
+        (two command round trips, seconds under TCG), so the restore costs max(SSH + clock, CDP + observation)."""
         with self._lock:
             start = self._timer()
             self._state = bump_epoch(self._state, BumpReason.RESTORE)
             self._channel.drop()  # the old transport is dead even if it has not noticed: forwards wait for the new one
+            early = observe and surface is Surface.BROWSER
             with ThreadPoolExecutor(2, thread_name_prefix=f"restore-{self.vm_id}") as pool:
                 ssh = pool.submit(self._timed_ssh)
-                cdp = pool.submit(self._timed_cdp) if self._browser is not None else None
+                cdp = pool.submit(self._timed_cdp, early) if self._browser is not None else None
                 ssh_seconds, clock_seconds, sync, moved = ssh.result()
-                cdp_seconds = cdp.result() if cdp is not None else None
+                cdp_seconds: float | None = None
+                first: ObserveResult | None = None
+                first_seconds: float | None = None
+                if cdp is not None:
+                    try:
+                        cdp_seconds, first, first_seconds = cdp.result()
+                    except BrowserError:
+                        if not moved:
+                            raise
             if moved and self._browser is not None:  # the CDP forward had to move: attach to the new port
                 t = self._timer()
                 self._browser.connect(self._cdp_url())
                 cdp_seconds = (cdp_seconds or 0.0) + self._timer() - t
-            first = None
-            first_seconds = None
-            if observe:
+                first = None
+            if observe and first is None:
                 t = self._timer()
                 first = self._observe(surface)
                 first_seconds = self._timer() - t
@@ -398,11 +409,17 @@ class ToolComputer:
         sync = self._channel.resync_clock()
         return t1 - t0, self._timer() - t1, sync, self._cdp in report.moved
 
-    def _timed_cdp(self) -> float:
+    def _timed_cdp(self, observe: bool) -> tuple[float, ObserveResult | None, float | None]:
+        """Attach CDP again (the forward's port survives the restore; the connection does not), then, if asked,
+        take the first browser observation (the caller holds the lock and waits for this thread)."""
         assert self._browser is not None
         t0 = self._timer()
-        self._browser.connect(self._cdp_url())  # the forward's port survives the restore; the connection does not
-        return self._timer() - t0
+        self._browser.connect(self._cdp_url())
+        t1 = self._timer()
+        if not observe:
+            return t1 - t0, None, None
+        first = self._observe(Surface.BROWSER)
+        return t1 - t0, first, self._timer() - t1
 
     # ---------------------------------------------------------------------------------------- handoff
 

@@ -14,6 +14,7 @@ import pytest
 from vm_lab import Lab, Recorder, Serial
 
 from vm.errors import IllegalTransition
+from vm.hypervisor import ProxyCredential
 from vm.lifecycle_rules import VmState
 
 pytestmark = pytest.mark.vm
@@ -124,6 +125,22 @@ def test_a_booted_guest_has_its_seed_reaches_only_the_proxy_and_listens_only_on_
     for port in vm.forwards.host_ports():
         assert _listeners(port) == {"0100007F"}, f"port {port} listens beyond 127.0.0.1"
     print(f"\nRAM running: {lab.manager.memory_bytes('alice') / 2**20:.0f} MiB (256 MiB guest)")
+
+
+def test_each_guest_connection_to_the_proxy_carries_the_vms_identity_once_right_after_the_request_line(
+        lab: Lab, proxy: Recorder) -> None:
+    credential = ProxyCredential(user_id="usr_erin", token="tok-erin-123")
+    vm = lab.manager.provision("erin", proxy_credential=credential)
+    lab.manager.ensure_running("erin")
+    serial = Serial(vm.serial_log)
+    serial.wait_for(r"WK-NET-DONE", timeout=90)
+    assert "hello-from-proxy" in serial.text().split("WK-PROXY 2")[1], "the response came back through the relay"
+    basic = f"Basic {credential.basic()}"
+    # The guest sent `GET /probeN HTTP/1.0\r\n\r\n`: the request line arrives byte for byte (CR kept), and the
+    # one header there is is the host's, inserted after it. Two connections, each with its own.
+    assert proxy.heads == [(b"GET /probe1 HTTP/1.0\r\n", [("Proxy-Authorization", basic)]),
+                           (b"GET /probe2 HTTP/1.0\r\n", [("Proxy-Authorization", basic)])]
+    assert credential.token not in serial.text()
 
 
 def test_suspend_frees_ram_and_restore_continues_the_same_process(lab: Lab) -> None:

@@ -23,12 +23,15 @@ class Recorder:
     name: str
     paths: list[str] = field(default_factory=list)
     port: int = 0
+    heads: list[tuple[bytes, list[tuple[str, str]]]] = field(default_factory=list)
+    """Each request's raw request line (with its CRLF) and its headers in the order they came."""
 
 
 def serve(recorder: Recorder) -> http.server.ThreadingHTTPServer:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             recorder.paths.append(self.path)
+            recorder.heads.append((self.raw_requestline, list(self.headers.items())))
             body = f"hello-from-{recorder.name}".encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import shlex
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
-from vm.domain_xml import QEMU_NS, SANDBOX, domain_xml
-from vm.hypervisor import Accel, DomainSpec, Forwards
+import pytest
+
+from vm.domain_xml import QEMU_NS, RELAY, SANDBOX, domain_xml
+from vm.hypervisor import Accel, DomainSpec, Forwards, ProxyCredential
 
 
 def _spec(accel: Accel = Accel.TCG, **forwards: int | None) -> DomainSpec:
@@ -92,3 +97,40 @@ def test_qemu_keeps_a_seccomp_sandbox() -> None:
     args = _qemu_args(ET.fromstring(domain_xml(_spec())))
     assert args[args.index("-sandbox") + 1] == SANDBOX
     assert "obsolete=deny" in SANDBOX and "resourcecontrol=deny" in SANDBOX
+
+
+def _guestfwd_argv(root: ET.Element) -> list[str]:
+    """The per-connection command as slirp will run it: QEMU's ',,' unescaped, then split like a shell."""
+    (fwd,) = [p for p in ",".join(_netdev(root)).replace(",,", "\0").split(",") if p.startswith("guestfwd=")]
+    prefix = "guestfwd=tcp:10.0.2.100:3128-cmd:"
+    assert fwd.startswith(prefix)
+    return shlex.split(fwd.removeprefix(prefix).replace("\0", ","))
+
+
+def test_with_a_proxy_credential_the_guest_forward_runs_the_identity_relay_with_the_basic_credential() -> None:
+    spec = replace(_spec(), proxy_credential=ProxyCredential(user_id="usr_1", token="t0k,en'x"))
+    argv = _guestfwd_argv(ET.fromstring(domain_xml(spec)))
+    assert argv[:3] == ["/bin/busybox", "sh", "-c"]
+    assert argv[3] == RELAY.replace("BRIDGE", "/bin/busybox nc 127.0.0.1 3129")
+    assert argv[4] == "wk-proxy-relay"
+    assert base64.b64decode(argv[5], validate=True) == b"usr_1:t0k,en'x"
+    assert len(argv) == 6
+
+
+def test_the_credential_is_only_in_the_host_side_command_never_in_the_guest_kernel_command_line() -> None:
+    spec = replace(_spec(), proxy_credential=ProxyCredential(user_id="usr_1", token="secret-token"))
+    xml = domain_xml(spec)
+    basic = spec.proxy_credential.basic()  # type: ignore[union-attr]
+    assert xml.count(basic) == 1 and "secret-token" not in xml
+    root = ET.fromstring(xml)
+    assert basic not in (root.findtext("os/cmdline") or "")
+
+
+def test_without_a_credential_the_guest_forward_is_the_plain_bridge() -> None:
+    assert _guestfwd_argv(ET.fromstring(domain_xml(_spec()))) == ["/bin/busybox", "nc", "127.0.0.1", "3129"]
+
+
+@pytest.mark.parametrize(("user_id", "token"), [("", "t"), ("a:b", "t"), ("u", ""), ("u", "t\n")])
+def test_a_malformed_proxy_credential_is_refused(user_id: str, token: str) -> None:
+    with pytest.raises(ValueError):
+        ProxyCredential(user_id=user_id, token=token)

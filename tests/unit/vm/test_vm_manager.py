@@ -14,7 +14,7 @@ import pytest
 from server.clock import FakeClock
 from vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmDead, VmNotFound
 from vm.fake import FakeDisks, FakeHypervisor
-from vm.hypervisor import DomainState
+from vm.hypervisor import DomainState, ProxyCredential
 from vm.lifecycle import AfterRestore, VmManager, VmSettings
 from vm.lifecycle_rules import Limits, VmSize, VmState
 
@@ -292,6 +292,19 @@ def test_a_new_manager_finds_the_vms_and_their_state_from_the_hypervisor(
     assert again.get("a").forwards == a.forwards and again.get("a").keys == a.keys
     assert json.loads((a.directory / "vm.json").read_text())["user"] == "a"
     assert again.provision("d").forwards.ssh == 21009, "ports held by known VMs stay taken"
+
+
+def test_a_proxy_credential_reaches_the_domain_and_survives_a_new_manager_in_a_private_record(
+        settings: VmSettings, manager: VmManager, hv: FakeHypervisor, clock: FakeClock) -> None:
+    credential = ProxyCredential(user_id="usr_1", token="tok-secret")
+    vm = manager.provision("alice", proxy_credential=credential)
+    assert hv.domains[vm.name].spec.proxy_credential == credential
+    record = vm.directory / "vm.json"
+    assert stat.S_IMODE(record.stat().st_mode) == 0o600
+    again = VmManager(settings, hv, clock=clock, disks=FakeDisks(), port_free=lambda port: True)
+    assert again.get("alice").proxy_credential == credential
+    assert "tok-secret" not in repr(again.get("alice")), "the token is not printed with the VM"
+    assert manager.provision("bob").proxy_credential is None
 
 
 def test_one_vm_failing_to_suspend_does_not_spare_the_others(manager: VmManager, hv: FakeHypervisor,

@@ -1,0 +1,204 @@
+"""Tool computer: cold boot vs suspend/restore of a 1 GiB guest with Chromium open, beside bare `virsh save/restore`.
+
+One VM from the real guest image (`wakeful image build`; the system tests build it into .cache/image-build), with
+the real egress proxy in front of a page on the host's loopback. It boots cold once (to the first observation),
+opens the page, then alternates our suspend (managed save) and restore-to-first-fresh-observation with a bare
+`virsh save FILE` / `virsh restore FILE` of the same guest, which is the baseline for our overhead.
+Targets (issue 5): restore to the first observation ≥ 10× faster than a cold boot to it; no RAM held while suspended.
+Needs root, libvirtd (scripts/libvirtd) and the built image.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The repository root (for `vm`) and the system tests' lab helpers, which this benchmark shares with them.
+_BENCH = Path(__file__).resolve().parent
+sys.path[1:1] = [str(_BENCH.parent), str(_BENCH.parent / "tests" / "system")]
+
+from _common import ROOT, Row, Table, bench_args, print_and_save, reproduce, verdict  # noqa: E402
+from computer_lab import ComputerLab, qemu_pid, tool_computer  # noqa: E402
+from shop_lab import shop_egress  # noqa: E402
+
+from vm.accel import choose_accel  # noqa: E402
+from vm.observe import Navigate  # noqa: E402
+from vm.toolcomputer import RestoreReport  # noqa: E402
+
+IMAGE = ROOT / ".cache" / "image-build" / "data" / "images" / "guest"
+URI = "qemu:///system"
+TARGET_SPEEDUP = 10.0
+GB = 1000**3
+MIB = 2**20
+
+
+@dataclass
+class Cycle:
+    suspend: float
+    suspended_ram: int
+    save_bytes: int
+    restore_total: float
+    """`ensure_running` until the after-restore hook returned with the first fresh observation."""
+    report: RestoreReport
+
+    @property
+    def libvirt_restore(self) -> float:
+        return self.restore_total - self.report.timings.total
+
+
+@dataclass
+class Bare:
+    save: float
+    restore: float
+    save_bytes: int
+
+
+@dataclass
+class Figures:
+    accel: str
+    boot_ssh: float
+    boot_cdp: float
+    boot_first_observation: float
+    running_ram: int
+    overlay_bytes: int
+    cycles: list[Cycle] = field(default_factory=list)
+    bares: list[Bare] = field(default_factory=list)
+
+
+def _allocated(path: Path) -> int:
+    """Bytes the file really takes on disk (a qcow2 overlay is sparse)."""
+    return path.stat().st_blocks * 512
+
+
+def _virsh(*args: str) -> float:
+    start = time.perf_counter()
+    subprocess.run(["virsh", "-c", URI, *args], check=True, capture_output=True, timeout=600)
+    return time.perf_counter() - start
+
+
+def _bare_cycle(lab: ComputerLab, scratch: Path) -> Bare:
+    """`virsh save` + `virsh restore` of the same guest, then our reconnect (not counted) so the next cycle starts
+    from a connected tool computer."""
+    file = scratch / "bare.save"
+    save = _virsh("save", lab.vm.name, str(file))
+    size = file.stat().st_size
+    restore = _virsh("restore", str(file))
+    file.unlink()
+    lab.computer.after_restore()
+    return Bare(save=save, restore=restore, save_bytes=size)
+
+
+def _our_cycle(lab: ComputerLab) -> Cycle:
+    user = lab.vm.user
+    start = time.perf_counter()
+    lab.manager.suspend(user)
+    suspend = time.perf_counter() - start
+    ram = lab.manager.memory_bytes(user) + (1 if qemu_pid(lab.vm.name) is not None else 0)
+    size = lab.save_file().stat().st_size
+    start = time.perf_counter()
+    lab.manager.ensure_running(user)  # the hook: reconnect SSH ‖ CDP, resync the clock, first fresh observation
+    total = time.perf_counter() - start
+    report = lab.restores[-1]
+    assert report.observation is not None and report.observation.elements, "the first observation saw the page"
+    return Cycle(suspend=suspend, suspended_ram=ram, save_bytes=size, restore_total=total, report=report)
+
+
+def measure(cycles: int) -> Figures:
+    if not (IMAGE / "base.qcow2").is_file():
+        raise SystemExit(f"no guest image at {IMAGE}: run the system tests once (pytest -m vm tests/system) or "
+                         "`WAKEFUL_DATA_DIR=.cache/image-build/data wakeful image build --ca-cert ...`")
+    accel = choose_accel(IMAGE / "vmlinux", data_dir=IMAGE.parent.parent, timeout=10.0)
+    print(f"accel mode: {accel.describe()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="wakeful-bench-vm-") as tmp, \
+            shop_egress(Path(tmp) / "egress", user="bench") as shop, \
+            tool_computer(IMAGE, Path(tmp) / "vms", user="bench", accel=accel, proxy_port=shop.settings.proxy_port,
+                          credential=shop.credential, prefix="wkb-", port_range=(25500, 25999)) as lab:
+        start = time.perf_counter()
+        lab.boot()
+        first = lab.computer.observe()
+        boot_first = time.perf_counter() - start
+        print(f"cold boot: SSH {lab.boot_steps['ssh']:.1f} s, CDP {lab.boot_steps['cdp']:.1f} s, "
+              f"first observation {boot_first:.1f} s", flush=True)
+        lab.computer.act(Navigate(url=shop.shop.url, observation=first.observation.number))
+        lab.computer.observe()
+        figures = Figures(accel=accel.describe(), boot_ssh=lab.boot_steps["ssh"], boot_cdp=lab.boot_steps["cdp"],
+                          boot_first_observation=boot_first, running_ram=lab.manager.memory_bytes("bench"),
+                          overlay_bytes=_allocated(lab.vm.disk) + _allocated(lab.vm.seed))
+        for i in range(cycles):
+            figures.bares.append(_bare_cycle(lab, Path(tmp)))
+            figures.cycles.append(_our_cycle(lab))
+            c, b = figures.cycles[-1], figures.bares[-1]
+            print(f"cycle {i + 1}: suspend {c.suspend:.2f} s (bare save {b.save:.2f} s), restore to first "
+                  f"observation {c.restore_total:.2f} s (bare restore {b.restore:.2f} s)", flush=True)
+        figures.overlay_bytes = _allocated(lab.vm.disk) + _allocated(lab.vm.seed)
+    return figures
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2f} s"
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.0f} MiB"
+
+
+def run(quick: bool = False) -> list[Table]:
+    f = measure(1 if quick else 3)
+    med = statistics.median
+
+    def step(pick: object) -> float:
+        return med([pick(c) for c in f.cycles])  # type: ignore[operator]
+
+    restore = step(lambda c: c.restore_total)
+    speedup = f.boot_first_observation / restore
+    save_bytes = max(c.save_bytes for c in f.cycles)
+    per_user = f.overlay_bytes + save_bytes
+    suspended_ram = max(c.suspended_ram for c in f.cycles)
+    t = [c.report.timings for c in f.cycles]
+    rows = [
+        Row("cold boot → SSH answers", _s(f.boot_ssh), "-"),
+        Row("cold boot → CDP attached", _s(f.boot_cdp), "-"),
+        Row("cold boot → first observation", _s(f.boot_first_observation), "-"),
+        Row("suspend (managed save)", _s(step(lambda c: c.suspend)),
+            f"{_s(med([b.save for b in f.bares]))} (virsh save)"),
+        Row("restore → first fresh observation", _s(restore),
+            f"{_s(med([b.restore for b in f.bares]))} (virsh restore)",
+            f"≤ {_s(f.boot_first_observation / TARGET_SPEEDUP)}", verdict(speedup >= TARGET_SPEEDUP)),
+        Row("  libvirt restore (start from managed save)", _s(step(lambda c: c.libvirt_restore)), "-"),
+        Row("  SSH reconnect", _s(med([x.ssh_reconnect for x in t])), "-"),
+        Row("  CDP reconnect (beside SSH)", _s(med([x.cdp_reconnect or 0.0 for x in t])), "-"),
+        Row("  clock resync (after SSH, beside CDP)", _s(med([x.clock for x in t])), "-"),
+        Row("  first observation (AX tree + screenshot)", _s(med([x.first_observation or 0.0 for x in t])), "-"),
+        Row("restore speed-up over cold boot (to first observation)", f"{speedup:.1f}x", "-",
+            f"≥ {TARGET_SPEEDUP:.0f}x", verdict(speedup >= TARGET_SPEEDUP)),
+        Row("RAM held while suspended", _mib(suspended_ram), f"{_mib(f.running_ram)} (running)", "0",
+            verdict(suspended_ram == 0)),
+        Row("saved state on disk (lzop)", _mib(save_bytes),
+            f"{_mib(med([b.save_bytes for b in f.bares]))} (virsh save)"),
+        Row("disk per suspended user (overlay + seed + saved state)", _mib(per_user), "-"),
+        Row("suspended users per 100 GB", f"{100 * GB // per_user:,}", "-"),
+    ]
+    notes = [
+        f"acceleration: {f.accel}",
+        "1 GiB, 1 vCPU guest from the real image; Chromium showing a page reached through the real egress proxy",
+        "restore → first fresh observation = `VmManager.ensure_running` until the after-restore hook "
+        "(`ToolComputer.after_restore(observe=True)`) returned; the baseline stops when `virsh restore` returns "
+        "(no SSH, no CDP, nothing observed)",
+        f"median of {len(f.cycles)} cycle(s); each cycle: bare virsh save/restore, then ours",
+        f"{platform.node()}, {os.cpu_count()} CPUs, load average "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " at the end (the host is shared)",
+    ]
+    return [Table(title="tool computer: cold boot vs suspend/restore (1 GiB guest, Chromium open)", rows=rows,
+                  reproduce=reproduce("tool_computer.py", quick), notes=notes)]
+
+
+if __name__ == "__main__":
+    args = bench_args(__doc__.splitlines()[0])
+    print_and_save(run(args.quick), "tool_computer.txt")

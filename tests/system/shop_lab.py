@@ -1,0 +1,196 @@
+"""A shop on the host's loopback and the real egress path to it, for tool-computer system tests and the benchmark.
+
+    with shop_egress(tmp) as lab:           # the shop, the server's decider, the real `wakeful proxy` process
+        lab.credential                      # the VM's proxy identity (a client token issued by the server)
+        lab.shop.url                        # http://shop.test:<port>/ — the proxy resolves shop.test to 127.0.0.1
+        lab.shop.orders                     # what the shop received: its own records, not the agent's word
+
+The egress allowlist (`<policies>/egress.toml`) lets the shopper reach shop.test on the shop's port with GET and
+POST and nothing else. Plain HTTP: the image trusts its build's test CA, not this proxy's deployment CA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import http.server
+import secrets
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from proxy.channel import DeciderServer
+from proxy.contract import DecisionRequest, Verdict
+from server import egress
+from server.clock import FakeClock
+from server.db import make_engine, migrate, write
+from server.proxyctl import DeciderService, ProxyChild, new_decider_token
+from server.settings import Settings
+from server.users import ensure_user
+from tests.support.serve import free_port
+from vm.hypervisor import ProxyCredential
+
+__all__ = ["Request", "Shop", "ShopEgress", "shop_egress"]
+
+HOST = "shop.test"
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    proxy_auth: str | None
+    """A Proxy-Authorization that reached the shop (the proxy must strip it: always None)."""
+    cookie: str | None
+    form: dict[str, list[str]]
+
+
+@dataclass
+class Shop:
+    port: int = 0
+    requests: list[Request] = field(default_factory=list)
+    orders: list[str] = field(default_factory=list)
+    """The names submitted with the order form, in order."""
+    sessions: list[str] = field(default_factory=list)
+    """Session cookies the shop handed out."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}/"
+
+    def count(self, method: str, path: str) -> int:
+        return sum(1 for r in self.requests if r.method == method and r.path.split("?")[0] == path)
+
+
+def _page(title: str, body: str) -> bytes:
+    return (f"<!doctype html><html><head><title>{html.escape(title)}</title></head>"
+            f"<body><h1>{html.escape(title)}</h1>{body}</body></html>").encode()
+
+
+FORM = ('<form method="post" action="/order"><label>Name <input name="name" type="text"></label> '
+        '<button type="submit">Place order</button></form><p><a href="/login">Log in</a></p>')
+
+
+def _serve(shop: Shop) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _record(self, form: dict[str, list[str]]) -> None:
+            shop.requests.append(Request(method=self.command, path=self.path,
+                                         proxy_auth=self.headers.get("Proxy-Authorization"),
+                                         cookie=self.headers.get("Cookie"), form=form))
+
+        def _send(self, body: bytes, *, status: int = 200, headers: tuple[tuple[str, str], ...] = ()) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            for name, value in headers:
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._record({})
+            path = self.path.split("?")[0]
+            if path == "/":
+                self._send(_page("Shop", FORM))
+            elif path == "/login":
+                session = secrets.token_hex(8)
+                shop.sessions.append(session)
+                self._send(_page("Logged in", FORM), headers=(("Set-Cookie", f"session={session}; Path=/"),))
+            else:
+                self._send(_page("Not found", ""), status=404)
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            form = urllib.parse.parse_qs(self.rfile.read(length).decode())
+            self._record(form)
+            if self.path == "/order":
+                name = form.get("name", [""])[0]
+                shop.orders.append(name)
+                self._send(_page("Ordered", f"<p>Thanks, {html.escape(name)}.</p>"))
+            else:
+                self._send(_page("Not found", ""), status=404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    shop.port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, name="shop", daemon=True).start()
+    return server
+
+
+@dataclass
+class ShopEgress:
+    shop: Shop
+    settings: Settings
+    credential: ProxyCredential
+    proxy_log: Path
+    asked: list[DecisionRequest] = field(default_factory=list)
+    """Every decision the proxy asked for (the tool computer's identity is on each)."""
+    verdicts: list[Verdict] = field(default_factory=list)
+
+
+def _config(settings: Settings) -> str:
+    resolve = ", ".join(f'"{h}" = ["127.0.0.1"]' for h in settings.egress_resolve)
+    allow = ", ".join(f'"{h}"' for h in settings.egress_allow_private)
+    return (f"proxy = true\nproxy_port = {settings.proxy_port}\nproxy_decider_timeout = "
+            f'{settings.proxy_decider_timeout}\npolicies_dir = "{settings.policies}"\n'
+            f"egress_allow_private = [{allow}]\negress_resolve = {{ {resolve} }}\n")
+
+
+@contextmanager
+def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | None = None) -> Iterator[ShopEgress]:
+    directory.mkdir(parents=True, exist_ok=True)
+    shop = Shop()
+    server = _serve(shop)
+    engine = make_engine(f"sqlite:///{directory / 'wakeful.db'}")
+    migrate(engine)
+    clock = FakeClock()
+    with write(engine) as conn:
+        user_id, _ = ensure_user(conn, name=user, now=clock.now())
+        _, token = egress.issue_client_token(conn, user_id=user_id, label="tool computer", now=clock.now())
+    settings = Settings(data_dir=directory, proxy=True, proxy_port=proxy_port or free_port(), proxy_decider_timeout=5.0,
+                        policies_dir=directory / "policies", egress_resolve={HOST: ["127.0.0.1"]},
+                        egress_allow_private=[HOST])
+    settings.policies.mkdir(exist_ok=True)
+    (settings.policies / "egress.toml").write_text(
+        f'[[allow]]\nname = "the test shop"\nhost = "{HOST}"\nports = [{shop.port}]\nmethods = ["GET", "POST"]\n'
+        f'users = ["{user}"]\n')
+    (directory / "wakeful.toml").write_text(_config(settings))
+    lab = ShopEgress(shop=shop, settings=settings, credential=ProxyCredential(user_id=user_id, token=token),
+                     proxy_log=directory / "proxy.log")
+    service = DeciderService(engine, clock, settings)
+
+    async def decide(req: DecisionRequest) -> Verdict:
+        lab.asked.append(req)
+        verdict = await service.decide(req)
+        lab.verdicts.append(verdict)
+        return verdict
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="shop-decider", daemon=True)
+    thread.start()
+    decider = DeciderServer(settings.decider_socket, new_decider_token(settings), decide, service.record)
+    try:
+        asyncio.run_coroutine_threadsafe(decider.start(), loop).result(10)
+        child = ProxyChild(settings, log_file=lab.proxy_log)
+        child.start()
+        try:
+            yield lab
+        finally:
+            child.stop()
+    finally:
+        asyncio.run_coroutine_threadsafe(decider.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        engine.dispose()
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,178 @@
+"""The tool computer on the real guest image (`wakeful image build`), real libvirt/QEMU (KVM where it boots, TCG
+here), real Chromium in the guest, and the real egress proxy between it and a shop on the host's loopback.
+
+The VM boots once for the module; the tests run in order as one story and work from suspend/restore after that.
+Chromium under TCG is slow (boot to DevTools 100–230 s, a screenshot ~3 s): every wait is bounded and generous,
+nothing sleeps for a result, and timings are printed (run with -s), never asserted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from computer_lab import ComputerLab, qemu_pid, tool_computer
+from shop_lab import ShopEgress, shop_egress
+
+from vm.accel import choose_accel
+from vm.lifecycle_rules import VmState
+from vm.observe import Click, Fill, Navigate, Refused
+from vm.toolcomputer import ActResult, ObserveResult
+
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]  # one cold boot under TCG: minutes
+
+USER = "shopper"
+COUNTER = ("setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/counter; sleep 1; done' "
+           "</dev/null >/dev/null 2>&1 & echo $!")
+
+
+@dataclass
+class Story:
+    """What one test leaves for the next (they run in file order on one VM)."""
+
+    counter_pid: int = 0
+    boot_id: str = ""
+    stale_ref: str = ""
+    figures: dict[str, float] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShopEgress]:
+    with shop_egress(tmp_path_factory.mktemp("egress"), user=USER) as lab:
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def lab(libvirtd: None, guest_image: Path, shop: ShopEgress,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComputerLab]:
+    accel = choose_accel(guest_image / "vmlinux", data_dir=guest_image.parent.parent, timeout=10.0)
+    print(f"\naccel mode: {accel.describe()}")
+    with tool_computer(guest_image, tmp_path_factory.mktemp("vms"), user=USER, accel=accel,
+                       proxy_port=shop.settings.proxy_port, credential=shop.credential) as lab:
+        lab.boot()
+        print(f"cold boot: SSH after {lab.boot_steps['ssh']:.1f} s, CDP attached after {lab.boot_steps['cdp']:.1f} s")
+        yield lab
+
+
+@pytest.fixture(scope="module")
+def story() -> Story:
+    return Story()
+
+
+def done(result: ActResult | Refused) -> ActResult:
+    assert isinstance(result, ActResult), result
+    assert result.outcome == "done", result
+    return result
+
+
+def observe_until(lab: ComputerLab, title: str, *, timeout: float = 300.0) -> ObserveResult:
+    """Observe until the page has this title (a navigation under TCG can outlast the act's own wait)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = lab.computer.observe()
+        if seen.title == title or time.monotonic() > deadline:
+            assert seen.title == title, f"the page is {seen.title!r} at {seen.observation.view.url}, not {title!r}"
+            return seen
+
+
+def test_a_page_reached_through_the_egress_proxy_is_filled_and_submitted_by_ref(
+        lab: ComputerLab, shop: ShopEgress, story: Story) -> None:
+    tc = lab.computer
+    t = time.perf_counter()
+    first = tc.observe()
+    story.figures["first observation"] = time.perf_counter() - t
+    done(tc.act(Navigate(url=shop.shop.url, observation=first.observation.number)))
+    page = observe_until(lab, "Shop")
+    done(tc.act(Fill(ref=page.ref_for("textbox", "Name"), text="Ada Lovelace")))
+    page = tc.observe()
+    assert next(e for e in page.elements if e.role == "textbox").value == "Ada Lovelace"
+    done(tc.act(Click(ref=page.ref_for("button", "Place order"))))
+    observe_until(lab, "Ordered")
+    assert shop.shop.orders == ["Ada Lovelace"], "the shop's own records show the submitted value, once"
+
+    # Every request went through the proxy as this VM's user: the host's relay put the identity on each
+    # connection, the proxy took it and stripped it before the shop.
+    assert shop.asked and {r.user_id for r in shop.asked} == {shop.credential.user_id}
+    assert all(r.proxy_auth is None for r in shop.shop.requests)
+
+    done(tc.act(Navigate(url=shop.shop.url + "login", observation=tc.observe().observation.number)))
+    observe_until(lab, "Logged in")
+    cookies = {c["name"]: c["value"] for c in lab.browser.cookies([shop.shop.url])}
+    assert cookies.get("session") == shop.shop.sessions[-1]
+
+
+def test_suspend_frees_the_ram_and_restore_keeps_the_page_the_cookie_and_a_process(
+        lab: ComputerLab, shop: ShopEgress, story: Story) -> None:
+    ch, manager = lab.channel, lab.manager
+    story.counter_pid = int(ch.run(COUNTER, timeout=30).check("starting the counter").stdout)
+    story.boot_id = ch.run("cat /proc/sys/kernel/random/boot_id", timeout=30).stdout.decode().strip()
+    before = observe_until(lab, "Logged in")
+    story.stale_ref = before.ref_for("button", "Place order")
+    counted = int(ch.run("cat /root/counter", timeout=30).stdout)
+    session = shop.shop.sessions[-1]
+
+    t = time.perf_counter()
+    manager.suspend(USER)
+    story.figures["suspend (managed save)"] = time.perf_counter() - t
+    assert manager.get(USER).state is VmState.SUSPENDED
+    assert manager.memory_bytes(USER) == 0 and qemu_pid(lab.vm.name) is None, "a suspended VM holds no RAM"
+    assert lab.save_file().is_file()
+    saved = lab.save_file().stat().st_size
+
+    t = time.perf_counter()
+    manager.ensure_running(USER)  # the after-restore hook reconnects and takes the first fresh observation
+    story.figures["restore to first observation"] = time.perf_counter() - t
+    report = lab.restores[-1]
+    assert report.observation is not None and report.observation.title == "Logged in"
+    assert report.observation.observation.view.url == before.observation.view.url
+    assert report.epoch > before.observation.epoch
+
+    cookies = {c["name"]: c["value"] for c in lab.browser.cookies([shop.shop.url])}
+    assert cookies.get("session") == session
+    alive = ch.run(f"kill -0 {story.counter_pid} && cat /proc/sys/kernel/random/boot_id /root/counter", timeout=30)
+    boot_id, count = alive.check("the counter is still running").stdout.decode().split()
+    assert boot_id == story.boot_id, "restored in place, not rebooted"
+    assert int(count) >= counted, "the same process went on counting"
+
+    timings = report.timings
+    print(f"\nsuspend {story.figures['suspend (managed save)']:.2f} s (save file {saved / 2**20:.0f} MiB); "
+          f"restore to first observation {story.figures['restore to first observation']:.2f} s: "
+          f"SSH {timings.ssh_reconnect:.2f} s ‖ CDP {timings.cdp_reconnect or 0:.2f} s, clock {timings.clock:.2f} s "
+          f"(offset before {report.clock_sync.before.total_seconds():+.2f} s), first observation "
+          f"{timings.first_observation or 0:.2f} s; first observation after boot "
+          f"{story.figures['first observation']:.2f} s")
+
+
+def test_a_ref_from_before_the_suspend_is_refused_and_nothing_reaches_the_shop(
+        lab: ComputerLab, shop: ShopEgress, story: Story) -> None:
+    tc = lab.computer
+    requests = len(shop.shop.requests)
+    refused = tc.act(Click(ref=story.stale_ref))
+    assert isinstance(refused, Refused) and refused.code == "stale_observation", refused
+    assert len(shop.shop.requests) == requests and shop.shop.orders == ["Ada Lovelace"], "nothing was executed"
+
+    fresh = tc.observe()
+    done(tc.act(Fill(ref=fresh.ref_for("textbox", "Name"), text="Grace")))
+    assert tc.observe().elements, "acting on a fresh observation works after the restore"
+
+
+def test_a_handoff_refuses_agent_acts_until_control_returns_and_then_bumps_the_epoch(
+        lab: ComputerLab, shop: ShopEgress) -> None:
+    tc = lab.computer
+    seen = tc.observe()
+    requests = len(shop.shop.requests)
+    grant = tc.request_handoff("log in to the shop", ttl=timedelta(minutes=15))
+    refused = tc.act(Click(ref=seen.ref_for("button", "Place order")))
+    assert isinstance(refused, Refused) and refused.code == "human_in_control", refused
+    assert len(shop.shop.requests) == requests
+
+    epoch = tc.state.epoch
+    assert tc.return_control(grant.lease.lease_id) > epoch
+    again = tc.act(Click(ref=seen.ref_for("button", "Place order")))
+    assert isinstance(again, Refused) and again.code == "stale_observation"
+    assert tc.observe().observation.epoch == tc.state.epoch
+    assert len(shop.shop.requests) == requests and shop.shop.orders == ["Ada Lovelace"]
