@@ -25,6 +25,9 @@ from server.errors import BadRequest, WakefulError
 from server.settings import Settings
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from vm.hypervisor import ProxyCredential
     from vm.lifecycle import VmInfo, VmManager
     from vm.observe import Act, Refused
     from vm.toolcomputer import ActResult, ObserveResult, ToolComputer
@@ -122,9 +125,11 @@ class Computers(Protocol):
 class VmComputers:
     """Tool computers on VMs: one per user from `VmManager`, connected by `connect` (SSH, CDP, desktop)."""
 
-    def __init__(self, manager: VmManager, connect: Callable[[VmInfo], ToolComputer]) -> None:
+    def __init__(self, manager: VmManager, connect: Callable[[VmInfo], ToolComputer], *,
+                 credential: Callable[[str], ProxyCredential | None] = lambda user: None) -> None:
         self._manager = manager
         self._connect = connect
+        self._credential = credential
         self._computers: dict[str, ToolComputer] = {}
         self._lock = threading.Lock()
         manager.add_after_restore_hook(self._after_restore)
@@ -136,8 +141,12 @@ class VmComputers:
 
     def computer(self, user_id: str) -> ToolComputer:
         with self._lock:
-            if self._manager.get(user_id) is None:
-                self._manager.provision(user_id)
+            from vm.errors import VmNotFound
+
+            try:
+                self._manager.get(user_id)
+            except VmNotFound:
+                self._manager.provision(user_id, proxy_credential=self._credential(user_id))
             info = self._manager.ensure_running(user_id)
             tc = self._computers.get(user_id)
             if tc is None:
@@ -211,16 +220,17 @@ class LazyVmComputers:
     """`VmComputers` built on first use from the settings, so a server without an image or libvirt starts fine and
     says exactly what is missing when the agent first asks for its tool computer."""
 
-    def __init__(self, settings: Settings, clock: Clock) -> None:
+    def __init__(self, settings: Settings, clock: Clock, engine: Engine) -> None:
         self._settings = settings
         self._clock = clock
+        self._engine = engine
         self._inner: VmComputers | None = None
         self._lock = threading.Lock()
 
     def _vms(self) -> VmComputers:
         with self._lock:
             if self._inner is None:
-                self._inner = _build_vm_computers(self._settings, self._clock)
+                self._inner = _build_vm_computers(self._settings, self._clock, self._engine)
             return self._inner
 
     def computer(self, user_id: str) -> ToolComputer:
@@ -233,7 +243,7 @@ class LazyVmComputers:
         return self._inner.reap() if self._inner is not None else []
 
 
-def _build_vm_computers(settings: Settings, clock: Clock) -> VmComputers:
+def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmComputers:
     from vm.accel import choose_accel
     from vm.browser import CdpBrowser
     from vm.desktop import XDesktop
@@ -264,4 +274,14 @@ def _build_vm_computers(settings: Settings, clock: Clock) -> VmComputers:
         return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=CdpBrowser(),
                             desktop=XDesktop(channel))
 
-    return VmComputers(manager, connect)
+    def credential(user_id: str) -> ProxyCredential:
+        """The VM's own proxy credential: its traffic is matched against the user's egress allowlist."""
+        from server.db import write
+        from server.egress import issue_client_token
+        from vm.hypervisor import ProxyCredential
+
+        with write(engine) as conn:
+            _, token = issue_client_token(conn, user_id=user_id, label="tool computer", now=clock.now())
+        return ProxyCredential(user_id=user_id, token=token)
+
+    return VmComputers(manager, connect, credential=credential)

@@ -106,7 +106,7 @@ class Runtime:
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
         if computers is None and settings.computers:
-            computers = LazyVmComputers(settings, self.clock)
+            computers = LazyVmComputers(settings, self.clock, self.engine)
         self.computers = computers
         self.live = LiveViews(computers) if computers is not None else None
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,

@@ -9,6 +9,8 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from sqlalchemy import Engine, select
 
 from server import approvals, control, sessions
 from server.clock import FakeClock
+from server.computers import VmComputers
 from server.db import read, write
 from server.errors import Refused
 from server.handlers import EchoHandler
@@ -30,8 +33,11 @@ from server.tables import actions, attempts, refusals, verdicts
 from server.tools import Binding
 from tests.support.polling import wait_until
 from tests.support.records import messages
+from vm.fake import FakeDisks, FakeHypervisor
 from vm.fake_browser import FakeBrowser
 from vm.fake_guest import FakeChannel, FakeDesktop
+from vm.hypervisor import ProxyCredential
+from vm.lifecycle import VmInfo, VmManager, VmSettings
 from vm.observe import Element
 from vm.toolcomputer import ToolComputer
 
@@ -308,3 +314,30 @@ def _task(runtime: Runtime, owner: str) -> str:
     with write(runtime.engine) as conn:
         session_id = sessions.create_session(conn, user_id=owner, now=runtime.clock.now())
         return control.create_task(conn, user_id=owner, session_id=session_id, title="t", now=runtime.clock.now())
+
+
+def test_vm_computers_provision_with_a_proxy_credential_and_reconnect_after_a_restore(
+        tmp_path: Path, clock: FakeClock) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "vmlinux").write_bytes(b"\x7fELF")
+    (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
+    manager = VmManager(VmSettings(data_dir=tmp_path / "data", base_image=images / "base.qcow2",
+                                   kernel=images / "vmlinux", initrd=None, proxy_port=3129, idle_after=timedelta(0),
+                                   domain_prefix="wkt-"), FakeHypervisor(), clock=clock, disks=FakeDisks(),
+                        port_free=lambda port: True)
+    built: list[FakeComputers] = []
+
+    def connect(info: VmInfo) -> ToolComputer:
+        built.append(FakeComputers(clock))
+        return built[-1].tc
+
+    computers = VmComputers(manager, connect,
+                            credential=lambda user: ProxyCredential(user_id=user, token="tok-" + user))
+    tc = computers.computer("usr_1")
+    assert manager.get("usr_1").proxy_credential == ProxyCredential(user_id="usr_1", token="tok-usr_1")
+    epoch = tc.observe().observation.epoch
+    clock.advance(timedelta(seconds=1))
+    assert computers.reap() == ["usr_1"]  # idle (idle_after 0): suspended to disk
+    assert computers.computer("usr_1") is tc  # restored in place, same tool computer, reconnected by the hook
+    assert tc.observe().observation.epoch > epoch and len(built) == 1
