@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal, get_args
+from typing import Final, Literal, get_args
 
 from proxy.contract import (
     CREDENTIAL_NAME,
@@ -27,6 +27,8 @@ from proxy.hosts import normalize_host
 __all__ = ["EgressRecord", "encode_record", "parse_record"]
 
 VerdictKind = Literal["allow", "refuse"]
+_CLIENTS: Final = frozenset(get_args(Client))
+_VERDICTS: Final = frozenset(get_args(VerdictKind))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +71,7 @@ class EgressRecord:
         if not isinstance(self.at, datetime) or self.at.utcoffset() != timedelta(0):
             raise ContractError("at must be a UTC datetime")
         _optional_text(self.user_id, "user_id")
-        if self.client not in get_args(Client):
+        if self.client not in _CLIENTS:
             raise ContractError("client must be connector or tool_computer")
         _optional_text(self.attempt_id, "attempt_id")
         _optional_text(self.action_id, "action_id")
@@ -86,7 +88,7 @@ class EgressRecord:
         _text(self.path, "path", limit=8192, empty=True)
         if "?" in self.path or "#" in self.path or (self.path and not self.path.startswith("/")):
             raise ContractError("path must start with / and carry no query or fragment")
-        if self.verdict not in get_args(VerdictKind):
+        if self.verdict not in _VERDICTS:
             raise ContractError("verdict must be allow or refuse")
         if self.code is not None and not isinstance(self.code, RefusalCode):
             raise ContractError("code must be a RefusalCode or None")

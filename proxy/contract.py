@@ -39,6 +39,7 @@ _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 Client: TypeAlias = Literal["connector", "tool_computer"]
+_CLIENTS: Final = frozenset(get_args(Client))
 
 
 class RefusalCode(StrEnum):
@@ -153,7 +154,7 @@ class DecisionRequest:
                 ipaddress.ip_address(ip)
             except ValueError:
                 raise ContractError(f"resolved_ips: not an IP address: {ip!r}") from None
-        if self.client not in get_args(Client):
+        if self.client not in _CLIENTS:
             raise ContractError("client must be connector or tool_computer")
 
 
@@ -195,8 +196,12 @@ def refuse(code: RefusalCode, reason: str | None = None) -> Refuse:
     return Refuse(code=code, reason=reason or REASONS[code])
 
 
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), sort_keys=True, ensure_ascii=True)
+# One encoder for every message: `json.dumps` with options builds a new one per call.
+
+
 def _dumps(obj: dict[str, object]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True, ensure_ascii=True).encode("ascii")
+    return _ENCODER.encode(obj).encode("ascii")
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:

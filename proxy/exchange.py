@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import ssl
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,7 +24,7 @@ from proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyR
 from proxy.credential import Credential
 from proxy.decide import agree, check_addresses, check_method, check_verdict
 from proxy.rewrite import HeaderRejected, inject, strip_credentials
-from proxy.upstream import H11Stream, Upstream, UpstreamPool, resolve, response_headers
+from proxy.upstream import H11Stream, ResponseHead, Upstream, UpstreamPool, resolve, response_headers, serialize_request
 from proxy.vault import Vault, VaultError
 from proxy.wire import (
     REQUEST_TOO_LARGE,
@@ -178,7 +177,7 @@ class Exchange:
 
 async def answer_error(client: H11Stream, code: str, message: str, *, close: bool) -> bool:
     """Send a refusal or error response if the client still expects one; whether the connection can go on."""
-    if client.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+    if client.answered or client.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
         return False
     body = error_body(code, message)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii")),
@@ -312,14 +311,18 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
             if name.lower() not in _DROP_UPSTREAM]
     if body or request.method in (b"POST", b"PUT", b"PATCH"):
         out.append((b"content-length", str(len(body)).encode("ascii")))
+    target_bytes = request.target if tunnel else (
+        target.path + (f"?{target.query}" if target.query else "")).encode("latin-1")
     try:
-        upstream_request = h11.Request(method=request.method, target=request.target if tunnel else
-                                       (target.path + (f"?{target.query}" if target.query else "")).encode("latin-1"),
-                                       headers=out)
-    except h11.LocalProtocolError:
-        # Never pass h11's message on: it quotes the offending header value, which may be the injected secret.
+        upstream_request = serialize_request(request.method, target_bytes, out, body)
+    except ValueError:
+        # Never quote the value: it may be the injected secret.
         raise HeaderRejected("a header value cannot be forwarded as it is (e.g. leading or trailing spaces)") from None
-    return await _forward(shared, client, upstream_request, body, ips, port, req.scheme, host, ex)
+    keep_alive = request.http_version == b"1.1" and not any(
+        name == b"connection" and b"close" in (t.strip().lower() for t in value.split(b","))
+        for name, value in request.headers)
+    return await _forward(shared, client, upstream_request, request.method, len(body), ips, port, req.scheme,
+                          host, ex, keep_alive=keep_alive, chunked_ok=request.http_version == b"1.1")
 
 
 def _authority(host: str, port: int, scheme: str) -> bytes:
@@ -327,72 +330,80 @@ def _authority(host: str, port: int, scheme: str) -> bytes:
     return (name if port == (443 if scheme == "https" else 80) else f"{name}:{port}").encode("ascii")
 
 
-async def _exchange(upstream: Upstream, request: h11.Request, body: bytes, wait: float) -> h11.Response:
-    upstream.send(request)
-    if body:
-        upstream.send(h11.Data(data=body))
-    upstream.send(h11.EndOfMessage())
-    await upstream.drain()
-    while True:
-        event = await upstream.next_event(wait)
-        if isinstance(event, h11.Response):
-            return event
-        if not isinstance(event, h11.InformationalResponse):  # a 100 Continue is skipped: the body is already sent
-            raise ConnectionResetError("the upstream closed before answering")
+async def _exchange(upstream: Upstream, request: bytes, method: bytes, wait: float) -> ResponseHead:
+    await upstream.request(request)
+    return await upstream.response_head(wait, head_request=method == b"HEAD")
 
 
-async def _forward(shared: Shared, client: H11Stream, request: h11.Request, body: bytes, ips: list[str],
-                   port: int, scheme: str, host: str, ex: Exchange) -> bool:
+def _head(head: ResponseHead, *, keep_alive: bool, chunked: bool) -> bytes:
+    parts = [b"HTTP/1.1 %d " % head.status, head.reason, b"\r\n"]
+    for name, value in response_headers(head.headers):
+        parts += (name, b": ", value, b"\r\n")
+    if chunked:
+        parts.append(b"transfer-encoding: chunked\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+async def _forward(shared: Shared, client: H11Stream, request: bytes, method: bytes, bytes_up: int, ips: list[str],
+                   port: int, scheme: str, host: str, ex: Exchange, *, keep_alive: bool, chunked_ok: bool) -> bool:
+    """Send `request` upstream (on a pooled connection if one is idle) and stream the answer back to `client`,
+    re-framed for it: Content-Length kept, chunked or close-delimited bodies chunked again for an HTTP/1.1 client
+    (close-delimited for HTTP/1.0). Whether the client connection can carry another request."""
     config, pool = shared.config, shared.pool
     upstream = pool.take(ips, port, scheme, host)
-    response: h11.Response | None = None
+    head: ResponseHead | None = None
     try:
         if upstream is not None:
             try:
-                response = await _exchange(upstream, request, body, config.upstream_timeout)
-            except (OSError, h11.RemoteProtocolError):
+                head = await _exchange(upstream, request, method, config.upstream_timeout)
+            except (OSError, ValueError):
                 upstream.close()
                 # A kept-alive connection the upstream had already closed: nothing reached it, so an idempotent
                 # request may go again on a fresh one. Anything else might have had an effect: never re-sent.
-                if upstream.received or request.method.decode("ascii") not in _IDEMPOTENT:
+                if upstream.received or method.decode("ascii") not in _IDEMPOTENT:
                     raise
                 upstream = None
         if upstream is None:
             upstream = await pool.dial(ips, port, scheme, host)
-            response = await _exchange(upstream, request, body, config.upstream_timeout)
+            head = await _exchange(upstream, request, method, config.upstream_timeout)
     except TimeoutError:
         if upstream is not None:
             upstream.close()
         raise ProxyFailure(UPSTREAM_TIMEOUT, f"{host} did not answer in time") from None
-    except (OSError, h11.RemoteProtocolError, ssl.SSLError) as exc:
+    except (OSError, ValueError) as exc:  # ssl.SSLError and httptools.HttpParserError included
         if upstream is not None:
             upstream.close()
         log.debug("upstream %s:%d failed: %s", host, port, type(exc).__name__)
         raise ProxyFailure(UPSTREAM_FAILED, f"{host} could not be reached or answered badly") from None
-    assert response is not None
-    ex.bytes_up, ex.upstream_status = len(body), response.status_code
+    assert head is not None
+    ex.bytes_up, ex.upstream_status = bytes_up, head.status
+    unknown_length = head.framing in ("chunked", "close")
+    chunked = unknown_length and chunked_ok
+    keep_alive = keep_alive and not (unknown_length and not chunked)
+    out = [_head(head, keep_alive=keep_alive, chunked=chunked)]
     try:
-        client.send(h11.Response(status_code=response.status_code, headers=response_headers(response.headers),
-                                 reason=response.reason))
         while True:
-            event = upstream.conn.next_event()
-            if event is h11.NEED_DATA:
-                # Whatever is already parsed goes out before waiting: usually headers and body in one write.
-                await client.drain()
-                event = await upstream.next_event(config.upstream_timeout)
-            if isinstance(event, h11.Data):
-                ex.bytes_down += len(event.data)
-                client.send(event)
-            elif isinstance(event, h11.EndOfMessage):
-                client.send(h11.EndOfMessage())
+            for data in upstream.take_body():
+                ex.bytes_down += len(data)
+                out.append(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            if upstream.complete:
                 break
-            else:
-                raise ConnectionResetError("the upstream closed mid-response")
-        await client.drain()
-    except (OSError, h11.ProtocolError) as exc:
+            # Whatever is already parsed goes out before waiting: usually headers and body in one write.
+            client.write_raw(b"".join(out))
+            out.clear()
+            await client.writer.drain()
+            await upstream.read_more(config.upstream_timeout)
+        if chunked:
+            out.append(b"0\r\n\r\n")
+        client.write_raw(b"".join(out))
+        await client.writer.drain()
+    except (OSError, ValueError) as exc:
         # Headers already went out: the only honest signal left is to cut the client connection.
         log.debug("response from %s:%d cut short: %s", host, port, type(exc).__name__)
         upstream.close()
         return False
     pool.give(upstream)
-    return True
+    return keep_alive

@@ -43,6 +43,10 @@ def normalize_host(host: str) -> str:
 
 def is_ip(host: str) -> bool:
     """Whether a normalised host is an IP literal rather than a DNS name."""
+    # `ipaddress` reads IPv4 from digits and dots only and IPv6 only with a colon: anything else is a name, told
+    # without the cost of the exception.
+    if ":" not in host and host.strip("0123456789."):
+        return False
     try:
         ipaddress.ip_address(host)
     except ValueError:

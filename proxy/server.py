@@ -133,7 +133,7 @@ class ProxyServer:
                 return
             if not await handle_request(self._shared, client, event, connection) or not client.reusable():
                 return
-            client.conn.start_next_cycle()
+            client.start_next_cycle()
 
     async def _connect(self, client: H11Stream, request: h11.Request, connection: ClientConnection) -> None:
         headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw_items()]

@@ -1,21 +1,25 @@
-"""HTTP/1.1 over asyncio streams with h11, name resolution after an allow, and the upstream keep-alive pool."""
+"""HTTP/1.1 over asyncio streams: h11 for clients, llhttp (`httptools`) for upstream responses; name resolution
+after an allow; the upstream keep-alive pool."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import ssl
 import time
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Final, Literal
 
 import h11
+import httptools
 
 from proxy.hosts import is_ip
 from proxy.rewrite import HOP_BY_HOP
 
-__all__ = ["H11Stream", "PoolKey", "Upstream", "UpstreamPool", "resolve", "response_headers"]
+__all__ = ["Framing", "H11Stream", "PoolKey", "ResponseHead", "Upstream", "UpstreamPool", "resolve", "response_headers",
+           "serialize_request"]
 
 _READ: Final = 65536
 _MAX_HEAD: Final = 64 * 1024
@@ -35,6 +39,8 @@ class H11Stream:
         self.received = 0
         """Bytes received so far: whether a failed reused connection had answered anything."""
         self._out: list[bytes] = []
+        self.answered = False
+        """The response went out as bytes written past h11 (see `write_raw`): h11's own state no longer tells."""
 
     async def next_event(self, idle: float) -> h11.Event:
         """The next event other than NEED_DATA; raises `TimeoutError`, `h11.RemoteProtocolError`, `OSError`."""
@@ -62,19 +68,41 @@ class H11Stream:
         self.flush()
         await self.writer.drain()
 
+    def write_raw(self, data: bytes) -> None:
+        """Write response bytes without h11: the caller frames them. After this, only `start_next_cycle` or a
+        close; `answer_error` no longer answers."""
+        self.answered = True
+        self.writer.write(data)
+
     def reusable(self) -> bool:
-        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+        return self.conn.their_state is h11.DONE and (self.answered or self.conn.our_state is h11.DONE)
+
+    def start_next_cycle(self) -> None:
+        """Ready for the client's next request: h11's own cycle, or a fresh parser fed what it had buffered."""
+        if not self.answered:
+            self.conn.start_next_cycle()
+            return
+        data, closed = self.conn.trailing_data
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+        self.answered = False
+        if data:
+            self.conn.receive_data(data)
+        if closed:
+            self.conn.receive_data(b"")
 
     def close(self) -> None:
         self.writer.close()
+
+
+# X-Wakeful-Refusal is the proxy's own word that nothing was sent; an upstream must not be able to say it.
+_ALWAYS_DROPPED: Final = frozenset({h.encode("ascii") for h in HOP_BY_HOP} | {b"x-wakeful-refusal"})
 
 
 def response_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The upstream's response headers without hop-by-hop ones (and those its `Connection` names)."""
     nominated = {token.strip().lower() for name, value in headers if name.lower() == b"connection"
                  for token in value.split(b",")} - {b"content-length"}
-    # X-Wakeful-Refusal is the proxy's own word that nothing was sent; an upstream must not be able to say it.
-    drop = {h.encode("ascii") for h in HOP_BY_HOP} | nominated | {b"x-wakeful-refusal"}
+    drop = _ALWAYS_DROPPED | nominated
     return [(name, value) for name, value in headers if name.lower() not in drop]
 
 
@@ -90,15 +118,211 @@ async def resolve(host: str, port: int, static: Mapping[str, Sequence[str]]) -> 
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-class Upstream(H11Stream):
+class ResponseHead:
+    """The status line and headers of one upstream response, and how its body is framed."""
+
+    __slots__ = ("status", "reason", "headers", "framing")
+
+    def __init__(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], framing: Framing) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self.framing = framing
+
+
+Framing = Literal["none", "length", "chunked", "close"]
+"""How an upstream response body ends: not at all (HEAD, 1xx, 204, 304), after Content-Length bytes, at the last
+chunk, or when the upstream closes."""
+
+_FIELD_NAME: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE: Final = re.compile(rb"(?:[\x21-\x7e\x80-\xff](?:[ \t\x21-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?")
+_TARGET: Final = re.compile(rb"[\x21-\x7e]+")
+_REASON: Final = re.compile(rb"[ \t\x21-\x7e\x80-\xff]*")
+
+
+def serialize_request(method: bytes, target: bytes, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """An HTTP/1.1 request's bytes. Raises `ValueError` (without quoting anything: values can hold secrets) for
+    a method, target, header name or value that cannot be written as it is: the same grammar h11 enforces."""
+    if not _FIELD_NAME.fullmatch(method) or not _TARGET.fullmatch(target):
+        raise ValueError("the request line cannot be written as it is")
+    parts = [method, b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in headers:
+        if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            raise ValueError("a header cannot be written as it is")
+        parts += (name, b": ", value, b"\r\n")
+    parts += (b"\r\n", body)
+    return b"".join(parts)
+
+
+class _Parsed:
+    """httptools' callbacks for one upstream connection: what llhttp has parsed and not yet been taken."""
+
+    __slots__ = ("parser", "status", "reason", "headers", "head_done", "keep_alive", "body", "complete", "extra")
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.reason = bytearray()
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.keep_alive = False
+        """llhttp's word, read once the head is parsed: it forgets it when the message completes."""
+        self.body: list[bytes] = []
+        self.complete = False
+        self.extra = False
+        """Bytes after the response: the upstream is not speaking HTTP the way we asked, never reused."""
+
+    def on_message_begin(self) -> None:
+        if not self.complete:
+            return
+        if self.status >= 200:
+            self.extra = True
+            return
+        # The final response after a 1xx one (a 100 Continue: the body was already sent, so it is skipped).
+        self.status, self.reason, self.headers = 0, bytearray(), []
+        self.head_done = self.complete = False
+
+    def on_status(self, status: bytes) -> None:
+        self.reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.head_done:  # trailers after a chunked body are dropped, as hop-by-hop
+            self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+
+class Upstream:
+    """One connection to an upstream: requests written as bytes, responses parsed by llhttp (`httptools`)."""
+
     def __init__(self, key: PoolKey, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        super().__init__(h11.CLIENT, reader, writer)
         self.key = key
+        self.reader = reader
+        self.writer = writer
         self.reused = False
         self.idle_since = 0.0
+        self.received = 0
+        """Bytes received so far: whether a failed reused connection had answered anything."""
+        self._parsed = _Parsed()
+        self._framing: Framing | None = None
+        self._done = False
+        self._unproductive = 0
+        """Bytes read in a row that held no body: chunk sizes, extensions and trailers are bounded like a head."""
+
+    async def request(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def _feed(self, wait: float) -> bool:
+        """Read and parse once; False at EOF. Raises `TimeoutError`, `OSError`, `httptools.HttpParserError`."""
+        async with asyncio.timeout(wait):
+            data = await self.reader.read(_READ)
+        if not data:
+            return False
+        self.received += len(data)
+        try:
+            self._parsed.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # an unasked-for 101 included
+            raise ValueError(f"the upstream's answer is not well-formed HTTP/1.1: {type(exc).__name__}") from None
+        return True
+
+    async def response_head(self, wait: float, *, head_request: bool) -> ResponseHead:
+        """The next final response's head (1xx are skipped: the body is already sent). Raises `TimeoutError`,
+        `OSError` (`ConnectionResetError` for a close before or a 101 in place of an answer), `ValueError`
+        (`httptools.HttpParserError` included) for an answer that is not well-formed."""
+        parsed = self._parsed
+        start = self.received
+        while not (parsed.head_done and parsed.status >= 200):
+            if parsed.status == 101:
+                raise ConnectionResetError("the upstream switched protocols unasked")
+            # llhttp buffers a header line it has not finished: the bytes read, not those parsed, are bounded.
+            if self.received - start > _MAX_HEAD:
+                raise ValueError("the upstream's response head is too large")
+            if not await self._feed(wait):
+                raise ConnectionResetError("the upstream closed before answering")
+        status = parsed.status
+        if len(parsed.reason) + sum(len(n) + len(v) for n, v in parsed.headers) > _MAX_HEAD:
+            raise ValueError("the upstream's response head is too large")
+        reason = bytes(parsed.reason)
+        if not _REASON.fullmatch(reason):
+            reason = b""
+        te: bytes | None = None
+        length = False
+        for name, value in parsed.headers:
+            if not _FIELD_NAME.fullmatch(name) or not _FIELD_VALUE.fullmatch(value.strip(b" \t")):
+                raise ValueError("an upstream response header cannot be forwarded as it is")
+            lowered = name.lower()
+            if lowered == b"transfer-encoding":
+                te = value if te is None else te + b"," + value
+            elif lowered == b"content-length":
+                length = True
+        framing: Framing
+        if head_request or status in (204, 304):
+            framing = "none"
+        elif te is not None:
+            framing = "chunked" if te.rsplit(b",", 1)[-1].strip().lower() == b"chunked" else "close"
+        elif length:
+            framing = "length"
+        else:
+            framing = "close"
+        if framing == "none" and not parsed.complete:
+            # llhttp does not know this answered a HEAD: it expects the body its Content-Length announces.
+            if head_request and not parsed.body:
+                parsed.complete = True
+            else:
+                raise ValueError("a response that has no body carried one")
+        self._framing = framing
+        return ResponseHead(status, reason, [(n, v.strip(b" \t")) for n, v in parsed.headers], framing)
+
+    def take_body(self) -> list[bytes]:
+        """The body bytes parsed and not yet taken."""
+        chunks, self._parsed.body = self._parsed.body, []
+        return chunks
+
+    @property
+    def complete(self) -> bool:
+        return self._parsed.complete
+
+    async def read_more(self, wait: float) -> None:
+        """Read once more of the body. Raises `TimeoutError`, `OSError` (`ConnectionResetError` for a close
+        before the body's end), `ValueError` (`httptools.HttpParserError` included)."""
+        before = self.received
+        if not await self._feed(wait):
+            if self._framing != "close":
+                raise ConnectionResetError("the upstream closed mid-response")
+            self._parsed.complete = True
+            self._done = True  # close-delimited: the close was the body's end
+        elif self._parsed.body:
+            self._unproductive = 0
+        else:
+            self._unproductive += self.received - before
+            if self._unproductive > _MAX_HEAD:
+                raise ValueError("the upstream sends framing without a body")
+
+    def reusable(self) -> bool:
+        parsed = self._parsed
+        return (parsed.complete and not parsed.extra and not self._done and self._framing != "close"
+                and parsed.keep_alive)
+
+    def start_next_cycle(self) -> None:
+        self._parsed = _Parsed()
+        self._framing = None
+        self._unproductive = 0
 
     def alive(self) -> bool:
         return not (self.writer.is_closing() or self.reader.at_eof())
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class UpstreamPool:
@@ -156,7 +380,7 @@ class UpstreamPool:
         if not upstream.reusable() or not upstream.alive():
             upstream.close()
             return
-        upstream.conn.start_next_cycle()
+        upstream.start_next_cycle()
         upstream.idle_since = time.monotonic()
         idle = self._idle.setdefault(upstream.key, [])
         idle.append(upstream)

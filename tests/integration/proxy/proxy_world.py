@@ -66,6 +66,8 @@ class Upstream:
         self.raw_bytes = bytearray()
         self.hang_up = False
         """When set, each connection is closed after one response, without saying so (an idle timeout)."""
+        self.raw_reply: Callable[[Received], tuple[bytes, bool]] | None = None
+        """When set, every request is answered with these bytes exactly, and the connection closed if asked."""
         self.hold: asyncio.Event | None = None
         """When set, every request is recorded and then answered only once this event is set."""
         self.port = 0
@@ -111,6 +113,17 @@ class Upstream:
                 self.received.append(received)
                 if self.hold is not None:
                     await self.hold.wait()
+                if self.raw_reply is not None:
+                    data, close = self.raw_reply(received)
+                    writer.write(data)
+                    await writer.drain()
+                    if close:
+                        return
+                    trailing, _ = conn.trailing_data
+                    conn = h11.Connection(h11.SERVER)
+                    if trailing:  # b"" would mean the client closed
+                        conn.receive_data(trailing)
+                    continue
                 status, headers, payload = self.reply(received)
                 headers = [*headers, ("content-length", str(len(payload)))]
                 writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
