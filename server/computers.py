@@ -17,7 +17,6 @@ import dataclasses
 import re
 import threading
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from server.clock import Clock
@@ -212,8 +211,6 @@ def computer_tools() -> list[dict[str, Any]]:
                                    "minutes": {"type": "integer", "minimum": 1, "maximum": 120, "default": 15}}}},
     ]
 
-
-HANDOFF_TTL: Final = timedelta(minutes=15)
 
 
 class LazyVmComputers:
