@@ -57,11 +57,21 @@ def tiny_guest() -> TinyGuest:
     return build_tiny_guest(CACHE)
 
 
+_CHOSEN: list[str] = []
+
+
 @pytest.fixture(scope="session")
 def accel(tiny_guest: TinyGuest) -> AccelChoice:
     choice = choose_accel(tiny_guest.kernel, data_dir=CACHE, timeout=10.0)
     print(f"\naccel mode: {choice.describe()}")
+    _CHOSEN.append(choice.describe())
     return choice
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say in the run's own output which acceleration the guests ran under (KVM where it boots, else TCG)."""
+    for described in dict.fromkeys(_CHOSEN):
+        terminalreporter.write_line(f"system tests: guests ran under {described}")
 
 
 @pytest.fixture
