@@ -21,8 +21,8 @@ from proxy.contract import (
     _loads,
     _optional_text,
     _text,
+    check_destination,
 )
-from proxy.hosts import normalize_host
 
 __all__ = ["EgressRecord", "encode_record", "parse_record"]
 
@@ -76,15 +76,7 @@ class EgressRecord:
         _optional_text(self.attempt_id, "attempt_id")
         _optional_text(self.action_id, "action_id")
         _text(self.method, "method", limit=32)
-        if self.scheme not in ("http", "https"):
-            raise ContractError("scheme must be http or https")
-        try:
-            if normalize_host(self.host) != self.host:
-                raise ContractError("host must be normalised")
-        except ValueError as exc:
-            raise ContractError(f"host: {exc}") from None
-        if type(self.port) is not int or not 0 < self.port < 65536:
-            raise ContractError("port must be an integer in 1..65535")
+        check_destination(self.scheme, self.host, self.port)
         _text(self.path, "path", limit=8192, empty=True)
         if "?" in self.path or "#" in self.path or (self.path and not self.path.startswith("/")):
             raise ContractError("path must start with / and carry no query or fragment")

@@ -97,6 +97,19 @@ def _optional_text(value: object, what: str) -> str | None:
     return None if value is None else _text(value, what)
 
 
+def check_destination(scheme: str, host: str, port: int) -> None:
+    """Raises `ContractError` unless scheme is http(s), host is normalised and port is in 1..65535."""
+    if scheme not in ("http", "https"):
+        raise ContractError("scheme must be http or https")
+    try:
+        if normalize_host(host) != host:
+            raise ContractError("host must be normalised")
+    except ValueError as exc:
+        raise ContractError(f"host: {exc}") from None
+    if type(port) is not int or not 0 < port < 65536:
+        raise ContractError("port must be an integer in 1..65535")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecisionRequest:
     """One request the proxy would forward, described to the decider. Validated on construction."""
@@ -131,15 +144,7 @@ class DecisionRequest:
         _optional_text(self.client_token, "client_token")
         if not isinstance(self.method, str) or not _TOKEN.fullmatch(self.method) or self.method != self.method.upper():
             raise ContractError("method must be an upper-case token")
-        if self.scheme not in ("http", "https"):
-            raise ContractError("scheme must be http or https")
-        try:
-            if normalize_host(self.host) != self.host:
-                raise ContractError("host must be normalised")
-        except ValueError as exc:
-            raise ContractError(f"host: {exc}") from None
-        if type(self.port) is not int or not 0 < self.port < 65536:
-            raise ContractError("port must be an integer in 1..65535")
+        check_destination(self.scheme, self.host, self.port)
         _text(self.path, "path", limit=8192, empty=True)
         path_ok = self.path.startswith("/") or (self.method == "CONNECT" and self.path == "")
         if not path_ok or "?" in self.path or "#" in self.path:
