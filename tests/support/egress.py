@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import Engine
 
-from proxy.channel import DeciderServer
+from proxy.channel import Decide, DeciderServer, Record
 from proxy.contract import DecisionRequest, Verdict
 from server import egress
 from server.clock import FakeClock
@@ -34,7 +34,7 @@ from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, free_port
 from tests.support.tlsca import make_test_ca
 
-__all__ = ["EgressStack", "egress_stack"]
+__all__ = ["EgressStack", "decider_on_thread", "egress_stack"]
 
 SIMS = ("merchant", "airline", "hotel")
 
@@ -52,7 +52,6 @@ class EgressStack:
     before_decide: list[Callable[[DecisionRequest], None]] = field(default_factory=list)
     """Run (in the decider's thread) before each decision: the moment between a request leaving and its verdict."""
     asked: list[DecisionRequest] = field(default_factory=list)
-    decider_up: threading.Event = field(default_factory=threading.Event)
     stop_decider: Callable[[], None] = lambda: None
     """Close the decider's socket, as if the server were gone."""
 
@@ -80,34 +79,42 @@ def _toml(settings: Settings) -> str:
 
 
 @contextmanager
-def _decider(stack: EgressStack, service: DeciderService) -> Iterator[None]:
+def decider_on_thread(settings: Settings, decide: Decide, record: Record) -> Iterator[Callable[[], None]]:
+    """The server's decider on its unix socket, served from an event loop on a thread of its own (the test's own
+    thread stays free to drive the world). Yields `stop`, which closes the socket early, as if the server were gone."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-decider", daemon=True)
     thread.start()
+    server = DeciderServer(settings.decider_socket, new_decider_token(settings), decide, record)
+    up = threading.Event()
 
+    def stop() -> None:
+        if up.is_set():
+            up.clear()
+            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+        up.set()
+        yield stop
+    finally:
+        stop()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@contextmanager
+def _decider(stack: EgressStack, service: DeciderService) -> Iterator[None]:
     async def decide(req: DecisionRequest) -> Verdict:
         stack.asked.append(req)
         for hook in stack.before_decide:
             await asyncio.to_thread(hook, req)
         return await service.decide(req)
 
-    server = DeciderServer(stack.settings.decider_socket, new_decider_token(stack.settings), decide, service.record)
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
-    stack.decider_up.set()
-
-    def stop() -> None:
-        stack.decider_up.clear()
-        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
-
-    stack.stop_decider = stop
-    try:
+    with decider_on_thread(stack.settings, decide, service.record) as stop:
+        stack.stop_decider = stop
         yield
-    finally:
-        if stack.decider_up.is_set():
-            asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
 
 
 @contextmanager
