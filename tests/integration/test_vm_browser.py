@@ -17,6 +17,7 @@ from server.clock import FakeClock
 from tests.support.chromium import HostChromium
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd
+from tests.support.threaded import serving_on_thread
 from vm.browser import CdpBrowser
 from vm.guest import GuestChannel
 from vm.observe import BumpReason, Click, Fill, Navigate, NewTab, Press, Refused, Select, SwitchTab
@@ -104,13 +105,8 @@ class _SiteHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def site() -> Iterator[Site]:
-    server = Site()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    with serving_on_thread(Site()) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

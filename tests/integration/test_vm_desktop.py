@@ -15,6 +15,7 @@ from server.clock import FakeClock
 from tests.support.chromium import HostChromium, Xvfb
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd
+from tests.support.threaded import serving_on_thread
 from vm.desktop import BadKeys, XDesktop, png_size
 from vm.guest import GuestChannel
 from vm.observe import BumpReason, DesktopClick, DesktopKey, DesktopType, FrameSize, Refused, Surface
@@ -74,13 +75,8 @@ class _KeyHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def site() -> Iterator[KeySite]:
-    server = KeySite()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    with serving_on_thread(KeySite()) as server:
+        yield server
 
 
 @pytest.fixture

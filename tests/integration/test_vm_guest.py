@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ import pytest
 
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd, keygen
+from tests.support.threaded import serving_on_thread
 from vm.guest import GuestChannel, GuestError
 
 
@@ -50,13 +50,8 @@ def sshd(tmp_path: Path) -> Iterator[Sshd]:
 
 @pytest.fixture
 def http_server() -> Iterator[_Hits]:
-    server = _Hits()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    with serving_on_thread(_Hits()) as server:
+        yield server
 
 
 def _channel(sshd: Sshd, **kwargs: object) -> GuestChannel:
