@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.polling import wait_until
 from vm.domain_xml import proxy_connector
 from vm.hypervisor import ProxyCredential
 
@@ -155,10 +156,7 @@ def test_when_the_proxy_closes_the_guest_sees_the_close_and_no_relay_process_is_
         up.close.set()
         assert read_until_close(guest) == b"", "the guest reads the close, nothing more"
         proc.wait(10)
-        deadline = time.monotonic() + 10
-        while (left := session_members(proc.pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert left == [], "no relay process keeps the guest's socket open"
+        wait_until(lambda: session_members(proc.pid) == [], 10, "no relay process keeping the guest's socket open")
 
 
 def test_when_the_guest_closes_the_proxy_sees_the_close() -> None:
