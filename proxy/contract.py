@@ -25,6 +25,7 @@ __all__ = [
     "RefusalCode",
     "Refuse",
     "Verdict",
+    "check_destination",
     "encode_request",
     "encode_verdict",
     "parse_request",
