@@ -11,7 +11,6 @@ POST and nothing else. Plain HTTP: the image trusts its build's test CA, not thi
 
 from __future__ import annotations
 
-import asyncio
 import html
 import http.server
 import secrets
@@ -22,14 +21,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.channel import DeciderServer
 from proxy.contract import DecisionRequest, Verdict
 from server import egress
 from server.clock import FakeClock
 from server.db import make_engine, migrate, write
-from server.proxyctl import DeciderService, ProxyChild, new_decider_token
+from server.proxyctl import DeciderService, ProxyChild
 from server.settings import Settings
 from server.users import ensure_user
+from tests.support.egress import decider_on_thread
 from tests.support.serve import free_port
 from vm.hypervisor import ProxyCredential
 
@@ -174,23 +173,15 @@ def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | Non
         lab.verdicts.append(verdict)
         return verdict
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="shop-decider", daemon=True)
-    thread.start()
-    decider = DeciderServer(settings.decider_socket, new_decider_token(settings), decide, service.record)
     try:
-        asyncio.run_coroutine_threadsafe(decider.start(), loop).result(10)
-        child = ProxyChild(settings, log_file=lab.proxy_log)
-        child.start()
-        try:
-            yield lab
-        finally:
-            child.stop()
+        with decider_on_thread(settings, decide, service.record):
+            child = ProxyChild(settings, log_file=lab.proxy_log)
+            child.start()
+            try:
+                yield lab
+            finally:
+                child.stop()
     finally:
-        asyncio.run_coroutine_threadsafe(decider.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
         engine.dispose()
         server.shutdown()
         server.server_close()
