@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
 import time
 
 __all__ = ["new_id", "new_token", "token_digest"]
@@ -19,9 +20,24 @@ def _b32(value: int, width: int) -> str:
     return "".join(reversed(out))
 
 
+_lock = threading.Lock()
+_last = (0, 0)  # (milliseconds, random part) of the last id this process issued
+
+
 def new_id(prefix: str) -> str:
-    """`prefix_` + 10 chars of milliseconds + 16 random chars: sorts by creation time, never collides in practice."""
-    return f"{prefix}_{_b32(time.time_ns() // 1_000_000, 10)}{_b32(secrets.randbits(80), 16)}"
+    """`prefix_` + 10 chars of milliseconds + 16 random chars: sorts by creation time, never collides in practice.
+
+    Monotonic within a process (as ULIDs are): an id issued in the same millisecond as the previous one carries
+    the previous random part plus one, so ids issued one after the other sort in the order they were issued —
+    rows ordered by (time, id) keep the order they were written in. A fresh millisecond starts the random part
+    below 2**79, so counting up never overflows its 80 bits.
+    """
+    global _last
+    with _lock:
+        ms = max(time.time_ns() // 1_000_000, _last[0])
+        rand = _last[1] + 1 if ms == _last[0] else secrets.randbits(79)
+        _last = (ms, rand)
+    return f"{prefix}_{_b32(ms, 10)}{_b32(rand, 16)}"
 
 
 def new_token() -> str:
