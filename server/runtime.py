@@ -108,7 +108,7 @@ class Runtime:
         if computers is None and settings.computers:
             computers = LazyVmComputers(settings, self.clock, self.engine)
         self.computers = computers
-        self.live = LiveViews(computers) if computers is not None else None
+        self.live = LiveViews(computers, self.clock) if computers is not None else None
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
                                         on_event=self.signals.outcome_recorded, http=self.egress,
                                         resend_after=settings.resend_after, computers=computers)

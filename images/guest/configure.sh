@@ -6,7 +6,8 @@ systemctl enable systemd-networkd.service
 systemctl mask systemd-networkd-wait-online.service
 systemctl enable serial-getty@ttyS0.service
 systemctl enable wakeful-seed.service bootmarker.service
-systemctl enable wakeful-xvfb.service wakeful-wm.service wakeful-x11vnc.service wakeful-chromium.service
+systemctl enable wakeful-xvfb.service wakeful-wm.service wakeful-x11vnc.service wakeful-x11vnc-view.service \
+    wakeful-chromium.service
 # No periodic maintenance: the VM is suspended when idle, has no route to a mirror, and every wakeup costs a host
 # core under TCG (e2scrub_reap alone held the boot back by minutes).
 systemctl mask e2scrub_reap.service e2scrub_all.timer apt-daily.timer apt-daily-upgrade.timer \

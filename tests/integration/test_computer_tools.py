@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from mcp import Client
 from sqlalchemy import Engine, select
+from starlette.websockets import WebSocketDisconnect
 
 from server import approvals, control, sessions
 from server.clock import FakeClock
@@ -25,6 +26,7 @@ from server.db import read, write
 from server.errors import Refused
 from server.handlers import EchoHandler
 from server.http import create_app
+from server.liveview import CONTROL_VNC_PORT, VIEW_VNC_PORT
 from server.mcpserver import WakefulMCP
 from server.policy import Policy
 from server.runtime import Runtime
@@ -247,26 +249,38 @@ class FakeVnc:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.received = bytearray()
+        self.connections = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        conn, _ = self.sock.accept()
-        with conn:
-            conn.sendall(b"RFB 003.008\n")
-            while data := conn.recv(4096):
-                self.received += data
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.connections += 1
+                with conn:
+                    conn.sendall(b"RFB 003.008\n")
+                    while data := conn.recv(4096):
+                        self.received += data
 
     def close(self) -> None:
         self.sock.close()
 
 
+@pytest.fixture
+def vnc(setup: tuple[Runtime, FakeComputers, str]) -> Iterator[dict[int, FakeVnc]]:
+    """The guest's two x11vnc servers: 5900 takes input (handoff), 5901 is view only."""
+    servers = {CONTROL_VNC_PORT: FakeVnc(), VIEW_VNC_PORT: FakeVnc()}
+    setup[1].tc.vnc_port = lambda guest_port=CONTROL_VNC_PORT: servers[guest_port].port  # type: ignore[method-assign]
+    yield servers
+    for server in servers.values():
+        server.close()
+
+
 def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_ends_it(
-        setup: tuple[Runtime, FakeComputers, str], settings: Settings) -> None:
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings, vnc: dict[int, FakeVnc]) -> None:
     runtime, computers, task_id = setup
     owner = _owner(runtime)
-    vnc = FakeVnc()
-    computers.tc.vnc_port = lambda guest_port=5900: vnc.port  # type: ignore[method-assign]
     binding = Binding(user_id=owner, task_id=task_id)
     before = runtime.tools.call(binding, "computer__observe", {})["epoch"]
     runtime.tools.call(binding, "computer__request_handoff", {"reason": "a CAPTCHA"})
@@ -279,6 +293,7 @@ def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_
         assert client.get(path, follow_redirects=False).status_code == 410  # the token works once
         page = client.get(session_path)
         assert page.status_code == 200 and "Return control" in page.text and "/novnc/core/rfb.js" in page.text
+        assert "rfb.viewOnly = false" in page.text
         assert client.get("/novnc/core/rfb.js").status_code == 200
         with client.websocket_connect(f"{session_path}/ws", subprotocols=["binary"]) as ws:
             assert ws.receive_bytes() == b"RFB 003.008\n"
@@ -287,13 +302,60 @@ def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_
                 runtime.tools.call(binding, "computer__act", {"act": {"kind": "scroll", "dy": 100,
                                                                       "observation": 1}})
             assert refused.value.code == "human_in_control"
-        assert wait_until(lambda: bytes(vnc.received) == b"RFB 003.008\n", 5, "the viewer's bytes at the VNC server")
+        control = vnc[CONTROL_VNC_PORT]
+        assert wait_until(lambda: bytes(control.received) == b"RFB 003.008\n", 5, "the viewer's bytes at x11vnc")
+        assert vnc[VIEW_VNC_PORT].connections == 0
         assert client.post(f"{session_path}/return").status_code == 200
         assert client.get(session_path).status_code == 410  # the session ended with the lease
     assert computers.tc.lease is None
     seen = runtime.tools.call(binding, "computer__observe", {})
     assert seen["epoch"] > before  # control came back: a new epoch, observed afresh
-    vnc.close()
+
+
+def _token(runtime: Runtime) -> str:
+    from server import users
+
+    with write(runtime.engine) as conn:
+        return users.issue_token(conn, user_id=_owner(runtime))
+
+
+def test_a_view_only_link_shows_the_screen_from_the_view_only_server_and_takes_no_control(
+        setup: tuple[Runtime, FakeComputers, str], clock: FakeClock, vnc: dict[int, FakeVnc]) -> None:
+    runtime, computers, task_id = setup
+    binding = Binding(user_id=_owner(runtime), task_id=task_id)
+    auth = {"Authorization": f"Bearer {_token(runtime)}"}
+    with TestClient(create_app(runtime, manage_runtime=False)) as client:
+        assert client.post("/v1/live/view").status_code == 401
+        too_short = client.post("/v1/live/view", headers=auth, json={"minutes": 0})
+        assert too_short.status_code == 400 and too_short.json()["error"]["code"] == "malformed_body"
+        issued = client.post("/v1/live/view", headers=auth, json={"minutes": 5})
+        assert issued.status_code == 200 and issued.json()["view_only"] is True
+        path = issued.json()["link"].removeprefix(str(client.base_url))
+        session_path = client.get(path, follow_redirects=False).headers["location"]
+        assert client.get(path, follow_redirects=False).status_code == 410  # once
+        page = client.get(session_path)
+        assert page.status_code == 200 and "view only" in page.text and "rfb.viewOnly = true" in page.text
+        assert "Return control" not in page.text
+        with client.websocket_connect(f"{session_path}/ws", subprotocols=["binary"]) as ws:
+            assert ws.receive_bytes() == b"RFB 003.008\n"
+            ws.send_bytes(b"RFB 003.008\n")
+            # Watching takes nothing from the agent: no lease, and its acts go on.
+            assert computers.tc.lease is None
+            seen = runtime.tools.call(binding, "computer__observe", {})
+            assert runtime.tools.call(binding, "computer__act", {"act": {
+                "kind": "scroll", "dy": 100, "observation": seen["observation"]}})["status"] == "done"
+            assert client.post(f"{session_path}/return").status_code == 410  # no control to give back
+            view = vnc[VIEW_VNC_PORT]
+            assert wait_until(lambda: bytes(view.received) == b"RFB 003.008\n", 5, "the bytes at the view server")
+            clock.advance(timedelta(minutes=5))  # the link's time is up: the open view is closed within a second
+            with pytest.raises(WebSocketDisconnect):
+                while True:
+                    ws.receive_bytes()
+        assert vnc[CONTROL_VNC_PORT].connections == 0, "a view-only session never reaches the server taking input"
+        assert client.get(session_path).status_code == 410
+        expired = client.post("/v1/live/view", headers=auth, json={"minutes": 1}).json()["link"]
+        clock.advance(timedelta(minutes=1))
+        assert client.get(expired.removeprefix(str(client.base_url)), follow_redirects=False).status_code == 410
 
 
 async def test_the_policy_file_in_the_docs_makes_every_act_ask(engine: Engine, clock: FakeClock, owner: str,
