@@ -125,10 +125,13 @@ class VmComputers:
     """Tool computers on VMs: one per user from `VmManager`, connected by `connect` (SSH, CDP, desktop)."""
 
     def __init__(self, manager: VmManager, connect: Callable[[VmInfo], ToolComputer], *,
-                 credential: Callable[[str], ProxyCredential | None] = lambda user: None) -> None:
+                 credential: Callable[[str], ProxyCredential | None] = lambda user: None,
+                 boot_wait: float = 0.0) -> None:
+        """`boot_wait`: seconds the first connection to a VM waits for SSH and Chromium (it may be booting)."""
         self._manager = manager
         self._connect = connect
         self._credential = credential
+        self._boot_wait = boot_wait
         self._computers: dict[str, ToolComputer] = {}
         self._lock = threading.Lock()
         manager.add_after_restore_hook(self._after_restore)
@@ -150,7 +153,7 @@ class VmComputers:
             tc = self._computers.get(user_id)
             if tc is None:
                 tc = self._connect(info)
-                tc.connect()
+                tc.connect(wait=self._boot_wait)
                 self._computers[user_id] = tc
             return tc
 
@@ -246,6 +249,7 @@ def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmC
     from vm.desktop import XDesktop
     from vm.errors import VmError
     from vm.guest import GuestChannel
+    from vm.hypervisor import Accel
     from vm.libvirt_adapter import LibvirtHypervisor
     from vm.lifecycle import VmManager, VmSettings
     from vm.toolcomputer import ToolComputer
@@ -265,11 +269,16 @@ def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmC
     except VmError as exc:
         raise WakefulError(exc.code, exc.message) from None
 
+    # Chromium under TCG is ~30x slower than on the host (a new tab 9-12 s, a first cross-site navigation up to a
+    # minute): its calls get minutes, not seconds, and so does SSH coming back after a restore.
+    slow = accel.accel is Accel.TCG
+
     def connect(info: VmInfo) -> ToolComputer:
         channel = GuestChannel(port=info.forwards.ssh, user="root", client_key_path=info.keys.client_key,
                                pinned_host_key=info.keys.host_public)
-        return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=CdpBrowser(),
-                            desktop=XDesktop(channel))
+        browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0) if slow else CdpBrowser()
+        return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=browser, desktop=XDesktop(channel),
+                            reconnect_timeout=120.0 if slow else 60.0)
 
     def credential(user_id: str) -> ProxyCredential:
         """The VM's own proxy credential: its traffic is matched against the user's egress allowlist."""
@@ -281,4 +290,5 @@ def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmC
             _, token = issue_client_token(conn, user_id=user_id, label="tool computer", now=clock.now())
         return ProxyCredential(user_id=user_id, token=token)
 
-    return VmComputers(manager, connect, credential=credential)
+    return VmComputers(manager, connect, credential=credential,
+                       boot_wait=settings.computer_boot_timeout.total_seconds())

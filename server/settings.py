@@ -129,6 +129,9 @@ class Settings(BaseSettings):
     """The image under `<data_dir>/images/` tool computers boot from."""
     computer_idle_after: Duration = timedelta(minutes=10)
     """A tool computer with nothing in flight for this long is suspended (memory saved to disk, RAM freed)."""
+    computer_boot_timeout: Duration = timedelta(minutes=10)
+    """How long the first observe of a cold-booted tool computer waits for its SSH and Chromium to answer (seconds
+    on KVM; minutes under TCG, where Chromium alone takes 100–230 s to start)."""
     computer_accel: Literal["kvm", "tcg"] | None = None
     """Force the acceleration; by default KVM is probed (a stock kernel must boot under it) and TCG used otherwise."""
     libvirt_uri: str = "qemu:///system"

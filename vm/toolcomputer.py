@@ -79,7 +79,8 @@ from vm.observe import (
     view_change,
 )
 
-__all__ = ["ActResult", "ObserveResult", "RefElement", "RestoreReport", "RestoreTimings", "ToolComputer", "act_kind"]
+__all__ = ["ActResult", "ConnectTimings", "ObserveResult", "RefElement", "RestoreReport", "RestoreTimings",
+           "ToolComputer", "act_kind"]
 
 Outcome = Literal["done", "failed", "unknown"]
 # Errors raised before the act touched the page: nothing happened. Anything else (a timeout, a dropped connection)
@@ -159,6 +160,14 @@ class ActResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ConnectTimings:
+    """Seconds from the start of `connect` until SSH answered, and until the browser was attached."""
+
+    ssh: float
+    cdp: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
 class RestoreTimings:
     """Seconds per step of `after_restore`; SSH and CDP reconnect run in parallel, so total < their sum."""
 
@@ -215,12 +224,26 @@ class ToolComputer:
 
     # ---------------------------------------------------------------------------------------- connection
 
-    def connect(self) -> None:
-        """SSH, then the CDP forward and the browser connection."""
+    def connect(self, *, wait: float = 0.0) -> ConnectTimings:
+        """SSH, then the CDP forward and the browser connection. With `wait`, a guest that is still booting gets
+        that many seconds in all: SSH is retried until it answers, then DevTools until Chromium is up."""
         with self._lock:
-            self._channel.connect()
-            if self._browser is not None:
-                self._browser.connect(self._cdp_url())
+            start = self._timer()
+            if wait > 0:
+                self._channel.reconnect(timeout=wait)
+            else:
+                self._channel.connect()
+            ssh = self._timer() - start
+            if self._browser is None:
+                return ConnectTimings(ssh=ssh, cdp=None)
+            while True:
+                try:
+                    self._browser.connect(self._cdp_url())
+                    return ConnectTimings(ssh=ssh, cdp=self._timer() - start)
+                except BrowserError:
+                    if self._timer() - start >= wait:
+                        raise
+                time.sleep(1.0)  # Chromium is still starting: its DevTools port answers within the wait or never
 
     def _cdp_url(self) -> str:
         return f"http://127.0.0.1:{self._channel.forward(*self._cdp)}"
