@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from vm.lifecycle import VmInfo, VmManager
     from vm.observe import Act, Refused
     from vm.toolcomputer import ActResult, ObserveResult, ToolComputer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "Computers", "LazyVmComputers", "VmComputers",
            "act_from_args",
@@ -141,14 +144,18 @@ class VmComputers:
         if tc is not None:
             tc.after_restore()  # reconnect SSH ‖ CDP, resync the clock, bump the epoch: observe before acting
 
+    def _provisioned(self, user_id: str) -> None:
+        """The user's VM exists from their first use on (the caller holds the lock)."""
+        from vm.errors import VmNotFound
+
+        try:
+            self._manager.get(user_id)
+        except VmNotFound:
+            self._manager.provision(user_id, proxy_credential=self._credential(user_id))
+
     def computer(self, user_id: str) -> ToolComputer:
         with self._lock:
-            from vm.errors import VmNotFound
-
-            try:
-                self._manager.get(user_id)
-            except VmNotFound:
-                self._manager.provision(user_id, proxy_credential=self._credential(user_id))
+            self._provisioned(user_id)
             info = self._manager.ensure_running(user_id)
             tc = self._computers.get(user_id)
             if tc is None:
@@ -159,6 +166,8 @@ class VmComputers:
 
     @contextlib.contextmanager
     def activity(self, user_id: str, kind: str) -> Iterator[None]:
+        with self._lock:
+            self._provisioned(user_id)  # the first observe marks a VM busy before it asks for the computer
         with self._manager.activity(user_id, kind):
             yield
 
@@ -261,6 +270,7 @@ def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmC
                                                         "`wakeful image build`")
     try:
         accel = choose_accel(kernel, data_dir=settings.data_dir, force=settings.computer_accel)
+        log.info("tool computers run under %s", accel.describe())
         manager = VmManager(VmSettings(
             data_dir=settings.data_dir, base_image=image / "base.qcow2", kernel=kernel,
             initrd=image / "initrd.img" if (image / "initrd.img").exists() else None, accel=accel.accel,

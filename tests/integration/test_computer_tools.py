@@ -21,7 +21,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from server import approvals, control, sessions
 from server.clock import FakeClock
-from server.computers import VmComputers
+from server.computers import VmComputers, observe
 from server.db import read, write
 from server.errors import Refused
 from server.handlers import EchoHandler
@@ -396,9 +396,10 @@ def test_vm_computers_provision_with_a_proxy_credential_and_reconnect_after_a_re
 
     computers = VmComputers(manager, connect,
                             credential=lambda user: ProxyCredential(user_id=user, token="tok-" + user))
-    tc = computers.computer("usr_1")
+    # A user's very first observe, as the tools make it (the VM is marked busy before it is asked for): provisions.
+    epoch = observe(computers, "usr_1", "browser").observation.epoch
     assert manager.get("usr_1").proxy_credential == ProxyCredential(user_id="usr_1", token="tok-usr_1")
-    epoch = tc.observe().observation.epoch
+    tc = computers.computer("usr_1")
     clock.advance(timedelta(seconds=1))
     assert computers.reap() == ["usr_1"]  # idle (idle_after 0): suspended to disk
     assert computers.computer("usr_1") is tc  # restored in place, same tool computer, reconnected by the hook
