@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import secrets
 import threading
@@ -53,14 +54,14 @@ VIEW_MINUTES = (1, 120)
 @dataclass(frozen=True)
 class _Session:
     user_id: str
-    lease_id: str | None
-    """The handoff lease this session holds the screen under; None for a view-only session."""
     view_until: datetime | None = None
-    """When a view-only link (or the session it became) expires."""
+    """When a view-only link (and the session it became) expires; None for a handoff, which its lease bounds."""
+    lease_id: str | None = None
+    """The handoff lease this session holds the screen under (known once the link is redeemed)."""
 
     @property
     def view_only(self) -> bool:
-        return self.lease_id is None
+        return self.view_until is not None
 
 
 class LiveViews:
@@ -76,7 +77,7 @@ class LiveViews:
     def offer(self, user_id: str, token: str) -> None:
         """The one-time token of a handoff link (the tool computer checks it against its lease on redemption)."""
         with self._lock:
-            self._tokens[_digest(token)] = _Session(user_id=user_id, lease_id="")
+            self._tokens[_digest(token)] = _Session(user_id=user_id)
 
     def offer_view(self, user_id: str, ttl: timedelta) -> tuple[str, datetime]:
         """A new one-time token for a view-only link, and when it (and the view it opens) expires."""
@@ -86,7 +87,7 @@ class LiveViews:
             for digest, offered in list(self._tokens.items()):  # forget view links that expired unused
                 if offered.view_until is not None and offered.view_until <= now:
                     del self._tokens[digest]
-            self._tokens[_digest(token)] = _Session(user_id=user_id, lease_id=None, view_until=now + ttl)
+            self._tokens[_digest(token)] = _Session(user_id=user_id, view_until=now + ttl)
         return token, now + ttl
 
     def redeem(self, token: str) -> str | None:
@@ -97,15 +98,15 @@ class LiveViews:
             offered = self._tokens.pop(_digest(token), None)
         if offered is None:
             return None
-        if offered.view_only:
-            if offered.view_until is None or self._clock.now() >= offered.view_until:
+        if offered.view_until is not None:
+            if self._clock.now() >= offered.view_until:
                 return None
             found = offered
         else:
             tc = self.computers.computer(offered.user_id)
             if not isinstance(tc.redeem_handoff(token), Accepted) or tc.lease is None:
                 return None
-            found = _Session(user_id=offered.user_id, lease_id=tc.lease.lease_id)
+            found = dataclasses.replace(offered, lease_id=tc.lease.lease_id)
         session = secrets.token_urlsafe(32)
         with self._lock:
             self._sessions[session] = found
@@ -118,8 +119,8 @@ class LiveViews:
             found = self._sessions.get(session)
         if found is None:
             return None
-        if found.view_only:
-            ended = found.view_until is None or self._clock.now() >= found.view_until
+        if found.view_until is not None:
+            ended = self._clock.now() >= found.view_until
         else:
             lease = self.computers.computer(found.user_id).lease
             ended = lease is None or lease.lease_id != found.lease_id
