@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
+import logging
 import select
 import shlex
 import socket
@@ -54,6 +55,20 @@ __all__ = [
 ]
 
 _CHUNK = 65536
+
+
+class _RefusedForwardsAtDebug(logging.Filter):
+    """paramiko logs every refused `direct-tcpip` open at ERROR. Here that is routine — a forward to a port nothing
+    listens on yet, such as DevTools while Chromium starts, retried until it answers — and the caller already sees
+    its connection close, so those records go down to DEBUG rather than fill an operator's log with errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "open FAILED" in record.getMessage():
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("paramiko.transport").addFilter(_RefusedForwardsAtDebug())
 
 
 class GuestError(VmError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import time
@@ -134,6 +135,19 @@ def test_a_forward_round_trips_to_a_loopback_server(channel: GuestChannel, http_
         bodies = [client.get(f"http://127.0.0.1:{port}/n/{i}").text for i in range(3)]
     assert bodies == [f"seen /n/{i}" for i in range(3)]
     assert http_server.paths == ["/n/0", "/n/1", "/n/2"]
+
+
+def test_a_forward_to_a_port_nothing_listens_on_closes_quietly(channel: GuestChannel,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    port = channel.forward("127.0.0.1", closed)
+    with caplog.at_level(logging.DEBUG, logger="paramiko.transport"), \
+            socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        assert conn.recv(1) == b"", "the tunnelled connection is closed, as a refused one would be"
+    refused = [r for r in caplog.records if "open FAILED" in r.getMessage()]
+    assert refused and all(r.levelno == logging.DEBUG for r in refused), "paramiko said so, at DEBUG, not ERROR"
 
 
 def test_close_stops_listeners_and_leaves_no_threads(sshd: Sshd, http_server: _Hits) -> None:
