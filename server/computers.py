@@ -136,7 +136,10 @@ class VmComputers:
         self._credential = credential
         self._boot_wait = boot_wait
         self._computers: dict[str, ToolComputer] = {}
+        self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
+        """Guards `_locks`; each user's lock then covers provisioning, booting and connecting that user's VM only,
+        so one user's cold boot (minutes under TCG) holds nobody else up."""
         manager.add_after_restore_hook(self._after_restore)
 
     def _after_restore(self, restored: Any) -> None:
@@ -144,8 +147,12 @@ class VmComputers:
         if tc is not None:
             tc.after_restore()  # reconnect SSH ‖ CDP, resync the clock, bump the epoch: observe before acting
 
+    def _user_lock(self, user_id: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(user_id, threading.Lock())
+
     def _provisioned(self, user_id: str) -> None:
-        """The user's VM exists from their first use on (the caller holds the lock)."""
+        """The user's VM exists from their first use on (the caller holds the user's lock)."""
         from vm.errors import VmNotFound
 
         try:
@@ -154,7 +161,7 @@ class VmComputers:
             self._manager.provision(user_id, proxy_credential=self._credential(user_id))
 
     def computer(self, user_id: str) -> ToolComputer:
-        with self._lock:
+        with self._user_lock(user_id):
             self._provisioned(user_id)
             info = self._manager.ensure_running(user_id)
             tc = self._computers.get(user_id)
@@ -166,7 +173,7 @@ class VmComputers:
 
     @contextlib.contextmanager
     def activity(self, user_id: str, kind: str) -> Iterator[None]:
-        with self._lock:
+        with self._user_lock(user_id):
             self._provisioned(user_id)  # the first observe marks a VM busy before it asks for the computer
         with self._manager.activity(user_id, kind):
             yield

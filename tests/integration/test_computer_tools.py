@@ -378,16 +378,41 @@ def _task(runtime: Runtime, owner: str) -> str:
         return control.create_task(conn, user_id=owner, session_id=session_id, title="t", now=runtime.clock.now())
 
 
-def test_vm_computers_provision_with_a_proxy_credential_and_reconnect_after_a_restore(
-        tmp_path: Path, clock: FakeClock) -> None:
+def _fake_manager(tmp_path: Path, clock: FakeClock) -> VmManager:
     images = tmp_path / "images"
     images.mkdir()
     (images / "vmlinux").write_bytes(b"\x7fELF")
     (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
-    manager = VmManager(VmSettings(data_dir=tmp_path / "data", base_image=images / "base.qcow2",
-                                   kernel=images / "vmlinux", initrd=None, proxy_port=3129, idle_after=timedelta(0),
-                                   domain_prefix="wkt-"), FakeHypervisor(), clock=clock, disks=FakeDisks(),
-                        port_free=lambda port: True)
+    return VmManager(VmSettings(data_dir=tmp_path / "data", base_image=images / "base.qcow2",
+                                kernel=images / "vmlinux", initrd=None, proxy_port=3129, idle_after=timedelta(0),
+                                domain_prefix="wkt-"), FakeHypervisor(), clock=clock, disks=FakeDisks(),
+                     port_free=lambda port: True)
+
+
+def test_one_users_tool_computer_still_booting_holds_no_other_user_up(tmp_path: Path, clock: FakeClock) -> None:
+    booting, release = threading.Event(), threading.Event()
+
+    def connect(info: VmInfo) -> ToolComputer:
+        if info.user == "usr_slow":  # its guest is still booting: connecting waits for it
+            booting.set()
+            release.wait(30)
+        return FakeComputers(clock).tc
+
+    computers = VmComputers(_fake_manager(tmp_path, clock), connect)
+    slow = threading.Thread(target=computers.computer, args=("usr_slow",))
+    slow.start()
+    try:
+        assert booting.wait(10)
+        assert observe(computers, "usr_fast", "browser").title == "Checkout"  # not queued behind usr_slow's boot
+        assert slow.is_alive()
+    finally:
+        release.set()
+        slow.join(10)
+
+
+def test_vm_computers_provision_with_a_proxy_credential_and_reconnect_after_a_restore(
+        tmp_path: Path, clock: FakeClock) -> None:
+    manager = _fake_manager(tmp_path, clock)
     built: list[FakeComputers] = []
 
     def connect(info: VmInfo) -> ToolComputer:
