@@ -57,18 +57,19 @@ __all__ = [
 _CHUNK = 65536
 
 
-class _RefusedForwardsAtDebug(logging.Filter):
-    """paramiko logs every refused `direct-tcpip` open at ERROR. Here that is routine — a forward to a port nothing
-    listens on yet, such as DevTools while Chromium starts, retried until it answers — and the caller already sees
-    its connection close, so those records go down to DEBUG rather than fill an operator's log with errors."""
+class _TransportErrorsAtDebug(logging.Filter):
+    """paramiko logs, at ERROR and with tracebacks, what is routine here: a guest that resets the connection or
+    sends no banner while it boots or restores (retried until it answers), a forward to a port nothing listens on
+    yet (DevTools while Chromium starts). Each failure also reaches the caller, which reports it with a stable code,
+    so paramiko's own lines go down to DEBUG rather than fill an operator's log with errors."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.ERROR and "open FAILED" in record.getMessage():
+        if record.levelno == logging.ERROR:
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return True
 
 
-logging.getLogger("paramiko.transport").addFilter(_RefusedForwardsAtDebug())
+logging.getLogger("paramiko.transport").addFilter(_TransportErrorsAtDebug())
 
 
 class GuestError(VmError):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -148,6 +150,24 @@ def test_a_forward_to_a_port_nothing_listens_on_closes_quietly(channel: GuestCha
         assert conn.recv(1) == b"", "the tunnelled connection is closed, as a refused one would be"
     refused = [r for r in caplog.records if "open FAILED" in r.getMessage()]
     assert refused and all(r.levelno == logging.DEBUG for r in refused), "paramiko said so, at DEBUG, not ERROR"
+
+
+def test_a_guest_that_resets_ssh_while_it_boots_leaves_no_errors_in_the_log(
+        sshd: Sshd, caplog: pytest.LogCaptureFixture) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as booting:  # accepts, says nothing, hangs up: sshd not up yet
+        def hang_up() -> None:
+            with contextlib.suppress(OSError):
+                conn, _ = booting.accept()
+                conn.recv(1)  # the client's banner arrives first; then the line goes dead
+                conn.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        chan = _channel(sshd, port=booting.getsockname()[1])
+        with caplog.at_level(logging.DEBUG, logger="paramiko.transport"), pytest.raises(GuestError):
+            chan.connect(timeout=5)
+        chan.close()
+    said = [r for r in caplog.records if r.name == "paramiko.transport"]
+    assert said and all(r.levelno < logging.WARNING for r in said), [(r.levelname, r.getMessage()) for r in said]
 
 
 def test_close_stops_listeners_and_leaves_no_threads(sshd: Sshd, http_server: _Hits) -> None:
