@@ -5,7 +5,6 @@ Every domain these tests create is named `wkt-…` and destroyed by the fixture 
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import shutil
 import subprocess
@@ -17,10 +16,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from tiny_guest import TinyGuest, build_tiny_guest
 from vm_lab import Lab, Recorder, serve
 
@@ -142,31 +137,21 @@ def run_image_build(data_dir: Path, *args: str) -> ImageBuild:
     return ImageBuild(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
 
 
-def make_test_ca(path: Path) -> Path:
-    """A throwaway CA certificate standing in for the egress proxy's (kept, so rebuilds reuse the CA stage)."""
-    if path.exists():
-        return path
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "wakeful test deployment CA")])
-    now = dt.datetime.now(dt.UTC)
-    usage = x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                          key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-                          decipher_only=False)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
-            .not_valid_after(now + dt.timedelta(days=3650))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(usage, critical=True)
-            .sign(key, hashes.SHA256()))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return path
+def deployment_ca(data_dir: Path, out: Path) -> Path:
+    """`wakeful proxy ca -o OUT` in `data_dir`: the deployment CA (created there on first use, its key sealed under
+    `data_dir/vault.key`) that the image trusts and a proxy run with that key and CA directory intercepts with."""
+    if not out.exists():
+        env = {**os.environ, "WAKEFUL_DATA_DIR": str(data_dir)}
+        subprocess.run([str(WAKEFUL), "proxy", "ca", "-o", str(out)], env=env, check=True, capture_output=True,
+                       timeout=120)
+    return out
 
 
 @dataclass(frozen=True)
 class GuestImageBuild:
     image_dir: Path
     data_dir: Path
+    """The build's data directory; also the deployment whose CA (`proxy/`, key under `vault.key`) the image trusts."""
     ca_cert: Path
     first_build: ImageBuild
 
@@ -176,7 +161,7 @@ def guest_image_build() -> GuestImageBuild:
     if os.geteuid() != 0:
         pytest.skip("building the guest image needs root")
     data_dir = IMAGE_BUILD / "data"
-    ca = make_test_ca(IMAGE_BUILD / "test-ca.pem")
+    ca = deployment_ca(data_dir, IMAGE_BUILD / "deployment-ca.pem")
     build = run_image_build(data_dir, "--ca-cert", str(ca))
     assert build.returncode == 0, f"wakeful image build failed:\n{build.stderr}\n{build.stdout}"
     return GuestImageBuild(image_dir=data_dir / "images" / "guest", data_dir=data_dir, ca_cert=ca, first_build=build)
@@ -188,5 +173,5 @@ def guest_image(guest_image_build: GuestImageBuild) -> Path:
 
     Boot the kernel (vmlinux: PVH, faster under TCG) with `kernel.cmdline` from manifest.json, base.qcow2 as vda
     behind a per-VM overlay, and a read-only ext4 seed disk labelled WKSEED holding ssh_host_ed25519_key(.pub),
-    authorized_keys and hostname. Trusts the test CA `.cache/image-build/test-ca.pem` (key not kept)."""
+    authorized_keys and hostname. Trusts the deployment CA of `.cache/image-build/data` (see `deployment_ca`)."""
     return guest_image_build.image_dir

@@ -1,12 +1,17 @@
 """A shop on the host's loopback and the real egress path to it, for tool-computer system tests and the benchmark.
 
-    with shop_egress(tmp) as lab:           # the shop, the server's decider, the real `wakeful proxy` process
+    with shop_egress(tmp, deployment=image_data_dir) as lab:   # the shop, the server's decider, `wakeful proxy`
         lab.credential                      # the VM's proxy identity (a client token issued by the server)
         lab.shop.url                        # http://shop.test:<port>/ — the proxy resolves shop.test to 127.0.0.1
+        lab.shop.tls_url                    # https://shop.test:<tls_port>/ — the same shop over TLS
         lab.shop.orders                     # what the shop received: its own records, not the agent's word
 
-The egress allowlist (`<policies>/egress.toml`) lets the shopper reach shop.test on the shop's port with GET and
-POST and nothing else. Plain HTTP: the image trusts its build's test CA, not this proxy's deployment CA.
+The egress allowlist (`<policies>/egress.toml`) lets the shopper reach shop.test on the shop's two ports with GET
+and POST and nothing else; on the TLS port a rule binds the vault credential `shop_key` (`lab.secret`), which the
+proxy injects as `Authorization: Bearer …`. The shop's TLS leaf comes from its own test CA, which the proxy trusts
+(`egress_upstream_ca`). With `deployment` (a data directory holding a deployment CA and its vault key, as the guest
+image's build has) the proxy intercepts with that CA, the one the image trusts; without it the proxy makes its own
+and only plain HTTP works from the guest.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import html
 import http.server
 import secrets
+import shutil
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Iterator
@@ -25,11 +32,12 @@ from proxy.contract import DecisionRequest, Verdict
 from server import egress
 from server.clock import FakeClock
 from server.db import make_engine, migrate, write
-from server.proxyctl import DeciderService, ProxyChild
+from server.proxyctl import DeciderService, ProxyChild, open_vault
 from server.settings import Settings
 from server.users import ensure_user
 from tests.support.egress import decider_on_thread
 from tests.support.serve import free_port
+from tests.support.tlsca import make_test_ca
 from vm.hypervisor import ProxyCredential
 
 __all__ = ["Request", "Shop", "ShopEgress", "shop_egress"]
@@ -45,11 +53,14 @@ class Request:
     """A Proxy-Authorization that reached the shop (the proxy must strip it: always None)."""
     cookie: str | None
     form: dict[str, list[str]]
+    authorization: str | None = None
+    tls: bool = False
 
 
 @dataclass
 class Shop:
     port: int = 0
+    tls_port: int = 0
     requests: list[Request] = field(default_factory=list)
     orders: list[str] = field(default_factory=list)
     """The names submitted with the order form, in order."""
@@ -59,6 +70,10 @@ class Shop:
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.port}/"
+
+    @property
+    def tls_url(self) -> str:
+        return f"https://{HOST}:{self.tls_port}/"
 
     def count(self, method: str, path: str) -> int:
         return sum(1 for r in self.requests if r.method == method and r.path.split("?")[0] == path)
@@ -73,14 +88,16 @@ FORM = ('<form method="post" action="/order"><label>Name <input name="name" type
         '<button type="submit">Place order</button></form><p><a href="/login">Log in</a></p>')
 
 
-def _serve(shop: Shop) -> http.server.ThreadingHTTPServer:
+def _handler(shop: Shop) -> type[http.server.BaseHTTPRequestHandler]:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def _record(self, form: dict[str, list[str]]) -> None:
             shop.requests.append(Request(method=self.command, path=self.path,
                                          proxy_auth=self.headers.get("Proxy-Authorization"),
-                                         cookie=self.headers.get("Cookie"), form=form))
+                                         cookie=self.headers.get("Cookie"), form=form,
+                                         authorization=self.headers.get("Authorization"),
+                                         tls=isinstance(self.connection, ssl.SSLSocket)))
 
         def _send(self, body: bytes, *, status: int = 200, headers: tuple[tuple[str, str], ...] = ()) -> None:
             self.send_response(status)
@@ -118,9 +135,15 @@ def _serve(shop: Shop) -> http.server.ThreadingHTTPServer:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    return Handler
+
+
+def _serve(handler: type[http.server.BaseHTTPRequestHandler],
+           tls: ssl.SSLContext | None) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
-    shop.port = server.server_address[1]
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, name="shop", daemon=True).start()
     return server
 
@@ -131,6 +154,8 @@ class ShopEgress:
     settings: Settings
     credential: ProxyCredential
     proxy_log: Path
+    secret: str
+    """The vault credential the proxy injects on the shop's TLS port (and nowhere else)."""
     asked: list[DecisionRequest] = field(default_factory=list)
     """Every decision the proxy asked for (the tool computer's identity is on each)."""
     verdicts: list[Verdict] = field(default_factory=list)
@@ -139,16 +164,21 @@ class ShopEgress:
 def _config(settings: Settings) -> str:
     resolve = ", ".join(f'"{h}" = ["127.0.0.1"]' for h in settings.egress_resolve)
     allow = ", ".join(f'"{h}"' for h in settings.egress_allow_private)
+    paths = "".join(f'{name} = "{path}"\n' for name, path in (("egress_upstream_ca", settings.egress_upstream_ca),
+                                                                ("vault_key_file", settings.vault_key_file)) if path)
     return (f"proxy = true\nproxy_port = {settings.proxy_port}\nproxy_decider_timeout = "
             f'{settings.proxy_decider_timeout}\npolicies_dir = "{settings.policies}"\n'
-            f"egress_allow_private = [{allow}]\negress_resolve = {{ {resolve} }}\n")
+            f"egress_allow_private = [{allow}]\negress_resolve = {{ {resolve} }}\n{paths}")
 
 
 @contextmanager
-def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | None = None) -> Iterator[ShopEgress]:
+def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | None = None,
+                deployment: Path | None = None) -> Iterator[ShopEgress]:
     directory.mkdir(parents=True, exist_ok=True)
     shop = Shop()
-    server = _serve(shop)
+    upstream_ca = make_test_ca(directory, [HOST])
+    servers = [_serve(_handler(shop), None), _serve(_handler(shop), upstream_ca.server_context())]
+    shop.port, shop.tls_port = (server.server_address[1] for server in servers)
     engine = make_engine(f"sqlite:///{directory / 'wakeful.db'}")
     migrate(engine)
     clock = FakeClock()
@@ -157,14 +187,21 @@ def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | Non
         _, token = egress.issue_client_token(conn, user_id=user_id, label="tool computer", now=clock.now())
     settings = Settings(data_dir=directory, proxy=True, proxy_port=proxy_port or free_port(), proxy_decider_timeout=5.0,
                         policies_dir=directory / "policies", egress_resolve={HOST: ["127.0.0.1"]},
-                        egress_allow_private=[HOST])
+                        egress_allow_private=[HOST], egress_upstream_ca=upstream_ca.ca_file,
+                        vault_key_file=deployment / "vault.key" if deployment is not None else None)
+    if deployment is not None:  # the deployment CA the image trusts, sealed under that deployment's vault key
+        shutil.copytree(deployment / "proxy", settings.proxy_dir)
+    secret = secrets.token_urlsafe(24)
+    open_vault(settings).set("shop_key", secret.encode(), HOST, "Authorization", "Bearer {secret}")
     settings.policies.mkdir(exist_ok=True)
     (settings.policies / "egress.toml").write_text(
         f'[[allow]]\nname = "the test shop"\nhost = "{HOST}"\nports = [{shop.port}]\nmethods = ["GET", "POST"]\n'
-        f'users = ["{user}"]\n')
+        f'users = ["{user}"]\n\n'
+        f'[[allow]]\nname = "the test shop over TLS"\nhost = "{HOST}"\nports = [{shop.tls_port}]\n'
+        f'methods = ["GET", "POST"]\ncredential = "shop_key"\nusers = ["{user}"]\n')
     (directory / "wakeful.toml").write_text(_config(settings))
     lab = ShopEgress(shop=shop, settings=settings, credential=ProxyCredential(user_id=user_id, token=token),
-                     proxy_log=directory / "proxy.log")
+                     proxy_log=directory / "proxy.log", secret=secret)
     service = DeciderService(engine, clock, settings)
 
     async def decide(req: DecisionRequest) -> Verdict:
@@ -183,5 +220,6 @@ def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | Non
                 child.stop()
     finally:
         engine.dispose()
-        server.shutdown()
-        server.server_close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 
 from tests.support.polling import wait_until
 from vm.image_system import sha256_file
@@ -26,7 +28,8 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.vm
 
-UNITS = ("wakeful-seed", "wakeful-xvfb", "wakeful-wm", "wakeful-x11vnc", "wakeful-chromium", "bootmarker")
+UNITS = ("wakeful-seed", "wakeful-xvfb", "wakeful-wm", "wakeful-x11vnc", "wakeful-x11vnc-view", "wakeful-chromium",
+         "bootmarker")
 MARKER_TIMEOUT = 120.0  # boot to sshd is ~25 s under TCG on an idle core; the cores here are shared
 CDP_TIMEOUT = 180.0  # chromium takes ~30 s more to answer under TCG
 
@@ -48,7 +51,9 @@ def test_the_manifest_checksums_match_the_files(guest_image_build: GuestImageBui
     assert f"checksum: {manifest['checksum']}" in guest_image_build.first_build.stdout
     assert manifest["packages"]["chromium"] and manifest["packages"]["openssh-server"]
     assert manifest["packages"][f"linux-image-{manifest['kernel']['version']}"]
-    assert manifest["ca"]["subject"] == "CN=wakeful test deployment CA"
+    ca = x509.load_pem_x509_certificate(guest_image_build.ca_cert.read_bytes())
+    assert manifest["ca"] == {"subject": ca.subject.rfc4514_string(),
+                              "sha256": ca.fingerprint(hashes.SHA256()).hex()}
 
 
 def documented_build_command() -> list[str]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from computer_lab import ComputerLab, qemu_pid, tool_computer
@@ -22,6 +23,9 @@ from vm.accel import choose_accel
 from vm.lifecycle_rules import VmState
 from vm.observe import Click, Fill, Navigate, Refused
 from vm.toolcomputer import ActResult, ObserveResult
+
+if TYPE_CHECKING:
+    from tests.system.conftest import GuestImageBuild
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]  # one cold boot under TCG: minutes
 
@@ -41,8 +45,8 @@ class Story:
 
 
 @pytest.fixture(scope="module")
-def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShopEgress]:
-    with shop_egress(tmp_path_factory.mktemp("egress"), user=USER) as lab:
+def shop(guest_image_build: GuestImageBuild, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShopEgress]:
+    with shop_egress(tmp_path_factory.mktemp("egress"), user=USER, deployment=guest_image_build.data_dir) as lab:
         yield lab
 
 
@@ -176,3 +180,25 @@ def test_a_handoff_refuses_agent_acts_until_control_returns_and_then_bumps_the_e
     assert isinstance(again, Refused) and again.code == "stale_observation"
     assert tc.observe().observation.epoch == tc.state.epoch
     assert len(shop.shop.requests) == requests and shop.shop.orders == ["Ada Lovelace"]
+
+
+def test_an_https_page_is_intercepted_with_the_ca_the_image_trusts_and_only_it_gets_the_credential(
+        lab: ComputerLab, shop: ShopEgress) -> None:
+    tc = lab.computer
+    went = tc.act(Navigate(url=shop.shop.tls_url, observation=tc.observe().observation.number))
+    if isinstance(went, ActResult) and went.outcome == "failed" and "net::ERR_SOCKET_NOT_CONNECTED" in went.detail:
+        # Seen in 2 of 4 runs here, both on a host loaded by other work; the cause is not pinned (the same path
+        # from Python in the guest, and from Chromium on the host, always worked). A failed navigation changed
+        # nothing, and the agent's answer to one is to navigate again.
+        print(f"\nfirst HTTPS navigation failed ({went.detail}); navigating again, as an agent would")
+        went = tc.act(Navigate(url=shop.shop.tls_url, observation=tc.observe().observation.number))
+    done(went)
+    page = observe_until(lab, "Shop")  # Chromium accepted the proxy's leaf for shop.test: no interstitial
+    assert page.observation.view.url == shop.shop.tls_url
+    over_tls = [r for r in shop.shop.requests if r.tls]
+    assert over_tls and all(r.authorization == f"Bearer {shop.secret}" for r in over_tls), (
+        "the proxy injected the rule's credential into every request over TLS")
+    assert all(r.authorization is None for r in shop.shop.requests if not r.tls), "and never over plain HTTP"
+    assert all(r.proxy_auth is None for r in shop.shop.requests)
+    # The guest never held it: the page it got does not carry it, and the guest's screen of it neither.
+    assert shop.secret not in str(page.elements) and shop.secret not in page.title
