@@ -235,6 +235,8 @@ class _PageSession:
     target_id: str
     navigations: int = 0
     """Main-frame navigation requests seen so far."""
+    checked: int = 0
+    """`navigations` when `cdp` was last known to reach the tab's document."""
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -357,7 +359,25 @@ class CdpBrowser:
             page.on("domcontentloaded", lambda _page: session.loaded.set())
             page.on("close", self._forget)
             self._sessions[page] = session
+        elif session.checked != session.navigations:
+            session.checked = session.navigations
+            try:
+                await session.cdp.send("Page.getFrameTree")
+            except PwError:
+                await self._reattach(session)
         return session
+
+    async def _reattach(self, session: _PageSession) -> None:
+        """A navigation moved the tab's document to another renderer (an error page; a cross-site page), and the
+        CDP session attached to the old one now answers "Not attached to an active page": attach a new one to the
+        same tab, keeping what was counted on it."""
+        with contextlib.suppress(PwError):
+            await session.cdp.detach()
+        session.cdp = await session.page.context.new_cdp_session(session.page)
+        info = await session.cdp.send("Target.getTargetInfo")
+        if self._current == session.target_id:
+            self._current = info["targetInfo"]["targetId"]
+        session.target_id = info["targetInfo"]["targetId"]
 
     def _forget(self, page: Page) -> None:
         self._sessions.pop(page, None)

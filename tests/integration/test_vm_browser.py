@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import secrets
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +19,7 @@ from tests.support.chromium import HostChromium
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd
 from tests.support.threaded import serving_on_thread
-from vm.browser import CdpBrowser
+from vm.browser import CdpBrowser, NavigationFailed
 from vm.guest import GuestChannel
 from vm.observe import BumpReason, Click, Fill, Navigate, NewTab, Press, Refused, Select, SwitchTab
 from vm.toolcomputer import ActResult, ObserveResult, ToolComputer
@@ -188,6 +189,26 @@ def test_fill_select_and_click_by_ref_place_exactly_one_order(tc: ToolComputer, 
     again = tc.act(Click(ref=submit))
     assert isinstance(again, Refused) and again.code == "stale_observation"
     assert site.orders == [{"name": "Ada Lovelace", "city": "par"}]
+
+
+def test_after_a_navigation_that_failed_the_error_page_is_captured_and_the_next_one_works(
+        chromium: HostChromium, site: Site) -> None:
+    browser = CdpBrowser()
+    browser.connect(f"http://127.0.0.1:{chromium.port}")  # straight to DevTools: through the SSH tunnel it hid
+    try:
+        # Through two sites first (127.0.0.1, then localhost: a renderer each), captured after each.
+        for url in (f"{site.url}/form", f"{site.url.replace('127.0.0.1', 'localhost')}/form"):
+            assert browser.navigate(url).navigated and browser.capture().title == "Checkout"
+        with socket.socket() as probe:  # a port that was free a moment ago: the navigation is refused
+            probe.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{probe.getsockname()[1]}/"
+        with pytest.raises(NavigationFailed, match="ERR_CONNECTION_REFUSED"):
+            browser.navigate(dead)
+        # Chromium shows its error page from yet another renderer: the capture follows the tab there.
+        assert browser.capture().view.url.startswith("chrome-error://")
+        assert browser.navigate(f"{site.url}/form").navigated and browser.capture().title == "Checkout"
+    finally:
+        browser.close()
 
 
 def test_a_navigation_behind_the_agents_back_refuses_the_act_and_nothing_runs(

@@ -187,9 +187,9 @@ def test_an_https_page_is_intercepted_with_the_ca_the_image_trusts_and_only_it_g
     tc = lab.computer
     went = tc.act(Navigate(url=shop.shop.tls_url, observation=tc.observe().observation.number))
     if isinstance(went, ActResult) and went.outcome == "failed" and "net::ERR_SOCKET_NOT_CONNECTED" in went.detail:
-        # Seen in 2 of 4 runs here, both on a host loaded by other work; the cause is not pinned (the same path
+        # Seen in 3 of 5 runs here, all on a host loaded by other work; the cause is not pinned (the same path
         # from Python in the guest, and from Chromium on the host, always worked). A failed navigation changed
-        # nothing, and the agent's answer to one is to navigate again.
+        # nothing (the tab shows Chromium's error page), and the agent's answer to one is to navigate again.
         print(f"\nfirst HTTPS navigation failed ({went.detail}); navigating again, as an agent would")
         went = tc.act(Navigate(url=shop.shop.tls_url, observation=tc.observe().observation.number))
     done(went)
