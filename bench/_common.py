@@ -130,6 +130,7 @@ def _serve_env(data_dir: Path, port: int, extra: dict[str, str]) -> dict[str, st
     env.update({
         "WAKEFUL_DATA_DIR": str(data_dir),
         "WAKEFUL_PORT": str(port),
+        "WAKEFUL_PROXY_PORT": str(free_port()),  # each server starts its own egress proxy: they must not share a port
         "WAKEFUL_CONFIG": str(data_dir / "wakeful.toml"),
         "WAKEFUL_SOURCES__HOOK__KIND": "generic",
         "WAKEFUL_SOURCES__HOOK__SECRET": SECRET,

@@ -85,19 +85,32 @@ def status_field(pid: int, name: str) -> int:
     raise KeyError(name)
 
 
+def children(pid: int) -> list[int]:
+    """The process's child processes (`wakeful serve` runs its egress proxy as one)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
 @dataclass
 class Samples:
     cpu: list[float] = field(default_factory=list)  # cumulative CPU seconds
     rss: list[int] = field(default_factory=list)  # bytes
     threads: int = 0
+    child_cpu: list[float] = field(default_factory=list)  # the same, summed over its child processes
+    child_rss: list[int] = field(default_factory=list)
 
     def take(self, pid: int) -> None:
         self.cpu.append(cpu_seconds(pid))
         self.rss.append(status_field(pid, "VmRSS") * 1024)
         self.threads = status_field(pid, "Threads")
+        kids = children(pid)
+        self.child_cpu.append(sum(cpu_seconds(c) for c in kids))
+        self.child_rss.append(sum(status_field(c, "VmRSS") * 1024 for c in kids))
 
     def cpu_percent(self, window: float) -> float:
         return (self.cpu[-1] - self.cpu[0]) / window * 100
+
+    def child_cpu_percent(self, window: float) -> float:
+        return (self.child_cpu[-1] - self.child_cpu[0]) / window * 100
 
 
 def sample(servers: list[Serve], window: float) -> list[Samples]:
@@ -152,6 +165,9 @@ def run(quick: bool = False) -> list[Table]:
         Row("CPU seconds used in the window", f"{loaded.cpu[-1] - loaded.cpu[0]:.2f} s",
             f"{empty.cpu[-1] - empty.cpu[0]:.2f} s"),
         Row("threads", str(loaded.threads), str(empty.threads)),
+        Row("its egress proxy process: idle CPU", f"{loaded.child_cpu_percent(plan.window):.2f} %",
+            f"{empty.child_cpu_percent(plan.window):.2f} %"),
+        Row("its egress proxy process: RSS, max", _mb(max(loaded.child_rss)), _mb(max(empty.child_rss))),
     ]
     notes = [f"{plan.delegations:,} delegations (session + active task + daily cron schedule + pending wait); "
              "baseline: the same server on an empty database, sampled at the same time; both with "

@@ -7,18 +7,20 @@ start with `BEGIN IMMEDIATE` so two writers queue on the lock instead of deadloc
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, inspect
+from sqlalchemy import Column, Connection, Dialect, Engine, create_engine, event, insert, inspect
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.schema import Table
 
-__all__ = ["make_engine", "migrate", "read", "upsert", "write"]
+__all__ = ["bound", "insert_many", "make_engine", "migrate", "read", "upsert", "write"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -80,6 +82,55 @@ def upsert(conn: Connection, table: Table) -> sqlite.Insert | postgresql.Insert:
     if conn.dialect.name == "postgresql":
         return postgresql.insert(table)
     return sqlite.insert(table)
+
+
+def insert_many(conn: Connection, table: Table, columns: tuple[str, ...], rows: Sequence[tuple[Any, ...]]) -> None:
+    """Insert rows (tuples in `columns` order) with the driver's own statement, compiled once per dialect.
+
+    For the inbox's hot path. SQLAlchemy processes every parameter of every row in Python, which cost more than
+    the insert itself; here the rows go to the driver as they are, so each value must already be in the driver's
+    form (`bound` converts one, e.g. a datetime or a bool). On SQLite the rows go straight to the sqlite3
+    connection (in the caller's transaction) as one multi-row `INSERT`: executemany would step once per row,
+    giving up and re-taking the interpreter lock each time, which is slow while the HTTP thread is busy."""
+    sql, order = _insert_sql(conn.dialect, table, columns)
+    if conn.dialect.name != "sqlite":  # psycopg batches an executemany itself
+        conn.exec_driver_sql(sql, [dict(zip(columns, row, strict=True)) for row in rows] if order is None
+                             else [tuple(row[i] for i in order) for row in rows])
+        return
+    assert order is not None  # sqlite3's parameters are positional
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    head, _, one = sql.partition(" VALUES ")
+    per_statement = _SQLITE_MAX_VARIABLES // len(columns)
+    for first in range(0, len(rows), per_statement):
+        chunk = rows[first:first + per_statement]
+        statement = f"{head} VALUES {', '.join([one] * len(chunk))}"
+        params = tuple(row[i] for row in chunk for i in order)
+        try:
+            driver.execute(statement, params)
+        except sqlite3.Error as exc:  # raised as SQLAlchemy raises driver errors everywhere else
+            raise DBAPIError.instance(statement, params, exc, sqlite3.Error) from exc
+
+
+_SQLITE_MAX_VARIABLES = 32_766  # parameters per statement (SQLite >= 3.32)
+
+
+def bound(conn: Connection, column: Column[Any], value: Any) -> Any:
+    """`value` as the driver takes it for `column` (what SQLAlchemy would send): for `insert_many`."""
+    process = column.type.bind_processor(conn.dialect)
+    return value if process is None else process(value)
+
+
+@functools.cache
+def _insert_sql(dialect: Dialect, table: Table, columns: tuple[str, ...]) -> tuple[str, tuple[int, ...] | None]:
+    """The INSERT's SQL for this driver, and for positional paramstyles the order its parameters go in."""
+    compiled = insert(table).compile(dialect=dialect, column_keys=list(columns))
+    if not compiled.positional:
+        return str(compiled), None
+    names = compiled.positiontup or []
+    if sorted(names) != sorted(columns):  # a column default would need a value the rows do not carry
+        raise ValueError(f"insert into {table.name} binds {names}, the rows carry {list(columns)}")
+    return str(compiled), tuple(columns.index(name) for name in names)
 
 
 def _alembic_config(conn: Connection) -> Any:

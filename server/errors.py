@@ -56,6 +56,10 @@ class PayloadTooLarge(WakefulError):
     http_status = 413
 
 
+class MethodNotAllowed(WakefulError):
+    http_status = 405
+
+
 class Conflict(WakefulError):
     http_status = 409
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import secrets
 import threading
@@ -12,12 +13,15 @@ __all__ = ["new_id", "new_token", "token_digest"]
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
 
 
+_FROM_RFC4648 = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ALPHABET.encode())
+
+
 def _b32(value: int, width: int) -> str:
-    out = []
-    for _ in range(width):
-        value, rem = divmod(value, 32)
-        out.append(_ALPHABET[rem])
-    return "".join(reversed(out))
+    """`value` as `width` Crockford digits, most significant first. Through the C base32 encoder: ids are minted
+    for every delivery on the ingest path, where a digit-by-digit loop was a fifth of the committer's time."""
+    size = -(-width * 5 // 40) * 5  # whole 5-byte groups, each 8 digits
+    digits = base64.b32encode(value.to_bytes(size, "big")).translate(_FROM_RFC4648)
+    return digits[len(digits) - width:].decode()
 
 
 _lock = threading.Lock()
@@ -37,7 +41,7 @@ def new_id(prefix: str) -> str:
         ms = max(time.time_ns() // 1_000_000, _last[0])
         rand = _last[1] + 1 if ms == _last[0] else secrets.randbits(79)
         _last = (ms, rand)
-    return f"{prefix}_{_b32(ms, 10)}{_b32(rand, 16)}"
+    return f"{prefix}_{_b32(ms << 80 | rand, 26)}"  # 10 digits of milliseconds, 16 of the random part
 
 
 def new_token() -> str:

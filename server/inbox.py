@@ -9,12 +9,12 @@ retried alone, so one bad delivery never fails its neighbours.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, select, update
 
 from server import faults, sessions
 from server.clock import Clock
-from server.db import upsert, write
+from server.db import bound, insert_many, upsert, write
 from server.ids import new_id
 from server.tables import EventKind, EventStatus, WaitState, events, session_keys, todos, waits
 from server.tables import sessions as sessions_table
@@ -79,7 +79,7 @@ def record(conn: Connection, delivery: Delivery, *, now: datetime) -> Recorded:
             kind=delivery.kind.value,
             trust=delivery.trust,
             preempt=delivery.preempt,
-            payload=json.dumps(delivery.payload, separators=(",", ":"), sort_keys=True),
+            payload=_payload(delivery.payload),
             status=status.value,
             attempts=0,
             received_at=now,
@@ -118,15 +118,7 @@ def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime) 
         else:
             fresh[i] = record(conn, d, now=now)
     if simple_rows:
-        conn.execute(sessions_table.insert(), [
-            {"id": sid, "user_id": d.user_id, "fencing_token": 0, "created_at": now} for d, _, sid in simple_rows])
-        conn.execute(events.insert(), [
-            {"id": eid, "user_id": d.user_id, "source": d.source, "source_id": d.source_id, "session_id": sid,
-             "corr_key": None, "kind": d.kind.value, "trust": d.trust, "preempt": d.preempt,
-             "payload": json.dumps(d.payload, separators=(",", ":"), sort_keys=True),
-             "status": EventStatus.PENDING.value, "attempts": 0, "received_at": now} for d, eid, sid in simple_rows])
-        conn.execute(todos.insert(), [  # a session created just now has no todo to conflict with
-            {"session_id": sid, "user_id": d.user_id, "version": 1, "due_at": now} for d, _, sid in simple_rows])
+        _insert_fresh_sessions(conn, simple_rows, now=now)
     results = []
     for i, d in enumerate(deliveries):
         key = (d.source, d.source_id)
@@ -139,6 +131,28 @@ def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime) 
             results.append(Recorded(event_id=original.event_id, session_id=original.session_id, duplicate=True,
                                     status=original.status))
     return results
+
+
+def _insert_fresh_sessions(conn: Connection, rows: list[tuple[Delivery, str, str]], *, now: datetime) -> None:
+    """Each (delivery, event id, session id) as a new session, its event and its todo: one insert per table.
+
+    The inbox's hot path: values go to the driver as they are (`insert_many`), so the shared ones are converted
+    once per batch."""
+    at = bound(conn, events.c.received_at, now)
+    preempt = {flag: bound(conn, events.c.preempt, flag) for flag in (False, True)}
+    pending = EventStatus.PENDING.value
+    insert_many(conn, sessions_table, ("id", "user_id", "fencing_token", "created_at"),
+                [(sid, d.user_id, 0, at) for d, _, sid in rows])
+    insert_many(conn, events, ("id", "user_id", "source", "source_id", "session_id", "corr_key", "kind", "trust",
+                               "preempt", "payload", "status", "attempts", "received_at"),
+                [(eid, d.user_id, d.source, d.source_id, sid, None, d.kind.value, d.trust, preempt[d.preempt],
+                  _payload(d.payload), pending, 0, at) for d, eid, sid in rows])
+    insert_many(conn, todos, ("session_id", "user_id", "version", "due_at"),  # a new session has no todo yet
+                [(sid, d.user_id, 1, at) for d, _, sid in rows])
+
+
+def _payload(payload: Any) -> str:
+    return json.dumps(payload, separators=(",", ":"), sort_keys=True)
 
 
 def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tuple[str, EventStatus]:
@@ -178,7 +192,10 @@ def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tu
 
 
 class GroupCommitter:
-    """One writer thread that commits batches of deliveries; callers block on a future until theirs is durable."""
+    """One writer thread that commits batches of deliveries; each caller awaits its own, answered once durable.
+
+    A batch's answers go back to each event loop in ONE callback (not one wake-up per request), and `received`
+    counts committed deliveries, so that runs can tell when they are competing with the inbox (`server.worker`)."""
 
     def __init__(self, engine: Engine, clock: Clock, *, on_commit: Callable[[], None] = lambda: None,
                  max_batch: int = 512) -> None:
@@ -186,17 +203,20 @@ class GroupCommitter:
         self._clock = clock
         self._on_commit = on_commit
         self._max_batch = max_batch
-        self._queue: queue.SimpleQueue[tuple[Delivery, Future[Recorded]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="inbox-committer", daemon=True)
         self.batches = 0
+        self.received = 0
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, delivery: Delivery) -> Future[Recorded]:
-        future: Future[Recorded] = Future()
-        self._queue.put((delivery, future))
-        return future
+    async def persist(self, delivery: Delivery) -> Recorded:
+        """Record the delivery; returns once it is durable (or raises what its transaction raised)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Recorded] = loop.create_future()
+        self._queue.put(_Pending(delivery=delivery, loop=loop, future=future))
+        return await future
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -222,27 +242,53 @@ class GroupCommitter:
             if stopping:
                 return
 
-    def _commit(self, batch: list[tuple[Delivery, Future[Recorded]]]) -> None:
+    def _commit(self, batch: list[_Pending]) -> None:
+        answers: list[Recorded | BaseException]
         try:
-            results = self._write([d for d, _ in batch])
+            answers = list(self._write([p.delivery for p in batch]))
         except Exception:
             log.exception("inbox batch of %d failed; committing one by one", len(batch))
-            for delivery, future in batch:
+            answers = []
+            for pending in batch:
                 try:
-                    (result,) = self._write([delivery])
+                    (result,) = self._write([pending.delivery])
                 except Exception as exc:  # this delivery alone is bad: refuse it, keep the others
-                    future.set_exception(exc)
+                    answers.append(exc)
                 else:
-                    future.set_result(result)
-            return
-        faults.crash_point("after_event_commit")  # durable, not yet acknowledged
-        for (_, future), result in zip(batch, results, strict=True):
-            future.set_result(result)
+                    answers.append(result)
+        else:
+            faults.crash_point("after_event_commit")  # durable, not yet acknowledged
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Recorded], Recorded | BaseException]]] = {}
+        for pending, answer in zip(batch, answers, strict=True):
+            by_loop.setdefault(pending.loop, []).append((pending.future, answer))
+        for loop, settled in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_answer, settled)
+            except RuntimeError:  # that loop is closed: nobody is waiting for these answers any more
+                pass
 
     def _write(self, deliveries: list[Delivery]) -> list[Recorded]:
         now = self._clock.now()
         with write(self._engine) as conn:
             results = record_many(conn, deliveries, now=now)
         self.batches += 1
+        self.received += len(deliveries)
         self._on_commit()
         return results
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Pending:
+    delivery: Delivery
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Recorded]
+
+
+def _answer(settled: list[tuple[asyncio.Future[Recorded], Recorded | BaseException]]) -> None:
+    for future, answer in settled:
+        if future.done():  # the request was cancelled (its client went away); the delivery is recorded anyway
+            continue
+        if isinstance(answer, BaseException):
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)

@@ -64,18 +64,22 @@ class Dispatcher:
                                           outbox.c.next_attempt_at <= now))
                 .order_by(outbox.c.created_at).limit(limit)
             ).all()
-        attempted = 0
-        for row in due:
-            if stop.blocks(row.user_id):
-                continue
-            attempted += 1
+        ready = [row for row in due if not stop.blocks(row.user_id)]
+        if self._notify_url is None:  # the local feed: nothing leaves, so the lot is marked sent in one transaction
+            if not ready:
+                return 0
+            with write(self._engine) as conn:
+                for row in ready:
+                    self._settle(conn, row, None)
+            return len(ready)
+        for row in ready:  # each marked sent as soon as it is delivered: a crash re-delivers one message at most
             error = self._deliver(row)
-            self._settle(row, error)
-        return attempted
+            with write(self._engine) as conn:
+                self._settle(conn, row, error)
+        return len(ready)
 
     def _deliver(self, row: Any) -> str | None:
-        if self._notify_url is None:
-            return None
+        assert self._notify_url is not None
         body = {"id": row.id, "user_id": row.user_id, "kind": row.kind, "session_id": row.session_id,
                 "created_at": row.created_at.isoformat(), "body": json.loads(row.body)}
         try:
@@ -87,18 +91,17 @@ class Dispatcher:
             return None
         return f"HTTP {response.status_code}"
 
-    def _settle(self, row: Any, error: str | None) -> None:
+    def _settle(self, conn: Connection, row: Any, error: str | None) -> None:
         now = self._clock.now()
         guard = and_(outbox.c.id == row.id, outbox.c.state == OutboxState.PENDING.value)
-        with write(self._engine) as conn:
-            if error is None:
-                conn.execute(update(outbox).where(guard).values(state=OutboxState.SENT.value, sent_at=now,
-                                                                attempts=row.attempts + 1, last_error=None))
-                return
-            attempts = row.attempts + 1
-            failed = attempts >= self._max_attempts
-            log.warning("delivery of %s failed (attempt %d): %s", row.id, attempts, error)
-            conn.execute(update(outbox).where(guard).values(
-                state=(OutboxState.FAILED if failed else OutboxState.PENDING).value, attempts=attempts,
-                last_error=error, next_attempt_at=now + self._backoff * (2 ** (attempts - 1)),
-            ))
+        if error is None:
+            conn.execute(update(outbox).where(guard).values(state=OutboxState.SENT.value, sent_at=now,
+                                                            attempts=row.attempts + 1, last_error=None))
+            return
+        attempts = row.attempts + 1
+        failed = attempts >= self._max_attempts
+        log.warning("delivery of %s failed (attempt %d): %s", row.id, attempts, error)
+        conn.execute(update(outbox).where(guard).values(
+            state=(OutboxState.FAILED if failed else OutboxState.PENDING).value, attempts=attempts,
+            last_error=error, next_attempt_at=now + self._backoff * (2 ** (attempts - 1)),
+        ))

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import sqlite3
@@ -231,6 +232,7 @@ class ProxyChild:
         self._log_file = log_file
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
+        self._stop_pipe = os.pipe()  # written by `stop`: wakes the watcher's select
         self._spawned = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="proxy-child", daemon=True)
 
@@ -268,9 +270,7 @@ class ProxyChild:
         self._proc = self._spawn()
         self._spawned.set()
         backoff = 0.5
-        while not self._stopping.wait(0.5):
-            if self._proc.poll() is None:
-                continue
+        while not self._exited_or_stopping(self._proc):
             log.error("the egress proxy exited with code %s; restarting it in %.1f s", self._proc.returncode,
                       backoff)
             if self._stopping.wait(backoff):
@@ -278,6 +278,26 @@ class ProxyChild:
             backoff = min(backoff * 2, 30.0)
             self._proc = self._spawn()
         self._terminate(self._proc)  # from this thread: once it ends, the kernel kills the child outright
+        os.close(self._stop_pipe[0])
+
+    def _exited_or_stopping(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Sleep until the child exits (False) or `stop` is called (True). Without polling where the kernel can
+        say when a process ends: an idle server should not wake twice a second to look."""
+        if not hasattr(os, "pidfd_open"):  # not Linux
+            while not self._stopping.wait(0.5):
+                if proc.poll() is not None:
+                    return False
+            return True
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:  # already gone (and reaped)
+            return self._stopping.is_set()
+        try:
+            select.select([pidfd, self._stop_pipe[0]], [], [])
+        finally:
+            os.close(pidfd)
+        proc.poll()  # reap it if it ended: its exit code is logged
+        return self._stopping.is_set()
 
     @staticmethod
     def _terminate(proc: subprocess.Popen[bytes]) -> None:
@@ -291,7 +311,11 @@ class ProxyChild:
             proc.wait()
 
     def stop(self) -> None:
+        if self._stopping.is_set():
+            return
         self._stopping.set()
+        os.write(self._stop_pipe[1], b"\0")
+        os.close(self._stop_pipe[1])
         if self._watcher.is_alive() and threading.current_thread() is not self._watcher:
             self._watcher.join(timeout=15)
 

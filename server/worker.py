@@ -33,7 +33,8 @@ from server.tables import decisions as decisions_table
 from server.tables import sessions as sessions_table
 from server.tools import Binding, ToolLayer
 
-__all__ = ["EventView", "IdlePoll", "RunContext", "RunHandler", "RunInterrupted", "Worker"]
+__all__ = ["EventView", "IdlePoll", "InboxRate", "RunContext", "RunHandler", "RunInterrupted", "Worker",
+           "rest_after_run"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,37 @@ class IdlePoll:
 
     def reset(self) -> None:
         self._delay = self._floor
+
+
+class InboxRate:
+    """Deliveries per second the inbox committed, measured over windows of at least `window` seconds: a shorter one
+    would make a quiet inbox look busy whenever two deliveries happen to land within one short run."""
+
+    def __init__(self, received: Callable[[], int], *, window: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._received = received
+        self._window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._mark = (received(), clock())
+        self._rate = 0.0
+
+    def __call__(self) -> float:
+        with self._lock:
+            count, now = self._received(), self._clock()
+            if now - self._mark[1] >= self._window:
+                self._rate = (count - self._mark[0]) / (now - self._mark[1])
+                self._mark = (count, now)
+            return self._rate
+
+
+def rest_after_run(seconds: float, *, share: float) -> float:
+    """How long a worker rests after a run that took `seconds` while the inbox was committing deliveries.
+
+    Acknowledgement is the promise and runs are asynchronous, so under ingest runs give way: a worker then spends at
+    most `share` of its time in runs, leaving the CPU (one interpreter lock) and the database's write lock to the
+    acknowledgements, and the backlog drains at full speed once deliveries stop. Never zero, so runs never starve."""
+    return seconds * (1 - share) / share
 
 
 class RunInterrupted(Exception):
@@ -192,8 +224,10 @@ class RunContext:
 class Worker:
     def __init__(self, engine: Engine, settings: Settings, clock: Clock, handler: RunHandler, *,
                  name: str | None = None, on_commit: Callable[[], None] = lambda: None,
-                 tools: ToolLayer | None = None) -> None:
+                 tools: ToolLayer | None = None, inbox_rate: Callable[[], float] = lambda: 0.0) -> None:
+        """`inbox_rate`: deliveries per second the inbox is committing; above `ingest_busy_rate`, runs give way."""
         self.tools = tools
+        self._inbox_rate = inbox_rate
         self.engine = engine
         self.settings = settings
         self.clock = clock
@@ -206,6 +240,7 @@ class Worker:
     def run_forever(self, stop: threading.Event, wakeup: threading.Event) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 worked = self.run_once()
             except Exception:
@@ -213,8 +248,10 @@ class Worker:
                 worked = False
             if not worked:
                 idle.wait(wakeup)
-            else:
-                idle.reset()
+                continue
+            idle.reset()
+            if self._inbox_rate() > self.settings.ingest_busy_rate:
+                stop.wait(rest_after_run(time.monotonic() - started, share=self.settings.ingest_run_share))
 
     def run_once(self) -> bool:
         """Claim one session with due work and run it. Returns False when there was nothing to do."""

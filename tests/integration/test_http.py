@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from server.clock import FakeClock
 from server.db import make_engine, migrate, write
 from server.handlers import EchoHandler
-from server.http import create_app
+from server.http import QuietServer, create_app
 from server.runtime import Runtime
 from server.settings import Settings
 from server.signatures import SignatureKind, sign
 from server.users import ensure_user
+from tests.support.polling import wait_until
 from tests.support.records import event_rows
 
 SECRET = "shh-its-a-secret"
@@ -151,6 +157,12 @@ def test_an_unknown_source_is_a_404(client: TestClient, clock: FakeClock) -> Non
     assert (response.status_code, response.json()["error"]["code"]) == (404, "unknown_source")
 
 
+def test_a_webhook_path_answers_only_post(client: TestClient, app_engine: Engine) -> None:
+    response = client.get("/v1/hooks/generic")
+    assert (response.status_code, response.json()["error"]["code"]) == (405, "method_not_allowed")
+    assert response.headers["allow"] == "POST" and event_rows(app_engine) == []
+
+
 def test_slack_url_verification_is_answered_after_the_signature_check(client: TestClient, clock: FakeClock) -> None:
     body, headers = signed("slack", {"type": "url_verification", "challenge": "abc"}, clock)
     assert client.post("/v1/hooks/slack", content=body, headers=headers).json() == {"challenge": "abc"}
@@ -188,3 +200,24 @@ def test_pausing_twice_is_a_409_with_the_current_state(client: TestClient, token
     again = client.post(f"/v1/tasks/{task}/pause", headers=auth)
     assert again.status_code == 409 and again.json()["error"] | {"message": ""} == {
         "code": "invalid_transition", "message": "", "task_id": task, "state": "paused"}
+
+
+def test_a_quiet_server_stamps_every_response_and_stops_at_once_when_idle() -> None:
+    app = FastAPI()
+
+    @app.get("/")
+    async def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    server = QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "the server to start")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    for _ in range(2):  # each on a fresh connection
+        response = httpx.get(f"http://127.0.0.1:{port}/")
+        assert response.status_code == 200 and parsedate_to_datetime(response.headers["date"])
+    wait_until(lambda: not server.server_state.connections, 10, "the client's connections to close")
+    server.should_exit = True  # asleep with no connection and nothing due: this alone must wake it
+    thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import IntegrityError
 
 from server.clock import FakeClock
-from server.db import make_engine, migrate, read, write
-from server.inbox import Delivery, record, record_many
+from server.db import bound, insert_many, make_engine, migrate, read, write
+from server.inbox import Delivery, GroupCommitter, Recorded, record, record_many
 from server.tables import events, sessions, todos
 from server.users import ensure_user
 
@@ -55,3 +57,49 @@ def test_a_batch_is_recorded_exactly_as_one_by_one(tmp_path_factory: object, bef
         results.append(([(a.duplicate, a.status) for a in answers], shape(engine)))
         engine.dispose()
     assert results[0] == results[1]
+
+
+async def _persist_all(committer: GroupCommitter, batch: list[Delivery]) -> list[Recorded | BaseException]:
+    return await asyncio.gather(*(committer.persist(d) for d in batch), return_exceptions=True)
+
+
+def test_every_caller_of_a_group_commit_gets_its_own_answer(tmp_path: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db")
+    committer = GroupCommitter(engine, FakeClock())
+    committer.start()
+    try:
+        batch = [Delivery(user_id=user, source="hook", source_id=f"d{i % 40}", payload={"i": i}) for i in range(60)]
+        answers = asyncio.run(_persist_all(committer, batch))
+    finally:
+        committer.stop()
+    assert all(isinstance(a, Recorded) for a in answers)
+    recorded = [a for a in answers if isinstance(a, Recorded)]
+    assert [a.duplicate for a in recorded] == [False] * 40 + [True] * 20
+    assert [a.event_id for a in recorded[40:]] == [a.event_id for a in recorded[:20]]  # the original's ID
+    assert shape(engine)[:3] == (40, 40, 40) and committer.received == 60
+
+
+def test_a_delivery_that_cannot_be_written_fails_alone(tmp_path: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db")
+    committer = GroupCommitter(engine, FakeClock())
+    committer.start()
+    try:
+        batch = [Delivery(user_id=user if i != 3 else "usr_nobody", source="hook", source_id=f"d{i}", payload={})
+                 for i in range(8)]  # an unknown user breaks the foreign key: that delivery's transaction fails
+        answers = asyncio.run(_persist_all(committer, batch))
+    finally:
+        committer.stop()
+    assert isinstance(answers[3], IntegrityError)
+    assert all(isinstance(a, Recorded) for i, a in enumerate(answers) if i != 3)
+    assert [sid for _, sid, _ in shape(engine)[3]] == [f"d{i}" for i in range(8) if i != 3]
+
+
+def test_insert_many_writes_more_rows_than_one_sqlite_statement_can_carry(tmp_path: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db")
+    at = FakeClock().now()
+    with write(engine) as conn:
+        rows = [(f"ses_{i:05d}", user, 0, bound(conn, sessions.c.created_at, at)) for i in range(9_000)]
+        insert_many(conn, sessions, ("id", "user_id", "fencing_token", "created_at"), rows)  # 4 columns: 8,191 a go
+    with read(engine) as conn:
+        assert conn.execute(select(func.count()).select_from(sessions)).scalar_one() == 9_000
+        assert conn.execute(select(sessions.c.created_at).limit(1)).scalar_one() == at

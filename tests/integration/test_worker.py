@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -14,7 +16,7 @@ from server.errors import StaleToken
 from server.handlers import EchoHandler, ScriptedHandler
 from server.runtime import Runtime
 from server.tables import ControlKind, EventStatus, RunOutcome
-from server.worker import RunContext, Worker
+from server.worker import InboxRate, RunContext, Worker, rest_after_run
 from tests.support.records import event_rows, messages, run_rows
 
 
@@ -220,3 +222,65 @@ def test_a_run_written_off_by_the_sweeper_commits_nothing(runtime: Runtime, engi
         worker._commit(ctx, RunOutcome.COMPLETED, None)
     assert messages(engine) == [] and [e.status for e in event_rows(engine)] == [EventStatus.PENDING]
     assert worker.run_once() and len(messages(engine)) == 1
+
+
+class _RecordingStop(threading.Event):
+    """A stop event that notes how long the worker asked to rest, and never makes it actually wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rests: list[float | None] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.rests.append(timeout)
+        return self.is_set()
+
+
+def _run_twice(worker_runs: list[RunContext], stop: _RecordingStop) -> Callable[[RunContext], None]:
+    def handler(ctx: RunContext) -> None:
+        worker_runs.append(ctx)
+        EchoHandler()(ctx)
+        if len(worker_runs) == 2:
+            stop.set()
+    return handler
+
+
+def test_a_worker_rests_after_a_run_during_which_the_inbox_acknowledged_deliveries(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    deliver(engine, clock, owner, "d1", key="a")
+    deliver(engine, clock, owner, "d2", key="b")
+    stop, runs = _RecordingStop(), []
+    busy = runtime.settings.ingest_busy_rate + 1  # deliveries per second: above the line
+    worker = Worker(engine, runtime.settings, clock, _run_twice(runs, stop), inbox_rate=lambda: busy)
+    worker.run_forever(stop, threading.Event())
+    assert len(runs) == 2
+    assert len(stop.rests) == 2 and all(r is not None and r > 0 for r in stop.rests)
+
+
+def test_a_worker_does_not_rest_while_the_inbox_is_not_busy(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                        owner: str) -> None:
+    deliver(engine, clock, owner, "d1", key="a")
+    deliver(engine, clock, owner, "d2", key="b")
+    stop, runs = _RecordingStop(), []
+    steady = runtime.settings.ingest_busy_rate / 2  # a stream the workers keep up with: runs go at full speed
+    worker = Worker(engine, runtime.settings, clock, _run_twice(runs, stop), inbox_rate=lambda: steady)
+    worker.run_forever(stop, threading.Event())
+    assert len(runs) == 2 and stop.rests == []
+
+
+def test_a_run_under_ingest_takes_at_most_its_share_of_the_worker_s_time() -> None:
+    assert rest_after_run(0.004, share=0.1) == pytest.approx(0.036)  # 4 ms of run, 36 ms of rest: 10 %
+    assert rest_after_run(0.004, share=1.0) == 0.0
+
+
+def test_the_inbox_rate_is_measured_over_windows_long_enough_not_to_see_a_pair_as_a_burst() -> None:
+    received, now = [0], [100.0]
+    rate = InboxRate(lambda: received[0], window=0.25, clock=lambda: now[0])
+    received[0], now[0] = 2, 100.01  # two deliveries within one 10 ms run: 200/s if measured there
+    assert rate() == 0.0
+    received[0], now[0] = 25, 100.25  # 25 in a quarter of a second
+    assert rate() == pytest.approx(100.0)
+    received[0], now[0] = 525, 100.75
+    assert rate() == pytest.approx(1000.0)
+    now[0] = 101.75  # a second with nothing: the burst is over
+    assert rate() == 0.0

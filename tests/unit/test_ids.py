@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
-from server.ids import new_id
+from hypothesis import given
+from hypothesis import strategies as st
+
+from server.ids import _ALPHABET, _b32, new_id
 
 
 def test_ids_issued_one_after_another_sort_in_issue_order() -> None:
@@ -27,3 +31,17 @@ def test_ids_from_many_threads_never_collide() -> None:
     every = [i for b in out for i in b]
     assert len(set(every)) == len(every)
     assert all(b == sorted(b) for b in out)
+
+
+@given(st.integers(min_value=1, max_value=30).flatmap(
+    lambda width: st.tuples(st.just(width), st.integers(min_value=0, max_value=32 ** width - 1))))
+def test_ids_spell_numbers_in_crockford_base32_most_significant_digit_first(case: tuple[int, int]) -> None:
+    width, value = case
+    assert sum(_ALPHABET.index(c) * 32 ** i for i, c in enumerate(reversed(_b32(value, width)))) == value
+    assert len(_b32(value, width)) == width
+
+
+def test_an_id_is_its_millisecond_then_its_random_part() -> None:
+    before = time.time_ns() // 1_000_000
+    ms_digits = new_id("ev")[3:13]
+    assert sum(_ALPHABET.index(c) * 32 ** i for i, c in enumerate(reversed(ms_digits))) >= before
