@@ -96,7 +96,8 @@ class InboxRate:
 
 
 def rest_after_run(seconds: float, *, share: float) -> float:
-    """How long a worker rests after a run that took `seconds` while the inbox was committing deliveries.
+    """How long a worker rests after a run that took `seconds` of CPU while the inbox was busy. CPU, not wall time:
+    a run waiting on a model or a provider takes nothing from the acknowledgements and owes no rest.
 
     Acknowledgement is the promise and runs are asynchronous, so under ingest runs give way: a worker then spends at
     most `share` of its time in runs, leaving the CPU (one interpreter lock) and the database's write lock to the
@@ -240,7 +241,7 @@ class Worker:
     def run_forever(self, stop: threading.Event, wakeup: threading.Event) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not stop.is_set():
-            started = time.monotonic()
+            started = time.thread_time()  # the CPU this thread spends on the run, not its wall time
             try:
                 worked = self.run_once()
             except Exception:
@@ -251,7 +252,7 @@ class Worker:
                 continue
             idle.reset()
             if self._inbox_rate() > self.settings.ingest_busy_rate:
-                stop.wait(rest_after_run(time.monotonic() - started, share=self.settings.ingest_run_share))
+                stop.wait(rest_after_run(time.thread_time() - started, share=self.settings.ingest_run_share))
 
     def run_once(self) -> bool:
         """Claim one session with due work and run it. Returns False when there was nothing to do."""
