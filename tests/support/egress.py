@@ -34,7 +34,7 @@ from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, free_port
 from tests.support.tlsca import make_test_ca
 
-__all__ = ["EgressStack", "decider_on_thread", "egress_stack"]
+__all__ = ["EgressStack", "decider_on_thread", "egress_stack", "proxy_child"]
 
 SIMS = ("merchant", "airline", "hotel")
 
@@ -105,6 +105,17 @@ def decider_on_thread(settings: Settings, decide: Decide, record: Record) -> Ite
 
 
 @contextmanager
+def proxy_child(settings: Settings, log_file: Path) -> Iterator[ProxyChild]:
+    """The real `wakeful proxy` process, as `wakeful serve` runs it, for the duration of the block."""
+    child = ProxyChild(settings, log_file=log_file)
+    child.start()
+    try:
+        yield child
+    finally:
+        child.stop()
+
+
+@contextmanager
 def _decider(stack: EgressStack, service: DeciderService) -> Iterator[None]:
     async def decide(req: DecisionRequest) -> Verdict:
         stack.asked.append(req)
@@ -139,10 +150,5 @@ def egress_stack(engine: Engine, clock: FakeClock, owner: str, tmp_path: Path, *
         stack = EgressStack(world=w, settings=settings, secret=secret,
                             proxy_url=f"http://127.0.0.1:{settings.proxy_port}", proxy_log=tmp_path / "proxy.log",
                             upstream_ca=ca.ca_file, deployment_ca=deployment_ca)
-        with _decider(stack, DeciderService(engine, clock, settings)):
-            child = ProxyChild(settings, log_file=stack.proxy_log)
-            child.start()
-            try:
-                yield stack
-            finally:
-                child.stop()
+        with _decider(stack, DeciderService(engine, clock, settings)), proxy_child(settings, stack.proxy_log):
+            yield stack

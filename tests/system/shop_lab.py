@@ -32,10 +32,10 @@ from proxy.contract import DecisionRequest, Verdict
 from server import egress
 from server.clock import FakeClock
 from server.db import make_engine, migrate, write
-from server.proxyctl import DeciderService, ProxyChild, open_vault
+from server.proxyctl import DeciderService, open_vault
 from server.settings import Settings
 from server.users import ensure_user
-from tests.support.egress import decider_on_thread
+from tests.support.egress import decider_on_thread, proxy_child
 from tests.support.serve import free_port
 from tests.support.tlsca import make_test_ca
 from vm.hypervisor import ProxyCredential
@@ -211,13 +211,8 @@ def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | Non
         return verdict
 
     try:
-        with decider_on_thread(settings, decide, service.record):
-            child = ProxyChild(settings, log_file=lab.proxy_log)
-            child.start()
-            try:
-                yield lab
-            finally:
-                child.stop()
+        with decider_on_thread(settings, decide, service.record), proxy_child(settings, lab.proxy_log):
+            yield lab
     finally:
         engine.dispose()
         for server in servers:

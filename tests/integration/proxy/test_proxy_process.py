@@ -15,9 +15,9 @@ import pytest
 from proxy.audit import EgressRecord
 from proxy.contract import DecisionRequest, Verdict
 from proxy.vault import KEY_ENV, generate_key
-from server.proxyctl import ProxyChild, _listening
+from server.proxyctl import _listening
 from server.settings import Settings
-from tests.support.egress import decider_on_thread
+from tests.support.egress import decider_on_thread, proxy_child
 from tests.support.polling import wait_until
 from tests.support.serve import free_port
 
@@ -68,17 +68,12 @@ async def test_the_proxy_process_serves_until_a_signal_and_then_exits_cleanly(tm
 def test_a_proxy_child_that_dies_is_started_again_and_stopped_with_the_server(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, proxy_port=free_port())
     (tmp_path / "wakeful.toml").write_text(f"proxy_port = {settings.proxy_port}\n")  # what the child reads
-    child = ProxyChild(settings, log_file=tmp_path / "proxy.log")
-    with decider_on_thread(settings, _refuse, _forget):
-        child.start()
-        try:
-            first = child._proc
-            assert first is not None
-            os.kill(first.pid, signal.SIGKILL)  # the watcher sleeps until the kernel says it ended: no polling
-            second = wait_until(lambda: child._proc if child._proc is not first and _listening(settings.proxy_port)
-                                else None, 60, "the proxy to be started again")
-        finally:
-            child.stop()
+    with decider_on_thread(settings, _refuse, _forget), proxy_child(settings, tmp_path / "proxy.log") as child:
+        first = child._proc
+        assert first is not None
+        os.kill(first.pid, signal.SIGKILL)  # the watcher sleeps until the kernel says it ended: no polling
+        second = wait_until(lambda: child._proc if child._proc is not first and _listening(settings.proxy_port)
+                            else None, 60, "the proxy to be started again")
     assert second.poll() is not None  # stopped with the server
 
 
