@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.anyio, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
 WAKEFUL = Path(sys.executable).parent / "wakeful"
-IDLE_AFTER = 45
+IDLE_AFTER = 30
 """Seconds without observe, act, handoff or live view before the sweeper suspends the VM (default 10 minutes)."""
 TOOL_CALL_TIMEOUT = 900.0
 """The first observe cold-boots the guest and waits for Chromium: minutes under TCG."""
@@ -106,7 +106,8 @@ def served(libvirtd: None, guest_image: Path, tmp_path_factory: pytest.TempPathF
                            check=True).stdout.strip()
     with Sink() as sink:
         served = Served(server=ServeProcess({"WAKEFUL_DATA_DIR": str(data_dir), "WAKEFUL_NOTIFY_URL": sink.url,
-                                             "WAKEFUL_COMPUTER_IDLE_AFTER": str(IDLE_AFTER)},
+                                             "WAKEFUL_COMPUTER_IDLE_AFTER": str(IDLE_AFTER),
+                                             "WAKEFUL_SWEEP_INTERVAL": "5"},
                                             log_path=data_dir / "serve.log"),
                         token=token, sink=sink, data_dir=data_dir, image=guest_image)
         try:
