@@ -27,7 +27,7 @@ from server.settings import Settings
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from vm.hypervisor import ProxyCredential
+    from vm.hypervisor import Hypervisor, ProxyCredential
     from vm.lifecycle import VmInfo, VmManager
     from vm.observe import Act, Refused
     from vm.toolcomputer import ActResult, ObserveResult, ToolComputer
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "Computers", "LazyVmComputers", "VmComputers",
            "act_from_args",
-           "act_json", "act_risk", "computer_tools", "execute", "observe"]
+           "act_json", "act_risk", "computer_tools", "execute", "network_settings", "observe"]
 
 OBSERVE_TOOL: Final = "computer__observe"
 ACT_TOOL: Final = "computer__act"
@@ -259,6 +259,25 @@ class LazyVmComputers:
         return self._inner.reap() if self._inner is not None else []
 
 
+def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, Any]:
+    """The `VmSettings` fields for `computer_network`, after checking that the guests will find the egress proxy
+    there: the network is usable (`Hypervisor.network`), its host address is the one the proxy listens on, and the
+    proxy runs at all. Nothing (user-mode networking) when no network is set."""
+    if settings.computer_network is None:
+        return {}
+    listen = settings.bridge_listen
+    assert listen is not None, "Settings requires proxy_bridge_listen with computer_network"
+    if not settings.proxy:
+        raise WakefulError("network_unusable", "computer_network needs the egress proxy (proxy = true): it is the "
+                                               "only thing tool computers on the network can reach")
+    network = hypervisor.network(settings.computer_network)
+    if str(network.host.ip) != listen[0]:
+        raise WakefulError("network_unusable", f"proxy_bridge_listen is {settings.proxy_bridge_listen}, but the host's "
+                                               f"address on {network.name} is {network.host.ip}: tool computers would "
+                                               "look for the egress proxy where it is not")
+    return {"network": network.name, "network_proxy_port": listen[1], "address_book": settings.address_book}
+
+
 def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmComputers:
     from vm.accel import choose_accel
     from vm.browser import CdpBrowser
@@ -278,11 +297,12 @@ def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmC
     try:
         accel = choose_accel(kernel, data_dir=settings.data_dir, force=settings.computer_accel)
         log.info("tool computers run under %s", accel.describe())
+        hypervisor = LibvirtHypervisor(settings.libvirt_uri)
         manager = VmManager(VmSettings(
             data_dir=settings.data_dir, base_image=image / "base.qcow2", kernel=kernel,
             initrd=image / "initrd.img" if (image / "initrd.img").exists() else None, accel=accel.accel,
-            proxy_port=settings.proxy_port if settings.proxy else None, idle_after=settings.computer_idle_after),
-            LibvirtHypervisor(settings.libvirt_uri))
+            proxy_port=settings.proxy_port if settings.proxy else None, idle_after=settings.computer_idle_after,
+            **network_settings(settings, hypervisor)), hypervisor)
     except VmError as exc:
         raise WakefulError(exc.code, exc.message) from None
 
@@ -291,7 +311,8 @@ def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmC
     slow = accel.accel is Accel.TCG
 
     def connect(info: VmInfo) -> ToolComputer:
-        channel = GuestChannel(port=info.forwards.ssh, user="root", client_key_path=info.keys.client_key,
+        host, port = info.ssh_endpoint
+        channel = GuestChannel(host=host, port=port, user="root", client_key_path=info.keys.client_key,
                                pinned_host_key=info.keys.host_public)
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0) if slow else CdpBrowser()
         return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=browser, desktop=XDesktop(channel),

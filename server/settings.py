@@ -6,16 +6,17 @@ the environment: `WAKEFUL_SOURCES__GITHUB__SECRET=...` sets the secret of the so
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, SecretStr, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-__all__ = ["Settings", "SourceSettings", "load_settings"]
+__all__ = ["Settings", "SourceSettings", "load_settings", "parse_listen"]
 
 SourceKind = Literal["github", "stripe", "slack", "generic"]
 
@@ -136,6 +137,14 @@ class Settings(BaseSettings):
     """Force the acceleration; by default KVM is probed (a stock kernel must boot under it) and TCG used otherwise."""
     libvirt_uri: str = "qemu:///system"
     """Where tool computers run."""
+    computer_network: str | None = None
+    """For production hosts: the isolated libvirt network (no `<forward>`, see infra/README.md) tool computers join
+    instead of QEMU user-mode networking. Each VM gets a fixed address (a DHCP reservation, held against spoofing by
+    libvirt's `clean-traffic` filter) and reaches nothing but the egress proxy on `proxy_bridge_listen`, which knows
+    the VM by that address. Unset: user-mode networking, every host forward on 127.0.0.1."""
+    proxy_bridge_listen: str | None = None
+    """`ADDRESS:PORT` where the egress proxy also listens for tool computers on `computer_network`: the network's
+    own host address. A connection there is known by its source address alone. Required with `computer_network`."""
     reconcile_interval: float = 5.0
     """How often unknown outcomes are reconciled and accepted effects verified, in seconds."""
     resend_after: Duration = timedelta(seconds=10)
@@ -199,6 +208,31 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=_config_path()))
 
+    @field_validator("proxy_bridge_listen")
+    @classmethod
+    def _bridge_listen(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _network_needs_a_bridge_listener(self) -> Settings:
+        if self.computer_network is not None and self.proxy_bridge_listen is None:
+            raise ValueError("computer_network needs proxy_bridge_listen: the network's host address and the port "
+                             "the egress proxy listens on there, e.g. 10.77.0.1:3128")
+        return self
+
+    @property
+    def bridge_listen(self) -> tuple[str, int] | None:
+        """`proxy_bridge_listen` as (IPv4 address, port)."""
+        return parse_listen(self.proxy_bridge_listen) if self.proxy_bridge_listen is not None else None
+
+    @property
+    def address_book(self) -> Path:
+        """Which tool computer holds which address on `computer_network`: written by the VM manager, read by the
+        proxy (0600; it holds each VM's proxy credential)."""
+        return self.proxy_dir / "address-book.json"
+
     @property
     def policies(self) -> Path:
         return self.policies_dir or self.data_dir / "policies"
@@ -224,6 +258,19 @@ class Settings(BaseSettings):
     @property
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'wakeful.db'}"
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """`IPV4:PORT` → (address, port); ValueError naming what is wrong."""
+    address, colon, port = value.rpartition(":")
+    try:
+        ip = ipaddress.IPv4Address(address)
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"{value!r} is not IPV4:PORT, e.g. 10.77.0.1:3128") from None
+    if not colon or not 0 < number < 65536 or ip.is_unspecified or ip.is_loopback:
+        raise ValueError(f"{value!r} must be one specific, non-loopback IPv4 address and a port 1-65535")
+    return str(ip), number
 
 
 def _config_path() -> Path:

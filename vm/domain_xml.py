@@ -3,7 +3,9 @@
 Security-relevant choices, all checked by unit tests that parse the XML back:
 
 * networking is QEMU user-mode (slirp) through `<qemu:commandline>` with `restrict=on`: the guest reaches nothing
-  but the egress proxy's guest forward; host forwards bind 127.0.0.1 only. Never libvirt's NAT bridge.
+  but the egress proxy's guest forward; host forwards bind 127.0.0.1 only. Never libvirt's NAT bridge. On
+  production hosts a VM may instead join an isolated libvirt network (`DomainSpec.bridge`): a virtio interface
+  with a fixed MAC and libvirt's `clean-traffic` filter pinning its reserved address.
 * the proxy guest forward uses the per-connection `cmd:` form. The `tcp:` chardev form is a single stream opened
   when QEMU starts: the first request goes through and every later connection hangs (measured on QEMU 7.2).
   With a proxy credential the command is a small relay that inserts `Proxy-Authorization` after the first request
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 
 from vm.hypervisor import Accel, DomainSpec, ProxyCredential
 
-__all__ = ["GUEST_PROXY", "QEMU_NS", "RELAY", "domain_xml", "netdev_arg", "proxy_connector"]
+__all__ = ["ANTI_SPOOFING", "GUEST_PROXY", "QEMU_NS", "RELAY", "domain_xml", "netdev_arg", "proxy_connector"]
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
 GUEST_PROXY = ("10.0.2.100", 3128)
@@ -31,6 +33,9 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=allow,spawn=allow,resourcecontrol=
 connector per connection and calls setsid() in the child (measured: SIGSYS on syscall 112 otherwise).
 libvirt's own sandbox must be off (`seccomp_sandbox = 0` in qemu.conf, see scripts/libvirtd): filters stack."""
 GUEST_PORTS = {"ssh": 22, "cdp": 9222, "vnc": 5900}
+ANTI_SPOOFING = "clean-traffic"
+"""libvirt's stock filter on a VM's interface on an isolated network: no MAC, IP or ARP spoofing, so the address
+the egress proxy knows the VM by is really the VM's."""
 
 ET.register_namespace("qemu", QEMU_NS)
 
@@ -136,14 +141,21 @@ def domain_xml(spec: DomainSpec) -> str:
     serial = _sub(devices, "serial", type="file")
     _sub(serial, "source", path=str(spec.serial_log), append="on")
     _sub(serial, "target", port="0")
+    if spec.bridge is not None:
+        nic = _sub(devices, "interface", type="network")
+        _sub(nic, "source", network=spec.bridge.network)
+        _sub(nic, "mac", address=spec.bridge.mac)
+        _sub(nic, "model", type="virtio")
+        spoofing = _sub(nic, "filterref", filter=ANTI_SPOOFING)
+        _sub(spoofing, "parameter", name="IP", value=spec.bridge.address)
     _sub(devices, "memballoon", model="virtio", freePageReporting="on")
     rng = _sub(devices, "rng", model="virtio")
     _sub(rng, "backend", "/dev/urandom", model="random")
 
     cmd = ET.SubElement(dom, f"{{{QEMU_NS}}}commandline")
-    for value in ("-netdev", netdev_arg(spec),
-                  "-device", "virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x10",
-                  "-sandbox", SANDBOX):
+    user_net = () if spec.bridge is not None else (
+        "-netdev", netdev_arg(spec), "-device", "virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x10")
+    for value in (*user_net, "-sandbox", SANDBOX):
         ET.SubElement(cmd, f"{{{QEMU_NS}}}arg", {"value": value})
     ET.indent(dom)
     return ET.tostring(dom, encoding="unicode")

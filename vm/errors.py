@@ -7,7 +7,9 @@
     ├── ImageMissing             image_missing           base image, kernel or initrd not on disk
     ├── HypervisorUnavailable    hypervisor_unavailable  libvirtd / QEMU / qemu-img not reachable or failing
     ├── LimitExceeded            limit_exceeded          a per-user limit (RAM, vCPUs, disk, ports) would be exceeded
-    └── SnapshotNotFound         snapshot_not_found      no such disk snapshot
+    ├── SnapshotNotFound         snapshot_not_found      no such disk snapshot
+    └── NetworkUnusable          network_unusable        the libvirt network for tool computers is missing,
+                                                         inactive, not isolated or full
 
 Other `vm/` modules (guest channel, browser) subclass `VmError` with their own codes.
 """
@@ -21,6 +23,7 @@ __all__ = [
     "IllegalTransition",
     "ImageMissing",
     "LimitExceeded",
+    "NetworkUnusable",
     "SnapshotNotFound",
     "VmDead",
     "VmError",
@@ -65,3 +68,7 @@ class LimitExceeded(VmError):
 
 class SnapshotNotFound(VmError):
     code = "snapshot_not_found"
+
+
+class NetworkUnusable(VmError):
+    code = "network_unusable"

@@ -6,12 +6,13 @@ code that checks files (destroy removes everything) sees what it would see with 
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vm.errors import IllegalTransition, ImageMissing, SnapshotNotFound, VmError, VmNotFound
-from vm.hypervisor import DomainSpec, DomainState, SnapshotInfo
+from vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmError, VmNotFound
+from vm.hypervisor import BridgePlace, DomainSpec, DomainState, NetworkInfo, SnapshotInfo
 
 __all__ = ["FakeDisks", "FakeHypervisor"]
 
@@ -33,6 +34,10 @@ class FakeHypervisor:
         self._failures: dict[str, VmError] = {}
         self._per_mib = resident_bytes_per_mib
         self._lock = threading.RLock()
+        self.networks: dict[str, ipaddress.IPv4Interface] = {}
+        """Isolated networks by name: the host's address on each (add one to use it)."""
+        self.reservations: dict[str, dict[str, str]] = {}
+        """DHCP reservations per network: MAC → address."""
 
     def fail_next(self, operation: str, error: VmError) -> None:
         """Make the next call of `operation` (a method name) raise `error` without doing anything."""
@@ -184,6 +189,27 @@ class FakeHypervisor:
             if index < len(dom.snapshots):  # the next snapshot froze the merged layer
                 later = dom.snapshots[index]
                 dom.snapshots[index] = SnapshotInfo(name=later.name, frozen=target.frozen, overlay=later.overlay)
+
+    def network(self, name: str) -> NetworkInfo:
+        with self._lock:
+            self._enter("network", name)
+            if name not in self.networks:
+                raise NetworkUnusable(f"there is no libvirt network named {name}")
+            return NetworkInfo(name=name, host=self.networks[name],
+                               reserved=frozenset(self.reservations.get(name, {}).values()))
+
+    def reserve_address(self, place: BridgePlace, host_name: str) -> None:
+        with self._lock:
+            self._enter("reserve_address", host_name)
+            reserved = self.reservations.setdefault(place.network, {})
+            if place.mac in reserved or place.address in reserved.values():
+                raise NetworkUnusable(f"{place.address} or {place.mac} is already reserved on {place.network}")
+            reserved[place.mac] = place.address
+
+    def release_address(self, place: BridgePlace) -> None:
+        with self._lock:
+            self._enter("release_address", place.mac)
+            self.reservations.get(place.network, {}).pop(place.mac, None)
 
 
 class FakeDisks:

@@ -13,12 +13,14 @@ it. Domains are addressed by name. Semantics every implementation keeps:
 from __future__ import annotations
 
 import base64
+import ipaddress
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
-__all__ = ["Accel", "DomainSpec", "DomainState", "Forwards", "Hypervisor", "ProxyCredential", "SnapshotInfo"]
+__all__ = ["Accel", "BridgePlace", "DomainSpec", "DomainState", "Forwards", "Hypervisor", "NetworkInfo",
+           "ProxyCredential", "SnapshotInfo"]
 
 
 class Accel(StrEnum):
@@ -36,9 +38,10 @@ class DomainState(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class Forwards:
-    """Host ports on 127.0.0.1 and where they lead. Nothing else of the VM is reachable from the host."""
+    """Host ports on 127.0.0.1 and where they lead (user-mode networking). Nothing else of the VM is reachable
+    from the host. A VM on an isolated network (`BridgePlace`) has none: the host reaches it at its address."""
 
-    ssh: int
+    ssh: int | None
     """Host port forwarded to guest port 22."""
     cdp: int | None = None
     """Host port forwarded to guest port 9222 (Chromium remote debugging), if any."""
@@ -49,6 +52,28 @@ class Forwards:
 
     def host_ports(self) -> tuple[int, ...]:
         return tuple(p for p in (self.ssh, self.cdp, self.vnc) if p is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkInfo:
+    """An isolated libvirt network as tool computers see it."""
+
+    name: str
+    host: ipaddress.IPv4Interface
+    """The host's own address on the network, with its prefix: the egress proxy listens there."""
+    reserved: frozenset[str] = frozenset()
+    """Addresses already given to some machine by a DHCP reservation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgePlace:
+    """A VM's fixed place on an isolated libvirt network: its MAC, and the address a DHCP reservation gives it.
+    The domain's interface carries libvirt's `clean-traffic` filter with this address, so the VM cannot send from
+    another one: the egress proxy knows the VM by it."""
+
+    network: str
+    mac: str
+    address: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +129,8 @@ class DomainSpec:
     """Run by QEMU per guest connection to the proxy, with `127.0.0.1 PORT` appended: a stdio-to-TCP bridge."""
     proxy_credential: ProxyCredential | None = None
     """When set, each guest connection to the proxy gets this identity inserted by the host (see `ProxyCredential`)."""
+    bridge: BridgePlace | None = None
+    """Join this isolated libvirt network instead of user-mode networking (then `forwards` is unused)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,4 +206,17 @@ class Hypervisor(Protocol):
 
     def snapshots(self, name: str) -> list[SnapshotInfo]:
         """Snapshots, oldest first."""
+        ...
+
+    def network(self, name: str) -> NetworkInfo:
+        """The isolated network `name`. Raises `NetworkUnusable` when it is not defined, not active, forwards
+        anywhere (a `<forward>` element: NAT, routed, bridged to the LAN) or has no IPv4 address."""
+        ...
+
+    def reserve_address(self, place: BridgePlace, host_name: str) -> None:
+        """Add the DHCP reservation (MAC → address) to the running network and its persistent definition."""
+        ...
+
+    def release_address(self, place: BridgePlace) -> None:
+        """Remove the reservation; a no-op when it is not there."""
         ...

@@ -13,6 +13,7 @@ What libvirt 9.0 does and does not do here (measured):
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -23,8 +24,16 @@ import libvirt  # noqa: TID251 - the one module that talks to libvirt
 
 from vm.disks import Disks, QemuImg
 from vm.domain_xml import domain_xml
-from vm.errors import HypervisorUnavailable, IllegalTransition, ImageMissing, SnapshotNotFound, VmDead, VmNotFound
-from vm.hypervisor import DomainSpec, DomainState, SnapshotInfo
+from vm.errors import (
+    HypervisorUnavailable,
+    IllegalTransition,
+    ImageMissing,
+    NetworkUnusable,
+    SnapshotNotFound,
+    VmDead,
+    VmNotFound,
+)
+from vm.hypervisor import BridgePlace, DomainSpec, DomainState, NetworkInfo, SnapshotInfo
 
 __all__ = ["LibvirtHypervisor"]
 
@@ -274,3 +283,54 @@ class LibvirtHypervisor:
         with self._calling(name, "delete the snapshot of"):
             dom.snapshotLookupByName(snapshot, 0).delete(0)
 
+    # ------------------------------------------------------------------------------------------ isolated network
+
+    def _network(self, name: str) -> libvirt.virNetwork:
+        conn = self._connection()
+        try:
+            return conn.networkLookupByName(name)
+        except libvirt.libvirtError as exc:
+            raise NetworkUnusable(f"libvirt has no network named {name} ({exc.get_error_message()}); define it as "
+                                  "infra/README.md shows") from None
+
+    def network(self, name: str) -> NetworkInfo:
+        net = self._network(name)
+        try:
+            active, root = net.isActive(), ET.fromstring(net.XMLDesc(0))
+        except libvirt.libvirtError as exc:
+            raise NetworkUnusable(f"cannot read the network {name}: {exc.get_error_message()}") from None
+        if not active:
+            raise NetworkUnusable(f"the network {name} is not active: virsh net-start {name}")
+        forward = root.find("forward")
+        if forward is not None:
+            raise NetworkUnusable(f"the network {name} forwards traffic (<forward mode='{forward.get('mode', 'nat')}'>)"
+                                  ": tool computers need an isolated network, one without <forward>")
+        for ip in root.findall("ip"):
+            if ip.get("family", "ipv4") != "ipv4" or ip.get("address") is None:
+                continue
+            mask = ip.get("prefix") or ip.get("netmask") or "24"
+            host = ipaddress.IPv4Interface(f"{ip.get('address')}/{mask}")
+            reserved = frozenset(h.get("ip", "") for h in ip.findall("dhcp/host") if h.get("ip"))
+            return NetworkInfo(name=name, host=host, reserved=reserved)
+        raise NetworkUnusable(f"the network {name} has no IPv4 address for the host")
+
+    _UPDATE_FLAGS = libvirt.VIR_NETWORK_UPDATE_AFFECT_LIVE | libvirt.VIR_NETWORK_UPDATE_AFFECT_CONFIG
+
+    def _update(self, place: BridgePlace, command: int, host_name: str | None, doing: str) -> None:
+        entry = ET.Element("host", {"mac": place.mac, "ip": place.address})
+        if host_name is not None:
+            entry.set("name", host_name)
+        try:
+            self._network(place.network).update(command, libvirt.VIR_NETWORK_SECTION_IP_DHCP_HOST, -1,
+                                                ET.tostring(entry, encoding="unicode"), self._UPDATE_FLAGS)
+        except libvirt.libvirtError as exc:
+            raise NetworkUnusable(f"could not {doing} {place.address} ({place.mac}) on {place.network}: "
+                                  f"{exc.get_error_message()}") from None
+
+    def reserve_address(self, place: BridgePlace, host_name: str) -> None:
+        self._update(place, libvirt.VIR_NETWORK_UPDATE_COMMAND_ADD_LAST, host_name, "reserve")
+
+    def release_address(self, place: BridgePlace) -> None:
+        if place.address not in self.network(place.network).reserved:
+            return
+        self._update(place, libvirt.VIR_NETWORK_UPDATE_COMMAND_DELETE, None, "release")

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
+import secrets
 import shutil
 import socket
 import threading
@@ -30,8 +32,18 @@ from pathlib import Path
 
 from vm.clock import Clock, SystemClock
 from vm.disks import Disks, QemuImg
+from vm.domain_xml import GUEST_PROXY
 from vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmError, VmNotFound
-from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, ProxyCredential, SnapshotInfo
+from vm.hypervisor import (
+    Accel,
+    BridgePlace,
+    DomainSpec,
+    DomainState,
+    Forwards,
+    Hypervisor,
+    ProxyCredential,
+    SnapshotInfo,
+)
 from vm.keys import VmKeys, generate_keys, load_keys
 from vm.lifecycle_rules import (
     Activity,
@@ -43,12 +55,15 @@ from vm.lifecycle_rules import (
     check_limits,
     is_idle,
     next_state,
+    pick_address,
     pick_ports,
     reap_candidates,
 )
 from vm.seed import build_seed
 
 __all__ = ["AfterRestore", "AfterRestoreHook", "VmInfo", "VmManager", "VmSettings"]
+
+log = logging.getLogger("wakeful.vm")
 
 GIB = 1024**3
 
@@ -82,6 +97,14 @@ class VmSettings:
     cpu_model: str = "Westmere"
     tb_cache_mib: int = 64
     proxy_command: tuple[str, ...] = ("/bin/busybox", "nc")
+    network: str | None = None
+    """An isolated libvirt network (see `Hypervisor.network`) VMs join instead of user-mode networking: each gets a
+    reserved address there, the host reaches its SSH at that address, and no host port is forwarded."""
+    network_proxy_port: int = 3128
+    """On `network`: the port the egress proxy listens on at the network's host address."""
+    address_book: Path | None = None
+    """On `network`: where the manager keeps, for the egress proxy, which VM holds which address with its proxy
+    credential (JSON, 0600, replaced atomically; `proxy.addressbook` reads it)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +123,18 @@ class VmInfo:
     """`keys.host_public` is what the SSH layer pins; `keys.client_key` is what it logs in with."""
     size: VmSize
     proxy_credential: ProxyCredential | None = None
-    """The identity the host inserts into the guest's connections to the egress proxy (never inside the guest)."""
+    """The identity the host inserts into the guest's connections to the egress proxy (never inside the guest);
+    on an isolated network, the one the proxy gives connections from the VM's address."""
+    bridge: BridgePlace | None = None
+    """The VM's place on the isolated network, when it is on one."""
+
+    @property
+    def ssh_endpoint(self) -> tuple[str, int]:
+        """Where the host reaches the guest's sshd: its address on the isolated network, else the 127.0.0.1 forward."""
+        if self.bridge is not None:
+            return self.bridge.address, 22
+        assert self.forwards.ssh is not None, "a VM on user-mode networking always has its SSH forward"
+        return "127.0.0.1", self.forwards.ssh
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +168,14 @@ def _port_free(port: int) -> bool:
 def domain_name(prefix: str, user: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", user.lower()).strip("-")[:32] or "user"
     return f"{prefix}{slug}-{hashlib.sha256(user.encode()).hexdigest()[:8]}"
+
+
+def _new_mac(taken: set[str]) -> str:
+    """A random MAC in QEMU's locally administered 52:54:00 block that no VM of this manager has."""
+    while True:
+        mac = "52:54:00:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(3))
+        if mac not in taken:
+            return mac
 
 
 _LABEL = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
@@ -172,10 +214,31 @@ class VmManager:
                 disk=directory / "disk.qcow2", seed=directory / "seed.img", serial_log=directory / "serial.log",
                 forwards=Forwards(**data["forwards"]), keys=load_keys(directory / "keys"),
                 size=VmSize(**data["size"]),
-                proxy_credential=ProxyCredential(**data["proxy_credential"]) if data.get("proxy_credential") else None)
+                proxy_credential=ProxyCredential(**data["proxy_credential"]) if data.get("proxy_credential") else None,
+                bridge=BridgePlace(**data["bridge"]) if data.get("bridge") else None)
             record = _Record(info=info)
             self._sync(record)
             self._records[info.user] = record
+        self._write_address_book()
+
+    def _write_address_book(self) -> None:
+        """Which address on the isolated network speaks for which user, for the egress proxy: replaced whole and
+        atomically (the proxy re-reads it when it changes). Holds the VMs' proxy credentials: 0600."""
+        path = self.settings.address_book
+        if path is None:
+            return
+        with self._lock:
+            book = {r.info.bridge.address: {"user_id": r.info.proxy_credential.user_id,
+                                            "token": r.info.proxy_credential.token}
+                    for r in self._records.values() if r.info.bridge and r.info.proxy_credential}
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": 1, "addresses": book}, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        staging.replace(path)
 
     def _sync(self, record: _Record) -> None:
         """Take the state from the hypervisor: it is the truth about processes and saved states."""
@@ -222,7 +285,7 @@ class VmManager:
                           kernel=s.kernel, initrd=s.initrd, cmdline=s.cmdline, disk=info.disk, seed=info.seed,
                           serial_log=info.serial_log, forwards=info.forwards, cpu_model=s.cpu_model,
                           tb_cache_mib=s.tb_cache_mib, proxy_command=s.proxy_command,
-                          proxy_credential=info.proxy_credential)
+                          proxy_credential=info.proxy_credential, bridge=info.bridge)
 
     def provision(self, user: str, size: VmSize | None = None, *,
                   proxy_credential: ProxyCredential | None = None) -> VmInfo:
@@ -241,33 +304,48 @@ class VmManager:
         if base_size > size.disk_gib * GIB:
             raise LimitExceeded(f"the base image is {base_size / GIB:.1f} GiB, more than the {size.disk_gib} GiB "
                                 "disk asked for", vm=name)
+        network = self._hv.network(s.network) if s.network is not None else None
         with self._lock:
             if user in self._records:
                 raise IllegalTransition(f"{user} already has a tool computer ({self._records[user].info.name})",
                                         vm=name)
-            used = {p for r in self._records.values() for p in r.info.forwards.host_ports()}
-            count = 1 + s.forward_cdp + s.forward_vnc
-            ports = iter(pick_ports(count, used=used, port_range=s.port_range, is_free=self._port_free))
-            forwards = Forwards(ssh=next(ports), cdp=next(ports) if s.forward_cdp else None,
-                                vnc=next(ports) if s.forward_vnc else None, proxy=s.proxy_port)
+            bridge: BridgePlace | None = None
+            if network is None:
+                used = {p for r in self._records.values() for p in r.info.forwards.host_ports()}
+                count = 1 + s.forward_cdp + s.forward_vnc
+                ports = iter(pick_ports(count, used=used, port_range=s.port_range, is_free=self._port_free))
+                forwards = Forwards(ssh=next(ports), cdp=next(ports) if s.forward_cdp else None,
+                                    vnc=next(ports) if s.forward_vnc else None, proxy=s.proxy_port)
+                guest_proxy = "http://{}:{}".format(*GUEST_PROXY)
+            else:
+                places = [r.info.bridge for r in self._records.values() if r.info.bridge is not None]
+                bridge = BridgePlace(network=network.name, mac=_new_mac({p.mac for p in places}), address=pick_address(
+                    network.host, taken=network.reserved | {p.address for p in places}))
+                forwards = Forwards(ssh=None)
+                guest_proxy = f"http://{network.host.ip}:{s.network_proxy_port}"
             directory = self._vms_dir / name
             info = VmInfo(user=user, name=name, state=VmState.PROVISIONED, directory=directory,
                           disk=directory / "disk.qcow2", seed=directory / "seed.img",
                           serial_log=directory / "serial.log", forwards=forwards,
                           keys=VmKeys(host_key=Path(), host_public="", client_key=Path(), client_public=""), size=size,
-                          proxy_credential=proxy_credential)
+                          proxy_credential=proxy_credential, bridge=bridge)
             record = _Record(info=info)
-            self._records[user] = record  # holds the ports while we build
+            self._records[user] = record  # holds the ports (or the address) while we build
+        reserved = False
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=False)
             keys = generate_keys(directory / "keys", name=name)
-            build_seed(info.seed, keys=keys, hostname=name)
+            build_seed(info.seed, keys=keys, hostname=name, proxy=guest_proxy)
             self._disks.create_overlay(info.disk, backing=s.base_image, size_bytes=size.disk_gib * GIB)
             (directory / "snapshots").mkdir(mode=0o700)
             record.info = info = replace(info, keys=keys)
+            if bridge is not None:
+                self._hv.reserve_address(bridge, host_name=name)
+                reserved = True
             self._hv.define(self._spec(info))
             meta = {"user": user, "name": name, "size": vars(size), "forwards": vars(forwards),
-                    "proxy_credential": vars(proxy_credential) if proxy_credential else None}
+                    "proxy_credential": vars(proxy_credential) if proxy_credential else None,
+                    "bridge": vars(bridge) if bridge else None}
             fd = os.open(directory / "vm.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it may hold a token
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(meta, indent=2) + "\n")
@@ -277,10 +355,13 @@ class VmManager:
             try:
                 if name in self._hv.names():
                     self._hv.undefine(name)
+                if reserved and bridge is not None:
+                    self._hv.release_address(bridge)
             except VmError:
                 pass  # the original error is the one worth reporting
             shutil.rmtree(directory, ignore_errors=True)
             raise
+        self._write_address_book()
         return info
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -362,9 +443,16 @@ class VmManager:
                 self._hv.undefine(record.info.name)
             except VmNotFound:
                 pass
+            if record.info.bridge is not None:
+                try:
+                    self._hv.release_address(record.info.bridge)
+                except VmError as exc:  # the VM is gone either way; a stale reservation only holds an address
+                    log.warning("could not release %s on %s: %s", record.info.bridge.address,
+                                record.info.bridge.network, exc.message)
             shutil.rmtree(record.info.directory, ignore_errors=True)
             with self._lock:
                 self._records.pop(user, None)
+        self._write_address_book()
 
     def memory_bytes(self, user: str) -> int:
         return self._hv.memory_bytes(self._record(user).info.name)

@@ -10,12 +10,13 @@ Pure functions of their arguments and `now`; `vm.lifecycle.VmManager` is the she
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from vm.errors import IllegalTransition, LimitExceeded
+from vm.errors import IllegalTransition, LimitExceeded, NetworkUnusable
 
 __all__ = [
     "TRANSITIONS",
@@ -28,6 +29,7 @@ __all__ = [
     "check_limits",
     "is_idle",
     "next_state",
+    "pick_address",
     "pick_ports",
     "reap_candidates",
 ]
@@ -137,3 +139,12 @@ def pick_ports(count: int, *, used: Collection[int], port_range: tuple[int, int]
             if len(chosen) == count:
                 return chosen
     raise LimitExceeded(f"no {count} free 127.0.0.1 ports left in {low}–{high}; widen the port range")
+
+
+def pick_address(host: ipaddress.IPv4Interface, *, taken: Collection[str]) -> str:
+    """The lowest address of the host's network that is neither the host's own, nor its network or broadcast
+    address, nor `taken` (reserved on the network or held by a VM)."""
+    for candidate in host.network.hosts():
+        if candidate != host.ip and str(candidate) not in taken:
+            return str(candidate)
+    raise NetworkUnusable(f"no free address left on {host.network}; use a larger network for tool computers")

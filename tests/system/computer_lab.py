@@ -90,7 +90,8 @@ def tool_computer(image_dir: Path, data_dir: Path, *, user: str, accel: AccelCho
     manager = VmManager(settings, LibvirtHypervisor(URI), clock=clock)
     vm = manager.provision(user, proxy_credential=credential)
     try:
-        channel = GuestChannel(port=vm.forwards.ssh, user="root", client_key_path=vm.keys.client_key,
+        host, port = vm.ssh_endpoint
+        channel = GuestChannel(host=host, port=port, user="root", client_key_path=vm.keys.client_key,
                                pinned_host_key=vm.keys.host_public)
         # Chromium under TCG on a shared host: a first cross-site navigation took 56 s here (a new renderer).
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0)

@@ -20,6 +20,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
+from tests.support.debugfs import debugfs
 from vm.image_system import sha256_file
 
 if TYPE_CHECKING:
@@ -93,11 +94,6 @@ def root_fs(guest_image: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     raw.unlink()
 
 
-def debugfs(raw: Path, request: str) -> str:
-    return subprocess.run(["debugfs", "-R", request, str(raw)], check=True, capture_output=True, text=True,
-                          timeout=60).stdout
-
-
 def listing(raw: Path, directory: str) -> set[str]:
     return {line.split("/")[5] for line in debugfs(raw, f"ls -p {directory}").splitlines() if line.count("/") >= 6}
 
@@ -108,7 +104,9 @@ def test_the_image_has_the_units_enabled(root_fs: Path) -> None:
     wanted = listing(root_fs, "/etc/systemd/system/multi-user.target.wants")
     assert {f"{u}.service" for u in UNITS} <= wanted and "systemd-networkd.service" in wanted
     chromium = debugfs(root_fs, "cat /etc/systemd/system/wakeful-chromium.service")
-    assert "--proxy-server=http://10.0.2.100:3128" in chromium and "--remote-debugging-address=127.0.0.1" in chromium
+    assert "--proxy-server=${WAKEFUL_PROXY}" in chromium and "--remote-debugging-address=127.0.0.1" in chromium
+    assert "WAKEFUL_PROXY=http://10.0.2.100:3128" in chromium  # the default; the seed disk's proxy file overrides it
+    assert "EnvironmentFile=-/run/wakeful/chromium.env" in chromium
 
 
 def test_the_image_has_no_host_keys_no_password_and_apt_points_at_the_public_archive(root_fs: Path) -> None:

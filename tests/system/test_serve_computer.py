@@ -85,7 +85,8 @@ class Served:
     def guest(self) -> GuestChannel:
         """A shell in the guest for the test's own checks, with the keys made at provisioning."""
         vm = self.vm()
-        channel = GuestChannel(port=vm.forwards.ssh, user="root", client_key_path=vm.keys.client_key,
+        host, port = vm.ssh_endpoint
+        channel = GuestChannel(host=host, port=port, user="root", client_key_path=vm.keys.client_key,
                                pinned_host_key=vm.keys.host_public)
         channel.connect(timeout=60)
         return channel

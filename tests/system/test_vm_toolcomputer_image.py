@@ -97,6 +97,10 @@ def test_the_image_boots_with_the_seeded_host_key_its_units_running_and_cdp_on_t
     assert shell("cat /etc/ssh/ssh_host_ed25519_key.pub").split()[:2] == lab.vm.keys.host_public.split()[:2]
     assert shell("stat -c %a /etc/ssh/ssh_host_ed25519_key").strip() == "600"
     assert re.search(r"wakeful-deployment-ca\s+C,,", shell("certutil -d sql:/root/.pki/nssdb -L"))
+    # The seed disk told Chromium where the egress proxy is (the user-mode guest forward here).
+    assert shell("cat /run/wakeful/chromium.env").strip() == "WAKEFUL_PROXY=http://10.0.2.100:3128"
+    chromium = shell("tr '\\0' ' ' < /proc/$(systemctl show -p MainPID --value wakeful-chromium)/cmdline")
+    assert "--proxy-server=http://10.0.2.100:3128" in chromium, chromium
     units = ("wakeful-xvfb", "wakeful-wm", "wakeful-x11vnc", "wakeful-x11vnc-view", "wakeful-chromium")
     active = ch.run("systemctl is-active " + " ".join(units), timeout=60)
     assert active.stdout.decode().split() == ["active"] * len(units), active.stdout + active.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vm.domain_xml import QEMU_NS, RELAY, SANDBOX, domain_xml
-from vm.hypervisor import Accel, DomainSpec, Forwards, ProxyCredential
+from vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards, ProxyCredential
 
 
 def _spec(accel: Accel = Accel.TCG, **forwards: int | None) -> DomainSpec:
@@ -134,3 +134,22 @@ def test_without_a_credential_the_guest_forward_is_the_plain_bridge() -> None:
 def test_a_malformed_proxy_credential_is_refused(user_id: str, token: str) -> None:
     with pytest.raises(ValueError):
         ProxyCredential(user_id=user_id, token=token)
+
+
+def test_on_an_isolated_network_the_vm_has_one_filtered_interface_and_no_user_mode_networking() -> None:
+    place = BridgePlace(network="wakeful", mac="52:54:00:ab:cd:ef", address="10.77.0.5")
+    root = ET.fromstring(domain_xml(replace(_spec(ssh=None, cdp=None, vnc=None, proxy=None), bridge=place)))
+    (nic,) = root.findall("devices/interface")
+    assert nic.get("type") == "network"
+    assert [(e.tag, e.attrib) for e in nic] == [
+        ("source", {"network": "wakeful"}), ("mac", {"address": "52:54:00:ab:cd:ef"}), ("model", {"type": "virtio"}),
+        ("filterref", {"filter": "clean-traffic"})]
+    assert [p.attrib for p in nic.findall("filterref/parameter")] == [{"name": "IP", "value": "10.77.0.5"}]
+    args = _qemu_args(root)
+    assert "-netdev" not in args and not any("hostfwd" in a or "guestfwd" in a for a in args)
+    assert args == ["-sandbox", SANDBOX], "the seccomp sandbox stays; nothing else is added"
+
+
+def test_on_user_mode_networking_there_is_no_libvirt_interface() -> None:
+    root = ET.fromstring(domain_xml(_spec()))
+    assert root.findall("devices/interface") == []

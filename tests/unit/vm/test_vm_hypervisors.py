@@ -6,15 +6,19 @@ tests on real libvirt.
 
 from __future__ import annotations
 
+import ipaddress
 import uuid
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
+import libvirt  # noqa: TID251 - the tests define the networks the adapter only reads (an infra step)
 import pytest
 
-from vm.errors import IllegalTransition, ImageMissing, SnapshotNotFound, VmNotFound
+from vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmNotFound
 from vm.fake import FakeHypervisor
-from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor
+from vm.hypervisor import Accel, BridgePlace, DomainSpec, DomainState, Forwards, Hypervisor
 from vm.libvirt_adapter import LibvirtHypervisor
 
 
@@ -173,3 +177,76 @@ def test_fake_failures_can_be_injected_once(spec: DomainSpec) -> None:
     assert hv.state(spec.name) is DomainState.SHUT_OFF
     hv.start(spec.name)
     assert hv.boots(spec.name) == 1
+
+
+# -- the isolated network for production hosts ---------------------------------------------------------------------
+
+ISOLATED_XML = """<network><name>{name}</name><bridge name="{bridge}" stp="off"/>
+  <ip address="10.77.0.1" netmask="255.255.255.0"><dhcp/></ip></network>"""
+
+
+@pytest.fixture
+def isolated(hv: Hypervisor) -> Iterator[str]:
+    """An isolated network (no <forward>) named for this test, defined and started; removed afterwards."""
+    name = f"wkt-net-{uuid.uuid4().hex[:6]}"
+    if isinstance(hv, FakeHypervisor):
+        hv.networks[name] = ipaddress.IPv4Interface("10.77.0.1/24")
+        yield name
+        return
+    assert isinstance(hv, LibvirtHypervisor)
+    conn = libvirt.open(hv.uri)
+    net = conn.networkDefineXML(ISOLATED_XML.format(name=name, bridge=f"wkt{uuid.uuid4().hex[:6]}"))
+    net.create()
+    yield name
+    net.destroy()
+    net.undefine()
+
+
+def test_an_isolated_network_reports_the_hosts_address_and_its_reservations(hv: Hypervisor, isolated: str) -> None:
+    info = hv.network(isolated)
+    assert info.host == ipaddress.IPv4Interface("10.77.0.1/24") and info.reserved == frozenset()
+    a = BridgePlace(network=isolated, mac="52:54:00:00:00:0a", address="10.77.0.10")
+    b = BridgePlace(network=isolated, mac="52:54:00:00:00:0b", address="10.77.0.11")
+    hv.reserve_address(a, host_name="wkt-a")
+    hv.reserve_address(b, host_name="wkt-b")
+    assert hv.network(isolated).reserved == {"10.77.0.10", "10.77.0.11"}
+    hv.release_address(a)
+    hv.release_address(a)  # releasing again is a no-op
+    assert hv.network(isolated).reserved == {"10.77.0.11"}
+
+
+def test_a_missing_network_is_unusable_and_says_so(hv: Hypervisor) -> None:
+    with pytest.raises(NetworkUnusable, match="no network named wkt-nowhere|no libvirt network named wkt-nowhere"):
+        hv.network("wkt-nowhere")
+
+
+def test_a_nat_network_is_refused_for_tool_computers() -> None:
+    adapter = LibvirtHypervisor("test:///default")  # its `default` network is libvirt's NAT, as on a stock host
+    with pytest.raises(NetworkUnusable, match="forwards traffic.*nat.*isolated") as err:
+        adapter.network("default")
+    assert err.value.code == "network_unusable"
+
+
+def test_an_inactive_network_is_refused_until_started() -> None:
+    adapter = LibvirtHypervisor("test:///default")
+    name = f"wkt-net-{uuid.uuid4().hex[:6]}"
+    conn = libvirt.open(adapter.uri)
+    net = conn.networkDefineXML(ISOLATED_XML.format(name=name, bridge=f"wkt{uuid.uuid4().hex[:6]}"))
+    try:
+        with pytest.raises(NetworkUnusable, match=f"not active: virsh net-start {name}"):
+            adapter.network(name)
+    finally:
+        net.undefine()
+
+
+def test_a_domain_on_the_isolated_network_defines_with_its_filtered_interface(
+        hv: Hypervisor, isolated: str, spec: DomainSpec) -> None:
+    place = BridgePlace(network=isolated, mac="52:54:00:00:00:0c", address="10.77.0.12")
+    hv.define(replace(spec, forwards=Forwards(ssh=None), bridge=place))
+    assert spec.name in hv.names()
+    if isinstance(hv, LibvirtHypervisor):  # what libvirt itself kept of the definition
+        root = ET.fromstring(libvirt.open(hv.uri).lookupByName(spec.name).XMLDesc(0))
+        nic = root.find("devices/interface[@type='network']")
+        assert nic is not None and nic.find("source").get("network") == isolated  # type: ignore[union-attr]
+        assert nic.find("mac").get("address") == place.mac  # type: ignore[union-attr]
+        assert nic.find("filterref").get("filter") == "clean-traffic"  # type: ignore[union-attr]

@@ -10,12 +10,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from tests.support.debugfs import debugfs
 from vm.keys import generate_keys, load_keys
 from vm.seed import SEED_FILES, SEED_LABEL, build_seed
-
-
-def _debugfs(image: Path, request: str) -> str:
-    return subprocess.run(["debugfs", "-R", request, str(image)], capture_output=True, text=True, check=True).stdout
 
 
 def test_keys_are_ed25519_openssh_pairs_readable_only_by_the_owner(tmp_path: Path) -> None:
@@ -41,14 +38,15 @@ def test_existing_keys_are_never_overwritten(tmp_path: Path) -> None:
 
 def test_the_seed_disk_is_an_ext4_labelled_wkseed_with_exactly_the_agreed_files(tmp_path: Path) -> None:
     keys = generate_keys(tmp_path / "keys", name="wk-alice")
-    seed = build_seed(tmp_path / "seed.img", keys=keys, hostname="wk-alice")
+    seed = build_seed(tmp_path / "seed.img", keys=keys, hostname="wk-alice", proxy="http://10.77.0.1:3128")
     assert stat.S_IMODE(seed.stat().st_mode) == 0o600
     label = subprocess.run(["blkid", "-o", "value", "-s", "LABEL", str(seed)], capture_output=True, text=True)
     assert label.stdout.strip() == SEED_LABEL
-    listing = {line.split()[-1] for line in _debugfs(seed, "ls -l /").splitlines() if line.strip()}
+    listing = {line.split()[-1] for line in debugfs(seed, "ls -l /").splitlines() if line.strip()}
     assert listing - {".", "..", "lost+found"} == set(SEED_FILES)
-    assert _debugfs(seed, "cat /hostname") == "wk-alice\n"
-    assert _debugfs(seed, "cat /authorized_keys").strip() == keys.client_public
-    assert _debugfs(seed, "cat /ssh_host_ed25519_key.pub").strip() == keys.host_public
-    assert _debugfs(seed, "cat /ssh_host_ed25519_key") == keys.host_key.read_text()
-    assert "0600" in _debugfs(seed, "stat /ssh_host_ed25519_key").split("Mode:")[1][:12]
+    assert debugfs(seed, "cat /hostname") == "wk-alice\n"
+    assert debugfs(seed, "cat /proxy") == "http://10.77.0.1:3128\n"
+    assert debugfs(seed, "cat /authorized_keys").strip() == keys.client_public
+    assert debugfs(seed, "cat /ssh_host_ed25519_key.pub").strip() == keys.host_public
+    assert debugfs(seed, "cat /ssh_host_ed25519_key") == keys.host_key.read_text()
+    assert "0600" in debugfs(seed, "stat /ssh_host_ed25519_key").split("Mode:")[1][:12]

@@ -3,16 +3,19 @@ activities and the idle reaper, snapshots, destroy, reload."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import stat
 import threading
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from server.clock import FakeClock
-from vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmDead, VmNotFound
+from tests.support.debugfs import debugfs
+from vm.errors import IllegalTransition, ImageMissing, LimitExceeded, NetworkUnusable, VmDead, VmNotFound
 from vm.fake import FakeDisks, FakeHypervisor
 from vm.hypervisor import DomainState, ProxyCredential
 from vm.lifecycle import AfterRestore, VmManager, VmSettings
@@ -318,3 +321,84 @@ def test_one_vm_failing_to_suspend_does_not_spare_the_others(manager: VmManager,
         manager.reap()
     assert {vm.user: vm.state for vm in manager.vms()} == {"a": VmState.RUNNING, "b": VmState.SUSPENDED}
     assert manager.reap() == ["a"]
+
+
+# -- on an isolated network ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def on_network(settings: VmSettings, hv: FakeHypervisor, clock: FakeClock, tmp_path: Path) -> VmManager:
+    hv.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/29")  # room for 5 guests
+    hv.reservations["wakeful"] = {"52:54:00:99:99:99": "10.77.0.2"}  # someone else's reservation
+    return VmManager(replace(settings, network="wakeful", network_proxy_port=3128,
+                             address_book=tmp_path / "proxy" / "address-book.json"),
+                     hv, clock=clock, disks=FakeDisks(), port_free=lambda port: True)
+
+
+def _book(manager: VmManager) -> dict[str, dict[str, str]]:
+    assert manager.settings.address_book is not None
+    data = json.loads(manager.settings.address_book.read_text())
+    assert data["version"] == 1
+    return data["addresses"]
+
+
+def test_on_a_network_each_vm_gets_a_reserved_address_and_no_host_port(on_network: VmManager,
+                                                                        hv: FakeHypervisor) -> None:
+    alice = on_network.provision("alice", proxy_credential=ProxyCredential(user_id="u_alice", token="tok-a"))
+    bob = on_network.provision("bob", proxy_credential=ProxyCredential(user_id="u_bob", token="tok-b"))
+    assert alice.bridge is not None and bob.bridge is not None
+    assert (alice.bridge.address, bob.bridge.address) == ("10.77.0.3", "10.77.0.4"), "not the host's, not taken"
+    assert alice.bridge.mac != bob.bridge.mac and alice.bridge.mac.startswith("52:54:00:")
+    assert hv.reservations["wakeful"][alice.bridge.mac] == "10.77.0.3"
+    assert alice.forwards.host_ports() == () and alice.ssh_endpoint == ("10.77.0.3", 22)
+    assert hv.domains[alice.name].spec.bridge == alice.bridge
+    seed = debugfs(alice.seed, "cat /proxy")
+    assert seed == "http://10.77.0.1:3128\n", "the guest looks for the proxy at the network's host address"
+
+
+def test_the_address_book_tells_the_proxy_who_each_address_is(on_network: VmManager) -> None:
+    alice = on_network.provision("alice", proxy_credential=ProxyCredential(user_id="u_alice", token="tok-a"))
+    on_network.provision("anon")  # no credential: the proxy cannot speak for it, so it is not in the book
+    assert _book(on_network) == {"10.77.0.3": {"user_id": "u_alice", "token": "tok-a"}}
+    book = on_network.settings.address_book
+    assert book is not None and stat.S_IMODE(book.stat().st_mode) == 0o600
+    on_network.destroy("alice")
+    assert _book(on_network) == {}
+    assert alice.bridge is not None and alice.bridge.mac not in on_network._hv.reservations["wakeful"]  # type: ignore[attr-defined]
+
+
+def test_a_reload_keeps_each_vms_place_and_rewrites_the_book(on_network: VmManager, hv: FakeHypervisor,
+                                                             clock: FakeClock) -> None:
+    alice = on_network.provision("alice", proxy_credential=ProxyCredential(user_id="u_alice", token="tok-a"))
+    assert on_network.settings.address_book is not None
+    on_network.settings.address_book.unlink()
+    again = VmManager(on_network.settings, hv, clock=clock, disks=FakeDisks(), port_free=lambda port: True)
+    assert again.get("alice").bridge == alice.bridge
+    assert _book(again) == {"10.77.0.3": {"user_id": "u_alice", "token": "tok-a"}}
+    assert again.provision("bob").bridge.address == "10.77.0.4"  # type: ignore[union-attr]
+
+
+def test_a_full_network_refuses_the_next_vm_and_leaves_nothing_behind(on_network: VmManager,
+                                                                       hv: FakeHypervisor) -> None:
+    for user in ("a", "b", "c", "d"):  # .3 to .6: the /29 has .1 (host) to .6, .2 is reserved by someone else
+        on_network.provision(user)
+    with pytest.raises(NetworkUnusable, match="no free address left on 10.77.0.0/29") as err:
+        on_network.provision("e")
+    assert err.value.code == "network_unusable"
+    assert len(hv.reservations["wakeful"]) == 5 and len(hv.domains) == 4
+    assert sorted(p.name for p in (on_network.settings.data_dir / "vms").iterdir()) == sorted(
+        vm.name for vm in on_network.vms())
+
+
+def test_a_missing_network_refuses_provisioning(settings: VmSettings, hv: FakeHypervisor, clock: FakeClock) -> None:
+    manager = VmManager(replace(settings, network="nowhere"), hv, clock=clock, disks=FakeDisks())
+    with pytest.raises(NetworkUnusable, match="nowhere"):
+        manager.provision("alice")
+    assert manager.vms() == [] and hv.domains == {}
+
+
+def test_a_failed_definition_gives_the_reserved_address_back(on_network: VmManager, hv: FakeHypervisor) -> None:
+    hv.fail_next("define", VmDead("libvirt said no"))
+    with pytest.raises(VmDead):
+        on_network.provision("alice")
+    assert hv.reservations["wakeful"] == {"52:54:00:99:99:99": "10.77.0.2"}
+    assert on_network.provision("alice").bridge.address == "10.77.0.3"  # type: ignore[union-attr]
