@@ -1,0 +1,87 @@
+"""The isolated network of infra/README.md on the real libvirtd: defined exactly as the doc shows, and a tool
+computer's domain on it accepted by the real QEMU driver with its anti-spoofing filter.
+
+Neither is started: starting the network would put a bridge with a private-range address on this host, and traffic
+here may go only to loopback. Starting them is left to production hosts; everything up to it is checked here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vm.domain_xml import ANTI_SPOOFING
+from vm.errors import NetworkUnusable
+from vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards
+from vm.libvirt_adapter import LibvirtHypervisor
+
+pytestmark = pytest.mark.vm
+
+ROOT = Path(__file__).resolve().parents[2]
+URI = "qemu:///system"
+
+
+def virsh(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["virsh", "-c", URI, *args], input=stdin, capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def documented_network() -> str:
+    """The network XML infra/README.md tells a production host to define (its only ```xml block)."""
+    (block,) = re.findall(r"```xml\n(.*?)```", (ROOT / "infra" / "README.md").read_text(), re.DOTALL)
+    return block
+
+
+@pytest.fixture
+def network(libvirtd: None, tmp_path: Path) -> Iterator[str]:
+    """The documented network, renamed for this test (bridge name too), defined but never started."""
+    tag = uuid.uuid4().hex[:6]
+    name = f"wkt-net-{tag}"
+    xml = documented_network().replace("<name>wakeful</name>", f"<name>{name}</name>").replace(
+        'name="wkbr0"', f'name="wkt{tag}"')
+    (tmp_path / "net.xml").write_text(xml)
+    defined = virsh("net-define", str(tmp_path / "net.xml"))
+    assert defined.returncode == 0, defined.stderr
+    yield name
+    virsh("net-undefine", name)
+
+
+def test_the_documented_network_defines_isolated_and_is_refused_until_started(network: str) -> None:
+    root = ET.fromstring(virsh("net-dumpxml", "--inactive", network).stdout)
+    assert root.find("forward") is None, "isolated: no route beyond the host"
+    assert root.find("ip/dhcp/range") is None, "no dynamic range: only reserved VMs get an address"
+    with pytest.raises(NetworkUnusable, match=f"not active: virsh net-start {network}"):
+        LibvirtHypervisor(URI).network(network)
+
+
+def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_the_anti_spoofing_filter(
+        network: str, tmp_path: Path) -> None:
+    filters = virsh("nwfilter-list").stdout
+    assert re.search(rf"\s{ANTI_SPOOFING}\s*$", filters, re.MULTILINE), (
+        "libvirt's stock filters are missing: apt-get install libvirt-daemon-config-nwfilter, restart libvirtd")
+    for name in ("vmlinux", "initrd.img", "disk.qcow2", "seed.img"):
+        (tmp_path / name).write_bytes(b"x")
+    place = BridgePlace(network=network, mac="52:54:00:12:34:56", address="10.77.0.2")
+    spec = DomainSpec(name=f"wkt-{uuid.uuid4().hex[:8]}", accel=Accel.TCG, memory_mib=512, vcpus=1,
+                      kernel=tmp_path / "vmlinux", initrd=tmp_path / "initrd.img", cmdline="root=/dev/vda",
+                      disk=tmp_path / "disk.qcow2", seed=tmp_path / "seed.img", serial_log=tmp_path / "serial.log",
+                      forwards=Forwards(ssh=None), bridge=place)
+    hv = LibvirtHypervisor(URI)
+    hv.define(spec)
+    try:
+        root = ET.fromstring(virsh("dumpxml", "--inactive", spec.name).stdout)
+        (nic,) = root.findall("devices/interface")
+        assert nic.get("type") == "network" and nic.find("source").get("network") == network  # type: ignore[union-attr]
+        assert nic.find("mac").get("address") == place.mac  # type: ignore[union-attr]
+        spoofing = nic.find("filterref")
+        assert spoofing is not None and spoofing.get("filter") == ANTI_SPOOFING
+        assert [(p.get("name"), p.get("value")) for p in spoofing.findall("parameter")] == [("IP", place.address)]
+        assert "hostfwd" not in ET.tostring(root, encoding="unicode"), "no host port is forwarded"
+    finally:
+        hv.undefine(spec.name)
