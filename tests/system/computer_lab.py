@@ -1,5 +1,6 @@
-"""One tool computer on the real guest image, for system tests and `bench/tool_computer.py`: a VM manager on libvirt, the
-user's VM (1 GiB) with its proxy credential, and the `ToolComputer` wired to it with an after-restore hook.
+"""One tool computer on the real guest image, for system tests and `bench/tool_computer.py`: a VM manager on
+libvirt, the user's VM (1 GiB) with its proxy credential, and the `ToolComputer` wired to it with an after-restore
+hook.
 
     with tool_computer(image_dir, data_dir, user="shopper", proxy_port=p, credential=c) as lab:
         lab.boot()                                   # cold boot, then SSH and CDP (bounded waits)
