@@ -1,8 +1,9 @@
 """One request through the proxy: read it, check it, ask the decider, and only then resolve, inject and forward.
 
 Order, for every request: body read (bounded) → Host/SNI/CONNECT agreement → method → decider → verdict fits →
-resolve → addresses checked → client credentials stripped → credential injected → dial the checked address →
-forward → stream the answer back → one audit record. Nothing is resolved or dialled before an allow.
+resolve → addresses checked → client credentials stripped → credential injected (or a placeholder refused) →
+dial the checked address → forward → stream the answer back → one audit record. Nothing is resolved or dialled
+before an allow.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from proxy.config import ProxyConfig
 from proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyRefusal, RefusalCode, Refuse
 from proxy.credential import Credential
 from proxy.decide import agree, check_addresses, check_method, check_verdict
-from proxy.rewrite import HeaderRejected, inject, strip_credentials
+from proxy.rewrite import HeaderRejected, inject, refuse_placeholders, strip_credentials
 from proxy.upstream import H11Stream, ResponseHead, Upstream, UpstreamPool, resolve, response_headers, serialize_request
 from proxy.vault import Vault, VaultError
 from proxy.wire import (
@@ -106,12 +107,13 @@ class Tunnel:
 
 class ClientConnection:
     """A client connection outside a tunnel. Its identity is settled by its first request (see `settle_identity`):
-    later keep-alive requests without Proxy-Authorization act under it."""
+    later keep-alive requests without Proxy-Authorization act under it. On the address listener it is settled
+    before any request, by the client's source address."""
 
     __slots__ = ("identity",)
 
-    def __init__(self) -> None:
-        self.identity: Identity | None = None
+    def __init__(self, identity: Identity | None = None) -> None:
+        self.identity: Identity | None = identity
 
 
 def _utcnow() -> datetime:
@@ -306,6 +308,8 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
             raise ProxyRefusal(RefusalCode.CREDENTIAL_UNAVAILABLE) from None
         forward = inject(forward, credential, scheme=req.scheme, host=host)
         ex.credential = allow.credential
+    else:
+        refuse_placeholders(forward)
     out = [(b"host", hosts[0].encode("latin-1") if hosts else _authority(host, port, req.scheme))]
     out += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in forward
             if name.lower() not in _DROP_UPSTREAM]

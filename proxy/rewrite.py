@@ -22,6 +22,7 @@ __all__ = [
     "HeaderRejected",
     "InjectionRefused",
     "inject",
+    "refuse_placeholders",
     "strip_credentials",
     "unfold",
 ]
@@ -96,6 +97,15 @@ def strip_credentials(headers: Iterable[tuple[str, str]], *, bound_host: bool) -
     if bound_host:
         drop |= COOKIE_HEADERS
     return [(name, value) for name, value in unfolded if name.lower() not in drop]
+
+
+def refuse_placeholders(headers: Iterable[tuple[str, str]]) -> None:
+    """For a request allowed without a credential: a `{{credential:NAME}}` placeholder in it asks for one that was
+    not approved. Raises `InjectionRefused` (credential_unavailable) rather than forwarding the placeholder as
+    written, which would name the credential to a host that must not get it and fail there unexplained."""
+    if any(_PLACEHOLDER.search(value) for _, value in headers):
+        raise InjectionRefused(RefusalCode.CREDENTIAL_UNAVAILABLE,
+                               "the request asks for a credential that was not approved for it")
 
 
 def inject(headers: Iterable[tuple[str, str]], credential: Credential, *, scheme: str,

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import httpx
 
+from proxy.contract import RefusalCode
+from proxy.rewrite import COOKIE_HEADERS, CREDENTIAL_HEADERS
 from proxy.vault import Vault, load_keys
+from proxy.wire import REQUEST_TOO_LARGE, UPSTREAM_FAILED, UPSTREAM_TIMEOUT, refusal_status
 from tests.integration.test_cli import run
 from tests.support.serve import WAKEFUL, ServeProcess, free_port
 
@@ -63,6 +66,26 @@ def test_the_ca_in_the_docs_is_a_certificate_and_its_key_is_stored_encrypted(tmp
     key_file = (tmp_path / "proxy" / "ca.key.enc").read_bytes()
     assert b"PRIVATE KEY" not in key_file and (tmp_path / "proxy" / "ca.key.enc").stat().st_mode & 0o077 == 0
     assert run(tmp_path, "proxy", "ca").stdout == pem  # the same CA every time
+
+
+def test_proxy_help_says_that_without_a_subcommand_it_starts_the_proxy(tmp_path: Path) -> None:
+    out = " ".join(run(tmp_path, "proxy", "--help").stdout.split())
+    assert "Usage: wakeful proxy [OPTIONS] [COMMAND [ARGS]...]" in out
+    assert "Without a subcommand, `wakeful proxy` starts the proxy on 127.0.0.1:<proxy_port>" in out
+
+
+def test_the_refusal_table_in_the_docs_gives_every_code_the_status_the_proxy_answers_with() -> None:
+    section = DOC.split("## Refusals", 1)[1].split("\n## ", 1)[0]
+    documented = {code: int(status) for codes, status in re.findall(r"^\| (`[^|]+`) \| (\d{3}) \|", section, re.M)
+                  for code in re.findall(r"`(\w+)`", codes)}
+    answered = {*RefusalCode, REQUEST_TOO_LARGE, UPSTREAM_FAILED, UPSTREAM_TIMEOUT}
+    assert documented == {code: refusal_status(code) for code in answered}
+
+
+def test_the_docs_name_every_client_header_the_proxy_strips_as_a_credential() -> None:
+    paragraph = " ".join(DOC.split("## Credentials", 1)[1].split("```", 2)[2].split("\n\n", 2)[1].split())
+    named = {name.lower() for name in re.findall(r"`([A-Za-z0-9-]+)`", paragraph.split("are removed first")[0])}
+    assert CREDENTIAL_HEADERS | COOKIE_HEADERS <= named
 
 
 def test_serve_runs_the_proxy_and_its_refusals_are_in_the_audit(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from proxy.rewrite import ATTEMPT_HEADER
 from server import control, egress
 from server.clock import FakeClock
 from server.db import read, write
+from server.dispatch import ActionDispatcher
 from server.errors import BadRequest, WakefulError
 from server.outbound import ConnectorHTTP
 from server.proxyctl import DeciderService
@@ -108,8 +109,10 @@ def test_a_granted_read_and_an_admitted_write_are_allowed_with_the_connectors_cr
     assert purposes == ["read", "write"]
 
 
-def _refused_write(w: World, gate: DecidingTransport, meddle: Hook) -> Refuse:
+def _refused_write(w: World, gate: DecidingTransport, meddle: Hook, *, later: timedelta = timedelta(0)) -> Refuse:
+    """An admitted cancellation, drained `later` after its approval, with `meddle` run while it is on its way."""
     _admitted_cancel(w)
+    w.clock.advance(later)
     gate.hook = meddle
     w.dispatcher.drain()
     verdict = gate.verdicts[-1]
@@ -147,6 +150,65 @@ def test_a_write_is_refused_after_stop(w: World, gate: DecidingTransport) -> Non
 def test_a_grant_that_expired_on_the_way_is_refused(w: World, gate: DecidingTransport) -> None:
     refused = _refused_write(w, gate, lambda req: w.clock.advance(timedelta(seconds=61)))
     assert refused.code == "not_admitted" and "expired" in refused.reason
+
+
+def test_a_write_is_refused_when_the_user_steered_the_task_while_it_was_on_its_way(
+        w: World, gate: DecidingTransport) -> None:
+    def steer(req: DecisionRequest) -> None:
+        with write(w.engine) as conn:
+            task_id = conn.execute(select(egress_grants.c.task_id).where(
+                egress_grants.c.purpose == "write")).scalar_one()
+            control.steer(conn, user_id=w.owner, task_id=task_id, goal="actually, keep it", actor="user:test",
+                          now=w.clock.now())
+    refused = _refused_write(w, gate, steer)
+    assert refused.code == "not_admitted" and "the task moved to version 2" in refused.reason
+
+
+def test_a_write_whose_attempt_a_restarted_dispatcher_already_settled_is_refused_when_it_arrives_late(
+        w: World, gate: DecidingTransport) -> None:
+    _admitted_cancel(w)
+
+    def restarted_dispatcher_recovers(req: DecisionRequest) -> None:
+        # Another dispatcher (the server restarted) finds the attempt open and settles it as unknown, to be
+        # reconciled; the old request reaches the proxy only afterwards.
+        second = ActionDispatcher(w.engine, w.clock, policy=w.policy, http=ConnectorHTTP(timeout=2.0))
+        try:
+            assert second.drain() == 1
+        finally:
+            second.close()
+    gate.hook = restarted_dispatcher_recovers
+    w.dispatcher.drain()
+    refused = gate.verdicts[-1]
+    assert isinstance(refused, Refuse) and refused.code == "not_admitted"
+    assert "already has an outcome (unknown)" in refused.reason
+    assert w.merchant.effects == []  # the late request was never applied
+    with read(w.engine) as conn:
+        (attempt,) = conn.execute(select(attempts)).all()
+    assert attempt.outcome == Outcome.UNKNOWN.value and "may or may not have left" in attempt.detail  # reconciled
+
+
+def test_a_write_is_refused_when_its_object_expires_while_it_is_on_its_way(w: World, gate: DecidingTransport) -> None:
+    # Sent 30 s before the subscription object's lifetime ends (still valid when the dispatcher checked it), it
+    # reaches the decider 45 s later: the grant (60 s) still holds, the object no longer does.
+    later = w.policy.object_ttl - timedelta(seconds=30)
+    refused = _refused_write(w, gate, lambda req: w.clock.advance(timedelta(seconds=45)), later=later)
+    assert refused.code == "not_admitted" and "subscription: obj_" in refused.reason and "expired at" in refused.reason
+
+
+def test_a_booking_is_refused_when_its_quote_expires_while_it_is_on_its_way(w: World, gate: DecidingTransport) -> None:
+    task = w.task(title="book the hotel")
+    (quote,) = w.call(task, "hotel__quote_stay", hotel="Grand", nights=2)["objects"]
+    action = w.call(task, "hotel__book_quote", quote_id=quote["id"])["action_id"]
+    w.clock.advance(timedelta(minutes=14, seconds=30))  # the quote lives 15 minutes: approved and sent in time
+    w.hotel.clock.advance(timedelta(minutes=14, seconds=30))
+    assert w.approve(action) == "admitted"
+    gate.hook = lambda req: w.clock.advance(timedelta(seconds=45))  # ...and decided after it expired
+    w.dispatcher.drain()
+    refused = gate.verdicts[-1]
+    assert isinstance(refused, Refuse) and refused.code == "not_admitted"
+    assert refused.reason.startswith("quote_id: the quote expired at")
+    assert w.hotel.effects == []  # the hotel's own record: nothing was booked
+    assert _outcomes(w) == [Outcome.BLOCKED.value]
 
 
 @pytest.mark.parametrize(("part", "change"), [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,11 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, insert, text
 from sqlalchemy.exc import DatabaseError
 
+from proxy.audit import EgressRecord
+from proxy.contract import RefusalCode
+from server import egress
 from server.clock import FakeClock
-from server.db import make_engine, migrate, write
+from server.db import make_engine, migrate, read, write
 from server.tables import control, metadata
 
 
@@ -67,3 +71,23 @@ def test_control_history_refuses_update_and_delete(engine: Engine, clock: FakeCl
     for statement in ("UPDATE control SET kind = 'start'", "DELETE FROM control"):
         with pytest.raises(DatabaseError, match="append-only"), write(engine) as conn:
             conn.execute(text(statement))
+
+
+def test_the_egress_audit_refuses_update_and_delete_and_a_resent_record_changes_nothing(
+        engine: Engine, clock: FakeClock, owner: str) -> None:
+    record = EgressRecord(
+        request_id="egr_1", at=clock.now(), user_id=owner, client="tool_computer", attempt_id=None, action_id=None,
+        method="GET", scheme="https", host="shop.example.com", port=443, path="/cart", verdict="refuse",
+        code=RefusalCode.HOST_NOT_ALLOWED, rule="no egress rule allows it", credential=None, bytes_up=0,
+        bytes_down=0, upstream_status=None, latency_ms=1.5)
+    with write(engine) as conn:
+        assert egress.store_audit(conn, [record], now=clock.now()) == 1
+    for statement in ("UPDATE egress_audit SET verdict = 'allow', code = NULL", "UPDATE egress_audit SET rule = ''",
+                      "DELETE FROM egress_audit"):
+        with pytest.raises(DatabaseError, match="append-only"), write(engine) as conn:
+            conn.execute(text(statement))
+    with write(engine) as conn:  # the proxy sending it again after a reconnect is not an update either
+        assert egress.store_audit(conn, [replace(record, verdict="allow", code=None)], now=clock.now()) == 0
+    with read(engine) as conn:
+        (row,) = egress.audit_rows(conn, user_id=owner)
+    assert (row["verdict"], row["code"], row["rule"]) == ("refuse", "host_not_allowed", "no egress rule allows it")

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from proxy.contract import RefusalCode
 from proxy.credential import Credential, SecretBytes
-from proxy.rewrite import CREDENTIAL_HEADERS, HeaderRejected, InjectionRefused, inject, strip_credentials
+from proxy.rewrite import (
+    CREDENTIAL_HEADERS,
+    HeaderRejected,
+    InjectionRefused,
+    inject,
+    refuse_placeholders,
+    strip_credentials,
+)
 
 SECRET = b"sk_live_canary_7d1f0c"
 CRED = Credential(name="merchant_api", host="api.merchant.com", header="Authorization", template="Bearer {secret}",
@@ -92,6 +99,13 @@ def test_a_placeholder_is_replaced_by_the_secret_where_it_stands() -> None:
 def test_a_placeholder_naming_another_credential_is_refused() -> None:
     with pytest.raises(InjectionRefused) as err:
         inject([("X-A", "{{credential:other}}")], CRED, scheme="https", host="api.merchant.com")
+    assert err.value.code == RefusalCode.CREDENTIAL_UNAVAILABLE
+
+
+def test_a_placeholder_in_a_request_allowed_without_a_credential_is_refused_not_forwarded_as_written() -> None:
+    refuse_placeholders([("Accept", "a"), ("X-Note", "{credential:x} is not one")])  # nothing asked for
+    with pytest.raises(InjectionRefused) as err:
+        refuse_placeholders([("Accept", "a"), ("X-Merchant-Auth", "key={{credential:merchant_api}}")])
     assert err.value.code == RefusalCode.CREDENTIAL_UNAVAILABLE
 
 
