@@ -32,6 +32,11 @@ class ProxyConfig:
     """The address the proxy listens on."""
     listen_port: int = 0
     """0 picks a free port; `ProxyServer.port` reports the one bound."""
+    address_listen: tuple[str, int] | None = None
+    """A second listener for tool computers on an isolated network: a connection there is known by its source
+    address alone, looked up in `address_book` (port 0 picks a free one; `ProxyServer.address_port` reports it)."""
+    address_book: Path | None = None
+    """The file the VM manager writes naming who holds each address on that network (see `proxy.addressbook`)."""
     decider_timeout: float = 2.0
     """Seconds to wait for a verdict before refusing with `decider_unavailable`."""
     upstream_cafile: Path | None = None
@@ -65,3 +70,5 @@ class ProxyConfig:
         object.__setattr__(self, "no_intercept", _hosts(self.no_intercept))
         if self.max_body_bytes < 0 or self.decider_timeout <= 0:
             raise ValueError("max_body_bytes must be ≥ 0 and decider_timeout > 0")
+        if (self.address_listen is None) != (self.address_book is None):
+            raise ValueError("address_listen and address_book go together: one is set without the other")

@@ -1,7 +1,8 @@
 """The asyncio forward proxy: plain HTTP in absolute form, and HTTPS through CONNECT, intercepted or tunnelled raw.
 
 `serve_proxy(config)` starts it and returns a `ProxyServer`; `run(config)` serves until SIGTERM or SIGINT. What
-happens to each request is in `proxy.exchange`.
+happens to each request is in `proxy.exchange`. With `address_listen` it listens twice: on the loopback listener a
+client names itself with Proxy-Authorization; on the address listener its source address names it (`AddressBook`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import h11
 
+from proxy.addressbook import AddressBook
 from proxy.channel import DeciderClient
 from proxy.config import ProxyConfig
 from proxy.contract import ContractError, DecisionRequest, ProxyRefusal, RefusalCode
@@ -35,6 +37,7 @@ from proxy.rewrite import HeaderRejected
 from proxy.tls import LeafCertificates, load_or_create_ca, sni_of
 from proxy.upstream import H11Stream, UpstreamPool
 from proxy.wire import (
+    ANONYMOUS,
     Identity,
     attempt_token,
     describe,
@@ -51,35 +54,50 @@ _AUDIT_FLUSH_SECONDS = 2.0
 
 
 class ProxyServer:
-    """A running proxy. `port` is the port it listens on; `close()` stops it and flushes the audit."""
+    """A running proxy. `port` is the port it listens on (and `address_port` the address listener's, 0 without one);
+    `close()` stops it and flushes the audit."""
 
     def __init__(self, config: ProxyConfig, shared: Shared, leaves: LeafCertificates) -> None:
         self.config = config
         self.decider = shared.decider
         self._shared = shared
         self._leaves = leaves
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self._connections: set[asyncio.Task[None]] = set()
         self.host = config.listen_host
         self.port = 0
+        self.address_host = config.address_listen[0] if config.address_listen else None
+        self.address_port = 0
+        self._book = AddressBook(config.address_book) if config.address_book is not None else None
 
     def __repr__(self) -> str:
-        return f"ProxyServer({self.host}:{self.port})"
+        by_address = f", by address on {self.address_host}:{self.address_port}" if self.address_host else ""
+        return f"ProxyServer({self.host}:{self.port}{by_address})"
 
     async def _start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.config.listen_host, self.config.listen_port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        loopback = await asyncio.start_server(self._serve, self.config.listen_host, self.config.listen_port)
+        self._servers.append(loopback)
+        self.port = loopback.sockets[0].getsockname()[1]
+        if self.config.address_listen is not None:
+            host, port = self.config.address_listen
+            try:
+                by_address = await asyncio.start_server(self._serve_by_address, host, port)
+            except OSError:  # e.g. the isolated network's bridge is not up: do not leave the loopback one open
+                loopback.close()
+                raise
+            self._servers.append(by_address)
+            self.address_port = by_address.sockets[0].getsockname()[1]
 
     async def close(self, *, audit_grace: float = _AUDIT_FLUSH_SECONDS) -> None:
         """Stop listening, cut open connections, then wait up to `audit_grace` seconds for the audit to drain."""
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         for task in list(self._connections):
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers = []
         self._shared.pool.close()
         if not await self.decider.flush(audit_grace):
             log.warning("%d egress audit records were not acknowledged at shutdown", self.decider.audit_pending)
@@ -92,6 +110,21 @@ class ProxyServer:
         await self.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The loopback listener: the connection's first request names its identity."""
+        await self._accept(reader, writer, by_address=False)
+
+    async def _serve_by_address(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The address listener: the connection's source address names its identity before any request, so a
+        request presenting another (or any, from an address not in the book) is refused as an identity change."""
+        await self._accept(reader, writer, by_address=True)
+
+    def _identity_by_address(self, writer: asyncio.StreamWriter) -> Identity:
+        peer = writer.get_extra_info("peername")
+        if self._book is None or not isinstance(peer, tuple) or not peer:
+            return ANONYMOUS
+        return self._book.identity(str(peer[0]))
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, by_address: bool) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._connections.add(task)
@@ -100,7 +133,8 @@ class ProxyServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await self._requests(H11Stream(h11.SERVER, reader, writer), None)
+            connection = ClientConnection(self._identity_by_address(writer) if by_address else None)
+            await self._requests(H11Stream(h11.SERVER, reader, writer), connection)
         except asyncio.CancelledError:
             pass  # close() cut this connection; asyncio would log a cancelled connection task as an error
         except Exception as exc:
@@ -110,9 +144,8 @@ class ProxyServer:
             if task is not None:
                 self._connections.discard(task)
 
-    async def _requests(self, client: H11Stream, tunnel: Tunnel | None) -> None:
+    async def _requests(self, client: H11Stream, connection: Tunnel | ClientConnection) -> None:
         timeout = self.config.client_timeout
-        connection = tunnel or ClientConnection()
         while True:
             try:
                 event = await client.next_event(timeout)
@@ -265,6 +298,9 @@ def run(config: ProxyConfig, *, ready: Callable[[ProxyServer], None] | None = No
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("wakeful proxy listening on %s:%d", server.host, server.port)
+        if server.address_host is not None:
+            log.info("wakeful proxy listening for tool computers by address on %s:%d", server.address_host,
+                     server.address_port)
         if ready is not None:
             ready(server)
         try:

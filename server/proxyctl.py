@@ -321,7 +321,8 @@ class ProxyChild:
 
 
 def run_proxy(settings: Settings) -> None:
-    """`wakeful proxy`: serve on 127.0.0.1:<proxy_port> until SIGTERM, asking the running server's decider."""
+    """`wakeful proxy`: serve on 127.0.0.1:<proxy_port> (and on `proxy_bridge_listen` for tool computers on the
+    isolated network) until SIGTERM, asking the running server's decider."""
     from proxy import server
     from proxy.config import ProxyConfig
 
@@ -332,7 +333,8 @@ def run_proxy(settings: Settings) -> None:
         vault=Vault(settings.vault_path, keys, key_file=None if _keys_in_env() else settings.vault_key_path),
         decider_timeout=settings.proxy_decider_timeout, upstream_cafile=settings.egress_upstream_ca,
         resolve=settings.egress_resolve, allowed_private=frozenset(settings.egress_allow_private),
-        no_intercept=frozenset(settings.egress_no_intercept))
+        no_intercept=frozenset(settings.egress_no_intercept), address_listen=settings.bridge_listen,
+        address_book=settings.address_book if settings.bridge_listen else None)
     server.run(config)
 
 
