@@ -42,6 +42,7 @@ from server.tables import (
     attempts,
     egress_audit,
     egress_clients,
+    egress_grant_uses,
     egress_grants,
     tasks,
     users,
@@ -160,6 +161,10 @@ def _decide_connector(conn: Connection, req: DecisionRequest, now: datetime) -> 
     if part is not None:
         return refuse(RefusalCode.CONTENT_MISMATCH, f"the request's {part} differs from what was granted for "
                                                     f"{grant.tool}")
+    used = conn.execute(upsert(conn, egress_grant_uses).values(grant_id=grant.id, request_id=req.request_id,
+                                                               used_at=now).on_conflict_do_nothing())
+    if used.rowcount != 1:
+        return _not_admitted(f"this attempt token already let its {grant.tool} request through; a token is used once")
     what = f"{grant.purpose} {grant.tool}" + (f" (action {grant.action_id})" if grant.action_id else "")
     return Allow(credential=grant.credential, rule=what, attempt_id=grant.id, action_id=grant.action_id)
 
@@ -311,7 +316,8 @@ def _decide_tool_computer(conn: Connection, req: DecisionRequest, rules: EgressR
 
 
 def decide(conn: Connection, req: DecisionRequest, *, now: datetime, rules: EgressRules) -> Verdict:
-    """The policy's answer to the proxy for one request. Reads only."""
+    """The policy's answer to the proxy for one request. Reads only, except that a connector request it allows uses
+    up its grant (run it in a write transaction: a second request under the same token is refused)."""
     if req.client == "connector":
         return _decide_connector(conn, req, now)
     return _decide_tool_computer(conn, req, rules)

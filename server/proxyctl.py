@@ -184,7 +184,8 @@ class DeciderService:
         if verdict is not None:
             return verdict
         rules = self._current_rules()
-        with read(self._engine) as conn:
+        transaction = write if req.client == "connector" else read  # an allowed connector grant is used up
+        with transaction(self._engine) as conn:
             return egress.decide(conn, req, now=self._clock.now(), rules=rules)
 
     def record_now(self, records: list[EgressRecord]) -> None:

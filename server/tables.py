@@ -59,6 +59,7 @@ __all__ = [
     "decisions",
     "egress_audit",
     "egress_clients",
+    "egress_grant_uses",
     "egress_grants",
     "events",
     "evidence",
@@ -606,7 +607,16 @@ egress_grants = Table(
     CheckConstraint("purpose <> 'write' OR (action_id IS NOT NULL AND attempt_id IS NOT NULL)",
                     name="write_names_attempt"),
 )
-"""One row per connector request the server is about to send: the proxy forwards it only if it matches."""
+"""One row per connector request the server is about to send: the proxy forwards it only if it matches, once."""
+
+egress_grant_uses = Table(
+    "egress_grant_uses",
+    metadata,
+    Column("grant_id", String(40), ForeignKey("egress_grants.id"), primary_key=True),  # single use, by the schema
+    Column("request_id", String(128), nullable=False),
+    _now_col("used_at", nullable=False),
+)
+"""The one request the proxy let through under a grant's token."""
 
 egress_clients = Table(
     "egress_clients",
@@ -651,7 +661,7 @@ egress_audit = Table(
 
 APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
                "approval_uses", "evidence", "refusals", "run_contexts", "tool_results", "egress_grants",
-               "egress_audit")
+               "egress_grant_uses", "egress_audit")
 """History tables: the schema refuses UPDATE and DELETE on them."""
 
 

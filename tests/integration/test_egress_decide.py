@@ -28,7 +28,7 @@ from server.errors import BadRequest, WakefulError
 from server.outbound import ConnectorHTTP
 from server.proxyctl import DeciderService
 from server.settings import Settings
-from server.tables import ControlKind, Outcome, attempts, egress_grants
+from server.tables import ControlKind, Outcome, attempts, egress_grant_uses, egress_grants
 from tests.support.acting import World, world
 
 Hook = Callable[[DecisionRequest], object]
@@ -248,6 +248,30 @@ def test_the_same_token_cannot_carry_another_request(w: World, gate: DecidingTra
     replay = DecisionRequest(**{**seen[0].__dict__, "path": "/v1/subscriptions/sub_1", "request_id": "again"})
     verdict = gate.service.decide_now(replay)
     assert isinstance(verdict, Refuse) and verdict.code == "content_mismatch"
+
+
+def test_a_write_token_lets_one_request_through_even_while_its_attempt_is_still_open(
+        w: World, gate: DecidingTransport) -> None:
+    def replayed_first(req: DecisionRequest) -> None:
+        if req.method == "POST":  # the same bytes under the same token reach the decider first
+            replays.append(gate.service.decide_now(DecisionRequest(**{**req.__dict__, "request_id": "replay"})))
+    replays: list[Verdict] = []
+    refused = _refused_write(w, gate, replayed_first)
+    assert [type(v) for v in replays] == [Allow], "the first of the two was allowed (and would have been sent)"
+    assert refused.code == "not_admitted" and "used once" in refused.reason
+    with read(w.engine) as conn:
+        used = conn.execute(select(egress_grant_uses.c.request_id).join(egress_grants).where(
+            egress_grants.c.purpose == "write")).scalars().all()
+    assert used == ["replay"], "one use, recorded by the schema"
+
+
+def test_a_read_token_is_used_up_by_its_request(w: World, gate: DecidingTransport) -> None:
+    seen: list[DecisionRequest] = []
+    gate.hook = seen.append
+    w.call(w.task(), "merchant__list_subscriptions")
+    assert isinstance(gate.verdicts[-1], Allow)
+    again = gate.service.decide_now(DecisionRequest(**{**seen[0].__dict__, "request_id": "again"}))
+    assert isinstance(again, Refuse) and again.code == "not_admitted" and "used once" in again.reason
 
 
 def test_reconciliation_still_goes_out_while_the_task_is_paused(w: World, gate: DecidingTransport) -> None:

@@ -119,22 +119,40 @@ def test_a_write_is_refused_at_the_proxy_after_stop(stack: EgressStack) -> None:
 def test_a_granted_token_cannot_carry_another_path_or_body_or_host(stack: EgressStack) -> None:
     w = stack.world
     task = w.task()
-    tokens: list[str] = []
-    stack.before_decide.append(lambda req: tokens.append(req.attempt_token or ""))
+    asked: list[DecisionRequest] = []
+    stack.before_decide.append(asked.append)
     w.call(task, "merchant__list_subscriptions")
     before = len(w.received["merchant"])
+    (first,) = asked
+    token = {ATTEMPT_HEADER: first.attempt_token or ""}
+    granted = f"https://{first.host}:{first.port}{first.path}"
     with stack.client() as client:
-        other_path = client.get("https://merchant.test/v1/subscriptions/sub_1",
-                                headers={ATTEMPT_HEADER: tokens[0]})
-        other_body = client.request("GET", "https://merchant.test/v1/subscriptions", content=b"{}",
-                                    headers={ATTEMPT_HEADER: tokens[0]})
-        other_host = client.get("https://airline.test/v1/subscriptions", headers={ATTEMPT_HEADER: tokens[0]})
-        no_token = client.get("https://merchant.test/v1/subscriptions")
-    for response, code in [(other_path, "content_mismatch"), (other_body, "content_mismatch"),
-                           (other_host, "content_mismatch"), (no_token, "not_admitted")]:
+        other_path = client.get(f"{granted}/sub_1", headers=token)
+        other_body = client.request("GET", granted, content=b"{}", headers=token)
+        other_host = client.get(f"https://airline.test:{first.port}{first.path}", headers=token)
+        no_token = client.get(granted)
+    for response, code, part in [(other_path, "content_mismatch", "path"), (other_body, "content_mismatch", "body"),
+                                 (other_host, "content_mismatch", "host"),
+                                 (no_token, "not_admitted", "Proxy-Authorization")]:
         assert response.status_code == 403 and response.headers["x-wakeful-refusal"] == code, response.text
+        assert part in response.json()["error"]["message"], response.text
         assert stack.secret not in response.text
     assert len(w.received["merchant"]) == before and w.received["airline"] == []
+
+
+def test_a_used_token_carries_nothing_more_not_even_the_same_request(stack: EgressStack) -> None:
+    w = stack.world
+    asked: list[DecisionRequest] = []
+    stack.before_decide.append(asked.append)
+    w.call(w.task(), "merchant__list_subscriptions")
+    before = len(w.received["merchant"])
+    (first,) = asked
+    url = f"https://{first.host}:{first.port}{first.path}" + (f"?{first.query}" if first.query else "")
+    with stack.client() as client:
+        replay = client.get(url, headers={ATTEMPT_HEADER: first.attempt_token or ""})
+    assert replay.status_code == 403 and replay.headers["x-wakeful-refusal"] == "not_admitted", replay.text
+    assert "used once" in replay.text
+    assert len(w.received["merchant"]) == before, "the merchant saw the listing once"
 
 
 def test_a_write_whose_grant_expired_before_the_proxy_asked_is_refused_and_never_reaches_the_merchant(
