@@ -126,11 +126,11 @@ class Serve:
 
 def _serve_env(data_dir: Path, port: int, extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}  # the caller's config must not leak
-    env.update(extra)
+    env["WAKEFUL_PROXY_PORT"] = str(free_port())  # each server starts its own egress proxy: they must not share a port
+    env.update(extra)  # ... unless the caller names the port (a benchmark of the proxy itself)
     env.update({
         "WAKEFUL_DATA_DIR": str(data_dir),
         "WAKEFUL_PORT": str(port),
-        "WAKEFUL_PROXY_PORT": str(free_port()),  # each server starts its own egress proxy: they must not share a port
         "WAKEFUL_CONFIG": str(data_dir / "wakeful.toml"),
         "WAKEFUL_SOURCES__HOOK__KIND": "generic",
         "WAKEFUL_SOURCES__HOOK__SECRET": SECRET,

@@ -97,7 +97,7 @@ def _wakeful_setup(tmp: Path, http_port: int, https_port: int, upstream_ca: Path
     env = {"WAKEFUL_DATA_DIR": str(data), "WAKEFUL_CONFIG": str(data / "wakeful.toml"), "PATH": "/usr/bin:/bin"}
     subprocess.run([str(WAKEFUL), "secret", "set", "bench_api", "--host", HOST], input=SECRET.encode(), env=env,
                    check=True, capture_output=True)
-    server = start_serve(data, env={"WAKEFUL_PROXY": "true"})
+    server = start_serve(data, env={"WAKEFUL_PROXY": "true", "WAKEFUL_PROXY_PORT": str(proxy_port)})
     credential = subprocess.run([str(WAKEFUL), "egress", "client", "bench"], env=env, check=True,
                                 capture_output=True, text=True).stdout.strip()
     ca = data / "deployment-ca.pem"
