@@ -195,6 +195,7 @@ class VmManager:
         self._hooks: list[AfterRestoreHook] = []
         self._records: dict[str, _Record] = {}
         self._lock = threading.Lock()
+        self._book_lock = threading.Lock()
         self._load()
 
     # ------------------------------------------------------------------------------------------ records
@@ -227,18 +228,19 @@ class VmManager:
         path = self.settings.address_book
         if path is None:
             return
-        with self._lock:
-            book = {r.info.bridge.address: {"user_id": r.info.proxy_credential.user_id,
-                                            "token": r.info.proxy_credential.token}
-                    for r in self._records.values() if r.info.bridge and r.info.proxy_credential}
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": 1, "addresses": book}, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        staging.replace(path)
+        with self._book_lock:  # one writer at a time: a later snapshot is never overwritten by an earlier one
+            with self._lock:
+                book = {r.info.bridge.address: {"user_id": r.info.proxy_credential.user_id,
+                                                "token": r.info.proxy_credential.token}
+                        for r in self._records.values() if r.info.bridge and r.info.proxy_credential}
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            staging = path.with_name(f".{path.name}.{os.getpid()}")
+            fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": 1, "addresses": book}, f, indent=2, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            staging.replace(path)
 
     def _sync(self, record: _Record) -> None:
         """Take the state from the hypervisor: it is the truth about processes and saved states."""
