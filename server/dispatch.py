@@ -27,6 +27,7 @@ import httpx
 from sqlalchemy import Connection, Engine, and_, func, or_, select, update
 
 from proxy.contract import RefusalCode
+from proxy.wire import REQUEST_TOO_LARGE
 from server import control, faults, inbox, outbox, waits
 from server.acting import lock_task, objects_problem
 from server.actions import Action, content_hash, load_action
@@ -63,7 +64,8 @@ __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 
 HELD, SETTLED = "held", "settled"
 REFUSAL_HEADER = "X-Wakeful-Refusal"
-_PROXY_REFUSALS = frozenset(code.value for code in RefusalCode)  # not upstream_failed / upstream_timeout
+_PROXY_REFUSALS = frozenset(code.value for code in RefusalCode) | {REQUEST_TOO_LARGE}
+"""What the egress proxy answers before dialling anything; not upstream_failed / upstream_timeout (it had dialled)."""
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 log = logging.getLogger(__name__)
