@@ -51,6 +51,7 @@ __all__ = ["ProxyServer", "event_loop_factory", "run", "serve_proxy"]
 log = logging.getLogger("wakeful.proxy")
 
 _AUDIT_FLUSH_SECONDS = 2.0
+_IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)  # Linux's value; Python names it from 3.12 on
 
 
 class ProxyServer:
@@ -79,10 +80,10 @@ class ProxyServer:
         self._servers.append(loopback)
         self.port = loopback.sockets[0].getsockname()[1]
         if self.config.address_listen is not None:
-            host, port = self.config.address_listen
             try:
-                by_address = await asyncio.start_server(self._serve_by_address, host, port)
-            except OSError:  # e.g. the isolated network's bridge is not up: do not leave the loopback one open
+                by_address = await asyncio.start_server(self._serve_by_address,
+                                                        sock=_freebind_listener(*self.config.address_listen))
+            except OSError:  # do not leave the loopback one open
                 loopback.close()
                 raise
             self._servers.append(by_address)
@@ -251,6 +252,23 @@ class ProxyServer:
                 async with asyncio.timeout(self.config.connect_timeout):
                     return await asyncio.open_connection(ip, port)
         raise ProxyFailure("upstream_failed", f"{host} could not be reached")
+
+
+def _freebind_listener(host: str, port: int) -> socket.socket:
+    """A listening socket on an address the host may not have yet (`IP_FREEBIND`): the isolated network's bridge
+    can come up after the proxy starts, and the proxy must not depend on that order. Connections arrive once it is
+    up."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_IP, _IP_FREEBIND, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:

@@ -154,3 +154,14 @@ async def test_a_book_rewritten_while_the_proxy_runs_applies_to_the_next_connect
         records = await w.decider.wait_records(3)
         assert sorted((r.path, r.user_id) for r in records) == [
             ("/a-again", "usr_b"), ("/now-b", "usr_b"), ("/while-a", "usr_a")]
+
+
+async def test_the_address_listener_starts_before_the_networks_address_exists(tmp_path: Path) -> None:
+    # 192.0.2.1 (TEST-NET-1) is on no interface here, as the bridge's address is not before libvirt starts the
+    # network: the proxy starts anyway (IP_FREEBIND) instead of failing until the bridge is up. Nothing is sent to it.
+    book = tmp_path / "address-book.json"
+    write_book(book, {BOOKED: "usr_a"})
+    async with world(tmp_path, checks_the_token, address_listen=("192.0.2.1", 0), address_book=book) as w, \
+            from_address(w, BOOKED, as_user="usr_a", loopback=True) as client:
+        assert w.proxy.address_host == "192.0.2.1" and w.proxy.address_port > 0
+        assert await get(client, w.url("plain.test", "/plain", scheme="http")) == (200, None), "the loopback one works"
