@@ -31,7 +31,9 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]  # one cold boot under TCG: minutes
 
 USER = "shopper"
-COUNTER = ("setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/counter; sleep 1; done' "
+# Each count is written aside and renamed into place: a reader never finds the file truncated and empty.
+COUNTER = ("setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /root/counter.new; mv /root/counter.new "
+           "/root/counter; sleep 1; done' "
            "</dev/null >/dev/null 2>&1 & echo $!")
 
 
