@@ -27,9 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 URI = "qemu:///system"
 
 
-def virsh(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["virsh", "-c", URI, *args], input=stdin, capture_output=True, text=True, timeout=60,
-                          check=False)
+def virsh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["virsh", "-c", URI, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
 def documented_network() -> str:
