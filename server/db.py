@@ -10,17 +10,19 @@ from __future__ import annotations
 import functools
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Column, Connection, Dialect, Engine, create_engine, event, insert, inspect
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.schema import Table
 
-__all__ = ["bound", "insert_many", "make_engine", "migrate", "read", "upsert", "write"]
+__all__ = ["bound", "connect_nowait", "insert_many", "make_engine", "migrate", "read", "sqlite_driver", "upsert",
+           "write", "write_lock_time", "write_unless_busy"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -41,18 +43,95 @@ def make_engine(url: str) -> Engine:
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
         mode = conn.get_execution_options().get("sqlite_begin", "IMMEDIATE")
-        conn.exec_driver_sql(f"BEGIN {mode}")
+        try:  # straight to sqlite3: every write transaction starts here
+            sqlite_driver(conn).execute(f"BEGIN {mode}")
+        except sqlite3.Error as exc:  # raised as SQLAlchemy raises driver errors everywhere else
+            raise DBAPIError.instance(f"BEGIN {mode}", (), exc, sqlite3.Error) from exc
 
     return engine
 
 
-_WRITERS: dict[int, threading.RLock] = {}
+def sqlite_driver(conn: Connection) -> sqlite3.Connection:
+    """The sqlite3 connection under `conn`, for the few hot paths that skip SQLAlchemy's execution layer."""
+    driver = conn.connection.dbapi_connection  # (`driver_connection` is None once a connection is detached)
+    assert isinstance(driver, sqlite3.Connection)
+    return driver
+
+
+class _WriteLock:
+    """The in-process write lock of one SQLite database. Threads wait for it (re-entrantly); an event loop never
+    does: `try_acquire` either takes it at once or leaves a callback that every release calls until the loop has
+    taken it, and while a loop is waiting, threads let it go first — acknowledgements do not queue behind runs."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None  # the holding thread
+        self._depth = 0
+        self._waiting: dict[object, Callable[[], object]] = {}  # event loops waiting, and how to wake each
+        self._since = 0.0  # when the holder took it
+
+    LOOP_FIRST = 1.0
+    """Seconds a thread lets waiting loops go first, at most: a preference, so a loop that stopped without saying
+    so cannot hold the threads up for ever."""
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner != me:
+                patience = time.monotonic() + self.LOOP_FIRST
+                while self._owner is not None or (self._waiting and time.monotonic() < patience):
+                    self._cond.wait(timeout=self.LOOP_FIRST if self._waiting else None)
+                self._waiting.clear()  # any still here did not come for the lock: a live loop asks again
+                self._owner, self._since = me, time.monotonic()
+            self._depth += 1
+
+    def __exit__(self, *_exc: object) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth:
+                return
+            _held.seconds = getattr(_held, "seconds", 0.0) + time.monotonic() - self._since
+            self._owner = None
+            self._cond.notify_all()
+            wake = list(self._waiting.items())
+        for key, callback in wake:
+            try:
+                callback()
+            except RuntimeError:  # that loop is closed: it no longer waits
+                self.forget(key)
+
+    def try_acquire(self, key: object, on_free: Callable[[], object]) -> bool:
+        """Take the lock if it is free (release it with `__exit__`); else `on_free` is called, from the releasing
+        thread, after each release until `key` takes the lock or is forgotten."""
+        with self._cond:
+            if self._owner is None:
+                self._waiting.pop(key, None)
+                self._owner, self._depth, self._since = threading.get_ident(), 1, time.monotonic()
+                return True
+            self._waiting[key] = on_free
+            return False
+
+    def forget(self, key: object) -> None:
+        with self._cond:
+            if self._waiting.pop(key, None) is not None:
+                self._cond.notify_all()
+
+
+_held = threading.local()  # seconds this thread has held a write lock, all told
+
+
+def write_lock_time() -> float:
+    """Seconds the calling thread has held SQLite write locks of this process so far (0 on PostgreSQL)."""
+    return float(getattr(_held, "seconds", 0.0))
+
+
+_WRITERS: dict[int, _WriteLock] = {}
 _WRITERS_GUARD = threading.Lock()
 
 
-def _writer_lock(engine: Engine) -> threading.RLock:
+def _writer_lock(engine: Engine) -> _WriteLock:
     with _WRITERS_GUARD:
-        return _WRITERS.setdefault(id(engine), threading.RLock())
+        return _WRITERS.setdefault(id(engine), _WriteLock())
 
 
 @contextmanager
@@ -68,6 +147,40 @@ def write(engine: Engine) -> Iterator[Connection]:
         return
     with _writer_lock(engine), engine.connect() as conn, conn.begin():
         yield conn
+
+
+def connect_nowait(engine: Engine) -> Connection:
+    """A SQLite connection of its own (outside the pool) whose write transactions never wait for another process's
+    lock: for `write_unless_busy`. Its busy timeout is 0; close it when done."""
+    conn = engine.connect()
+    conn.detach()  # the pool must not hand this connection, with its busy timeout of 0, to anyone else
+    sqlite_driver(conn).execute("PRAGMA busy_timeout = 0")
+    return conn
+
+
+@contextmanager
+def write_unless_busy(conn: Connection, key: object, on_free: Callable[[], object]) -> Iterator[Connection | None]:
+    """A write transaction on `conn` (from `connect_nowait`) if one can start at once, else None.
+
+    For an event loop (`key`), which must never block. If a thread of this process holds the write lock, `on_free`
+    is called when it is released (and threads wait for the loop meanwhile); if another process holds SQLite's lock,
+    nothing calls back, and the loop must look again later."""
+    lock = _writer_lock(conn.engine)
+    if not lock.try_acquire(key, on_free):
+        yield None
+        return
+    try:
+        try:
+            transaction = conn.begin()
+        except OperationalError:  # another process is writing (SQLite: database is locked)
+            transaction = None
+        if transaction is None:
+            yield None
+        else:
+            with transaction:
+                yield conn
+    finally:
+        lock.__exit__()
 
 
 @contextmanager
@@ -98,8 +211,7 @@ def insert_many(conn: Connection, table: Table, columns: tuple[str, ...], rows: 
                              else [tuple(row[i] for i in order) for row in rows])
         return
     assert order is not None  # sqlite3's parameters are positional
-    driver = conn.connection.driver_connection
-    assert driver is not None
+    driver = sqlite_driver(conn)
     head, _, one = sql.partition(" VALUES ")
     per_statement = _SQLITE_MAX_VARIABLES // len(columns)
     for first in range(0, len(rows), per_statement):

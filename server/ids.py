@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import secrets
 import threading
@@ -13,15 +12,15 @@ __all__ = ["new_id", "new_token", "token_digest"]
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
 
 
-_FROM_RFC4648 = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", _ALPHABET.encode())
+_PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]  # every 10-bit value as its two digits
 
 
 def _b32(value: int, width: int) -> str:
-    """`value` as `width` Crockford digits, most significant first. Through the C base32 encoder: ids are minted
-    for every delivery on the ingest path, where a digit-by-digit loop was a fifth of the committer's time."""
-    size = -(-width * 5 // 40) * 5  # whole 5-byte groups, each 8 digits
-    digits = base64.b32encode(value.to_bytes(size, "big")).translate(_FROM_RFC4648)
-    return digits[len(digits) - width:].decode()
+    """`value` as `width` Crockford digits, most significant first. Two digits per lookup: ids are minted for
+    every delivery on the ingest path, where encoding them was a tenth of the committer's time."""
+    even = width + width % 2
+    digits = "".join([_PAIRS[(value >> shift) & 1023] for shift in range(5 * even - 10, -1, -10)])
+    return digits[even - width:]
 
 
 _lock = threading.Lock()

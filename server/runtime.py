@@ -34,7 +34,7 @@ from server.tables import tasks as tasks_table
 from server.tables import timers as timers_table
 from server.tables import waits as waits_table
 from server.tools import Binding, ToolLayer
-from server.worker import IdlePoll, InboxRate, RunHandler, Worker
+from server.worker import IdlePoll, InboxRate, RunHandler, RunShare, Worker
 
 __all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
 
@@ -99,10 +99,11 @@ class Runtime:
         self.egress = ConnectorHTTP.from_settings(settings)
         self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy,
                                http=self.egress)
-        inbox_rate = InboxRate(lambda: self.committer.received)
+        share = RunShare(InboxRate(lambda: self.committer.received), share=settings.ingest_run_share,
+                         busy_rate=settings.ingest_busy_rate)
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools,
-                   inbox_rate=inbox_rate)
+                   share=share)
             for _ in range(settings.workers)
         ]
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,

@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, and_, select, update
 
 from server import control, faults, outbox, sessions, timers, waits
 from server.clock import Clock
-from server.db import read, upsert, write
+from server.db import read, upsert, write, write_lock_time
 from server.errors import StaleToken
 from server.ids import new_id
 from server.schedule import Misfire
@@ -95,14 +95,41 @@ class InboxRate:
             return self._rate
 
 
-def rest_after_run(seconds: float, *, share: float) -> float:
-    """How long a worker rests after a run that took `seconds` of CPU while the inbox was busy. CPU, not wall time:
-    a run waiting on a model or a provider takes nothing from the acknowledgements and owes no rest.
+def rest_after_run(cost: float, *, share: float) -> float:
+    """How long runs rest after one that cost `cost` seconds while the inbox was busy, so that they take at most
+    `share` of the time."""
+    return cost * (1 - share) / share
 
-    Acknowledgement is the promise and runs are asynchronous, so under ingest runs give way: a worker then spends at
-    most `share` of its time in runs, leaving the CPU (one interpreter lock) and the database's write lock to the
-    acknowledgements, and the backlog drains at full speed once deliveries stop. Never zero, so runs never starve."""
-    return seconds * (1 - share) / share
+
+class RunShare:
+    """Runs give way to acknowledgements: while the inbox is busy, the runs of all workers together take at most
+    `share` of the time, and the backlog drains at full speed once deliveries stop. Never zero, so runs never starve.
+
+    A run's cost is what it takes from the acknowledgements: the CPU its thread spent (one interpreter lock) or the
+    time it held the database's write lock (its commits and their fsyncs), whichever is longer. Not wall time: a run
+    waiting on a model or a provider takes nothing from them and owes no rest."""
+
+    def __init__(self, inbox_rate: Callable[[], float], *, share: float, busy_rate: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`inbox_rate`: deliveries per second the inbox is committing; above `busy_rate`, runs give way."""
+        self._inbox_rate = inbox_rate
+        self._share = share
+        self._busy_rate = busy_rate
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # no run starts before this (clock seconds)
+
+    def rest(self) -> float:
+        """Seconds before the next run may start; 0: now."""
+        with self._lock:
+            return max(0.0, self._free_at - self._clock())
+
+    def spent(self, cost: float) -> None:
+        """A run just ended, having cost `cost` seconds."""
+        if self._inbox_rate() <= self._busy_rate:
+            return
+        with self._lock:
+            self._free_at = max(self._free_at, self._clock()) + rest_after_run(cost, share=self._share)
 
 
 class RunInterrupted(Exception):
@@ -225,10 +252,10 @@ class RunContext:
 class Worker:
     def __init__(self, engine: Engine, settings: Settings, clock: Clock, handler: RunHandler, *,
                  name: str | None = None, on_commit: Callable[[], None] = lambda: None,
-                 tools: ToolLayer | None = None, inbox_rate: Callable[[], float] = lambda: 0.0) -> None:
-        """`inbox_rate`: deliveries per second the inbox is committing; above `ingest_busy_rate`, runs give way."""
+                 tools: ToolLayer | None = None, share: RunShare | None = None) -> None:
+        """`share`: shared by the workers of one process, so that their runs give way to the inbox together."""
         self.tools = tools
-        self._inbox_rate = inbox_rate
+        self._share = share
         self.engine = engine
         self.settings = settings
         self.clock = clock
@@ -241,7 +268,10 @@ class Worker:
     def run_forever(self, stop: threading.Event, wakeup: threading.Event) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not stop.is_set():
-            started = time.thread_time()  # the CPU this thread spends on the run, not its wall time
+            rest = self._share.rest() if self._share is not None else 0.0
+            if rest and stop.wait(rest):
+                return
+            cpu, locked = time.thread_time(), write_lock_time()  # this thread's, not wall time
             try:
                 worked = self.run_once()
             except Exception:
@@ -251,8 +281,8 @@ class Worker:
                 idle.wait(wakeup)
                 continue
             idle.reset()
-            if self._inbox_rate() > self.settings.ingest_busy_rate:
-                stop.wait(rest_after_run(time.thread_time() - started, share=self.settings.ingest_run_share))
+            if self._share is not None:
+                self._share.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
 
     def run_once(self) -> bool:
         """Claim one session with due work and run it. Returns False when there was nothing to do."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +13,7 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import IntegrityError
 
 from server.clock import FakeClock
-from server.db import bound, insert_many, make_engine, migrate, read, write
+from server.db import bound, connect_nowait, insert_many, make_engine, migrate, read, write, write_unless_busy
 from server.inbox import Delivery, GroupCommitter, Recorded, record, record_many
 from server.tables import events, sessions, todos
 from server.users import ensure_user
@@ -103,3 +105,63 @@ def test_insert_many_writes_more_rows_than_one_sqlite_statement_can_carry(tmp_pa
     with read(engine) as conn:
         assert conn.execute(select(func.count()).select_from(sessions)).scalar_one() == 9_000
         assert conn.execute(select(sessions.c.created_at).limit(1)).scalar_one() == at
+
+
+def test_the_event_loop_commits_without_waiting_for_another_process_holding_the_database(tmp_path: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db")
+    other = sqlite3.connect(tmp_path / "inbox.db", isolation_level=None)  # another process's write lock
+    other.execute("BEGIN IMMEDIATE")
+    committer = GroupCommitter(engine, FakeClock())
+    committer.start()
+
+    async def scenario() -> tuple[int, bool, Recorded]:
+        task = asyncio.ensure_future(committer.persist(
+            Delivery(user_id=user, source="hook", source_id="d1", payload={})))
+        ticks = 0
+        for _ in range(20):  # the loop keeps turning while the delivery waits for the lock
+            await asyncio.sleep(0.005)
+            ticks += 1
+        done_while_held = task.done()
+        other.execute("COMMIT")
+        return ticks, done_while_held, await asyncio.wait_for(task, timeout=30)
+
+    try:
+        ticks, done_while_held, recorded = asyncio.run(scenario())
+    finally:
+        committer.stop()
+        other.close()
+    assert ticks == 20 and not done_while_held
+    assert not recorded.duplicate and shape(engine)[:3] == (1, 1, 1)
+
+
+def test_a_loop_waiting_for_the_write_lock_goes_before_threads_that_asked_after_it(tmp_path: Path) -> None:
+    engine, _ = fresh(tmp_path / "inbox.db")
+    loop_conn = connect_nowait(engine)
+    holding, release, freed = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def holder() -> None:
+        with write(engine):
+            holding.set()
+            release.wait()
+
+    def late_thread() -> None:
+        with write(engine):
+            order.append("thread")
+
+    first = threading.Thread(target=holder)
+    first.start()
+    holding.wait()
+    with write_unless_busy(loop_conn, "loop", freed.set) as conn:
+        assert conn is None  # taken: the loop does not wait, it is called back
+    second = threading.Thread(target=late_thread)
+    second.start()  # asks for the lock after the loop did
+    release.set()
+    first.join()
+    assert freed.wait(timeout=30)
+    with write_unless_busy(loop_conn, "loop", freed.set) as conn:
+        assert conn is not None
+        order.append("loop")
+    second.join(timeout=30)
+    loop_conn.close()
+    assert order == ["loop", "thread"]

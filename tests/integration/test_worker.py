@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -11,12 +12,12 @@ from sqlalchemy import Engine
 
 from server import control, inbox, sessions
 from server.clock import FakeClock
-from server.db import write
+from server.db import write, write_lock_time
 from server.errors import StaleToken
 from server.handlers import EchoHandler, ScriptedHandler
 from server.runtime import Runtime
 from server.tables import ControlKind, EventStatus, RunOutcome
-from server.worker import InboxRate, RunContext, Worker, rest_after_run
+from server.worker import InboxRate, RunContext, RunShare, Worker, rest_after_run
 from tests.support.records import event_rows, messages, run_rows
 
 
@@ -245,16 +246,20 @@ def _run_twice(worker_runs: list[RunContext], stop: _RecordingStop) -> Callable[
     return handler
 
 
+def _share(rate: float, runtime: Runtime) -> RunShare:
+    return RunShare(lambda: rate, share=runtime.settings.ingest_run_share, busy_rate=runtime.settings.ingest_busy_rate)
+
+
 def test_a_worker_rests_after_a_run_during_which_the_inbox_acknowledged_deliveries(
         runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
     deliver(engine, clock, owner, "d1", key="a")
     deliver(engine, clock, owner, "d2", key="b")
     stop, runs = _RecordingStop(), []
     busy = runtime.settings.ingest_busy_rate + 1  # deliveries per second: above the line
-    worker = Worker(engine, runtime.settings, clock, _run_twice(runs, stop), inbox_rate=lambda: busy)
+    worker = Worker(engine, runtime.settings, clock, _run_twice(runs, stop), share=_share(busy, runtime))
     worker.run_forever(stop, threading.Event())
     assert len(runs) == 2
-    assert len(stop.rests) == 2 and all(r is not None and r > 0 for r in stop.rests)
+    assert len(stop.rests) == 1 and stop.rests[0] is not None and stop.rests[0] > 0  # before the second run
 
 
 def test_a_worker_does_not_rest_while_the_inbox_is_not_busy(runtime: Runtime, engine: Engine, clock: FakeClock,
@@ -263,14 +268,43 @@ def test_a_worker_does_not_rest_while_the_inbox_is_not_busy(runtime: Runtime, en
     deliver(engine, clock, owner, "d2", key="b")
     stop, runs = _RecordingStop(), []
     steady = runtime.settings.ingest_busy_rate / 2  # a stream the workers keep up with: runs go at full speed
-    worker = Worker(engine, runtime.settings, clock, _run_twice(runs, stop), inbox_rate=lambda: steady)
+    worker = Worker(engine, runtime.settings, clock, _run_twice(runs, stop), share=_share(steady, runtime))
     worker.run_forever(stop, threading.Event())
     assert len(runs) == 2 and stop.rests == []
 
 
-def test_a_run_under_ingest_takes_at_most_its_share_of_the_worker_s_time() -> None:
+def test_runs_under_ingest_take_at_most_their_share_of_the_time_all_workers_together() -> None:
     assert rest_after_run(0.004, share=0.1) == pytest.approx(0.036)  # 4 ms of run, 36 ms of rest: 10 %
     assert rest_after_run(0.004, share=1.0) == 0.0
+    now, rate = [10.0], [1000.0]
+    share = RunShare(lambda: rate[0], share=0.1, busy_rate=200, clock=lambda: now[0])
+    assert share.rest() == 0.0
+    share.spent(0.004)  # one worker's run
+    share.spent(0.002)  # another's, ending meanwhile: the rests add up, they do not overlap
+    assert share.rest() == pytest.approx(0.054)
+    now[0] += 0.05
+    assert share.rest() == pytest.approx(0.004)
+    now[0] += 1.0
+    rate[0] = 100.0  # the burst is over: runs cost nothing more
+    share.spent(0.004)
+    assert share.rest() == 0.0
+
+
+def test_a_run_costs_the_write_lock_time_its_own_thread_held(engine: Engine) -> None:
+    def hold() -> None:
+        before = write_lock_time()
+        with write(engine) as conn:
+            conn.exec_driver_sql("SELECT 1")
+            time.sleep(0.05)  # held, not spent on the CPU: the inbox waits all the same
+        held.append(write_lock_time() - before)
+
+    held: list[float] = []
+    mine = write_lock_time()
+    other = threading.Thread(target=hold)
+    other.start()
+    other.join()
+    assert held and held[0] >= 0.05
+    assert write_lock_time() == mine  # the other thread's, not this one's
 
 
 def test_the_inbox_rate_is_measured_over_windows_long_enough_not_to_see_a_pair_as_a_burst() -> None:
