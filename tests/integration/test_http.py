@@ -151,6 +151,33 @@ def test_a_body_over_the_limit_is_a_413(client: TestClient, app_engine: Engine, 
     assert event_rows(app_engine) == []
 
 
+def test_a_streamed_body_over_the_limit_is_a_413_without_a_declared_length(client: TestClient, app_engine: Engine,
+                                                                           clock: FakeClock) -> None:
+    body, headers = signed("generic", {"pad": "x" * 5000}, clock)
+    response = client.post("/v1/hooks/generic", content=iter([body[:2000], body[2000:]]), headers=headers)
+    assert "content-length" not in {k.lower() for k in response.request.headers}
+    assert (response.status_code, response.json()["error"]["code"]) == (413, "payload_too_large")
+    assert event_rows(app_engine) == []
+
+
+def test_a_delivery_that_fails_unexpectedly_is_a_500_with_a_code(app_settings: Settings, app_engine: Engine,
+                                                                 clock: FakeClock,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    runtime = Runtime(app_settings, handler=EchoHandler(), clock=clock, engine=app_engine)
+    runtime.prepare()
+
+    async def broken(_delivery: object) -> None:
+        raise RuntimeError("the disk went away")
+
+    runtime.committer.persist = broken  # type: ignore[method-assign,assignment]
+    body, headers = signed("generic", {}, clock)
+    with TestClient(create_app(runtime)) as client:
+        response = client.post("/v1/hooks/generic", content=body, headers=headers)
+    assert (response.status_code, response.json()["error"]["code"]) == (500, "internal_error")
+    assert "the disk went away" in caplog.text  # logged with its traceback, not sent to the provider
+    assert "the disk went away" not in response.text
+
+
 def test_an_unknown_source_is_a_404(client: TestClient, clock: FakeClock) -> None:
     body, headers = signed("generic", {}, clock)
     response = client.post("/v1/hooks/nope", content=body, headers=headers)
