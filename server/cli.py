@@ -51,6 +51,10 @@ def serve(
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The event loop acknowledges deliveries while worker threads run; at CPython's default 5 ms, a loop coming back
+    # from a system call waited up to that long for a busy thread to let go of the interpreter lock, several times
+    # per request. At 0.5 ms: ack p99 at 1,000/s and throughput at saturation both improve (bench/ingest.py).
+    sys.setswitchinterval(0.0005)
     settings = _settings(data_dir, database_url, host=host, port=port)
     try:
         registry = load_registry(settings)

@@ -178,7 +178,7 @@ class Settings(BaseSettings):
     """The shortest gap a recurring schedule may have."""
     workers: int = 2
     """Worker threads: different sessions run in parallel, one run per session at a time."""
-    ingest_run_share: float = Field(default=0.1, gt=0, le=1)
+    ingest_run_share: float = Field(default=0.05, gt=0, le=1)
     """While the inbox is busy (`ingest_busy_rate`), the share of the time the runs of all workers together may take
     (CPU, or the database's write lock), so that acknowledgements stay fast; the backlog drains once the burst ends.
     1: runs never give way."""
