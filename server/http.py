@@ -190,7 +190,8 @@ class WebhookInbox:
         source: str = scope["path"][len(self.PREFIX):]
         return source if source and "/" not in source else None
 
-    async def _body(self, receive: Receive, limit: int) -> bytes:
+    @staticmethod
+    async def _body(receive: Receive, limit: int) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
