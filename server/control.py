@@ -58,15 +58,15 @@ def record(conn: Connection, *, user_id: str | None, task_id: str | None, kind: 
     return record_id
 
 
+_STOPS_AND_STARTS = (select(control.c.user_id, control.c.kind)
+                     .where(control.c.kind.in_([ControlKind.STOP.value, ControlKind.START.value]))
+                     .order_by(control.c.created_at, control.c.id))
+
+
 def stop_state(conn: Connection) -> StopState:
     """Who is stopped now: the latest STOP/START row per scope decides."""
-    rows = conn.execute(
-        select(control.c.user_id, control.c.kind)
-        .where(control.c.kind.in_([ControlKind.STOP.value, ControlKind.START.value]))
-        .order_by(control.c.created_at, control.c.id)
-    )
     latest: dict[str | None, str] = {}
-    for row in rows:
+    for row in conn.execute(_STOPS_AND_STARTS):
         latest[row.user_id] = row.kind
     return StopState(
         everything=latest.get(None) == ControlKind.STOP.value,

@@ -28,15 +28,18 @@ __all__ = ["Dispatcher", "enqueue"]
 log = logging.getLogger(__name__)
 
 
+_ENQUEUE = outbox.insert()  # built once: a run enqueues while it holds the write lock
+
+
 def enqueue(conn: Connection, *, user_id: str, body: dict[str, Any], now: datetime,
             kind: OutboxKind = OutboxKind.USER_MESSAGE, session_id: str | None = None, run_id: str | None = None,
             message_id: str | None = None) -> str:
     message_id = message_id or new_id("msg")
-    conn.execute(outbox.insert().values(
-        id=message_id, user_id=user_id, kind=kind.value, session_id=session_id, run_id=run_id,
-        body=json.dumps(body, sort_keys=True), state=OutboxState.PENDING.value, attempts=0,
-        next_attempt_at=now, created_at=now,
-    ))
+    conn.execute(_ENQUEUE, {
+        "id": message_id, "user_id": user_id, "kind": kind.value, "session_id": session_id, "run_id": run_id,
+        "body": json.dumps(body, sort_keys=True), "state": OutboxState.PENDING.value, "attempts": 0,
+        "next_attempt_at": now, "created_at": now,
+    })
     return message_id
 
 

@@ -2,8 +2,10 @@
 
 One wake, end to end:
     claim (lease + new fencing token; poison events failed; attempts counted)   ── one transaction
-    handler(ctx)        effects are buffered; ctx.step() checks STOP, preemption and budgets and renews the lease
-    commit              fence(token) first, then outbox rows, waits, timers, events → processed, run → ended
+    handler(ctx)        effects are buffered; ctx.step() checks the token, STOP, preemption and budgets (a read)
+                        and renews the lease once a tenth of it has run down
+    commit              release(token) first (it fences), then outbox rows, waits, timers, events → processed,
+                        run → ended                                               ── one transaction
 A run that is interrupted (STOP, pause) or fails commits none of its effects: its events stay pending for the
 next run. A run that exhausts its budget commits what it did and tells the user.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import Connection, Engine, and_, select, update
+from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
 
 from server import control, faults, outbox, sessions, timers, waits
 from server.clock import Clock
@@ -156,6 +158,7 @@ class RunContext:
     token: int
     events: tuple[EventView, ...]
     todo_version: int | None
+    lease_until: datetime
     _worker: Worker
     _started: float
     steps: int = 0
@@ -326,36 +329,30 @@ class Worker:
                 if token is None:
                     continue
                 fail_poison_events(conn, session_id=session_id, cap=self.settings.event_max_attempts, now=now)
-                pending = conn.execute(
-                    select(events).where(and_(events.c.session_id == session_id,
-                                              events.c.status == EventStatus.PENDING.value))
-                    .order_by(events.c.received_at, events.c.id)
-                ).all()
+                pending = conn.execute(_PENDING, {"session_id": session_id}).all()
                 if not pending:
                     sessions.settle_todo(conn, session_id=session_id,
                                          seen_version=sessions.todo_version(conn, session_id), retry_at=None)
                     sessions.release(conn, session_id=session_id, token=token)
                     continue
-                conn.execute(update(events).where(events.c.id.in_([e.id for e in pending]))
-                             .values(attempts=events.c.attempts + 1))
+                conn.execute(_COUNT_ATTEMPT, {"ids": [e.id for e in pending], "by": 1})
                 run_id = new_id("run")
-                conn.execute(runs.insert().values(id=run_id, session_id=session_id, user_id=user_id,
-                                                  fencing_token=token, worker=self.name,
-                                                  outcome=RunOutcome.RUNNING.value, steps=0, started_at=now))
+                conn.execute(_START_RUN, {"id": run_id, "session_id": session_id, "user_id": user_id,
+                                          "fencing_token": token, "worker": self.name,
+                                          "outcome": RunOutcome.RUNNING.value, "steps": 0, "started_at": now})
                 views = tuple(
                     EventView(id=e.id, source=e.source, source_id=e.source_id, kind=e.kind, trust=e.trust,
                               corr_key=e.corr_key, payload=json.loads(e.payload), received_at=e.received_at)
                     for e in pending
                 )
                 return RunContext(run_id=run_id, session_id=session_id, user_id=user_id, token=token, events=views,
-                                  todo_version=sessions.todo_version(conn, session_id), _worker=self,
-                                  _started=time.monotonic(), prior=_resumable_decisions(conn, session_id, run_id))
+                                  todo_version=sessions.todo_version(conn, session_id),
+                                  lease_until=now + self.settings.lease, _worker=self, _started=time.monotonic(),
+                                  prior=_resumable_decisions(conn, session_id, run_id))
         return None
 
     def _over_daily_budget(self, conn: Connection, user_id: str, now: datetime) -> bool:
-        used = conn.execute(select(usage_daily.c.steps).where(
-            and_(usage_daily.c.user_id == user_id, usage_daily.c.day == now.date().isoformat()))).scalar()
-        return (used or 0) >= self.settings.daily_max_steps
+        return _steps_today(conn, user_id, now) >= self.settings.daily_max_steps
 
     # -- during the run --------------------------------------------------------------------------------------------
 
@@ -366,20 +363,18 @@ class Worker:
             raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED,
                                  f"wall-clock budget of {self.settings.run_max_seconds:.0f} s used")
         now = self.clock.now()
-        with write(self.engine) as conn:
-            sessions.fence(conn, session_id=ctx.session_id, token=ctx.token, lease_until=now + self.settings.lease)
+        lease = self.settings.lease
+        if now + lease - ctx.lease_until > lease / 10:  # a tenth of the lease has run down: renew it
+            with write(self.engine) as conn:
+                sessions.fence(conn, session_id=ctx.session_id, token=ctx.token, lease_until=now + lease)
+            ctx.lease_until = now + lease
+        with read(self.engine) as conn:  # the rest only looks: no write lock, no fsync
+            sessions.holds(conn, session_id=ctx.session_id, token=ctx.token)
             if control.stop_state(conn).blocks(ctx.user_id):
                 raise RunInterrupted(RunOutcome.INTERRUPTED, "STOP is in force")
-            preempting = conn.execute(
-                select(events.c.id).where(and_(events.c.session_id == ctx.session_id, events.c.preempt.is_(True),
-                                               events.c.status == EventStatus.PENDING.value,
-                                               events.c.id.not_in([e.id for e in ctx.events]))).limit(1)
-            ).first()
-            if preempting is not None:
+            if conn.execute(_PREEMPTING, {"session_id": ctx.session_id, "handed": [e.id for e in ctx.events]}).first():
                 raise RunInterrupted(RunOutcome.INTERRUPTED, "the user paused or closed the task")
-            used = conn.execute(select(usage_daily.c.steps).where(
-                and_(usage_daily.c.user_id == ctx.user_id, usage_daily.c.day == now.date().isoformat()))).scalar()
-            if (used or 0) + ctx.steps >= self.settings.daily_max_steps:
+            if _steps_today(conn, ctx.user_id, now) + ctx.steps >= self.settings.daily_max_steps:
                 raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED,
                                      f"daily budget of {self.settings.daily_max_steps} steps used")
 
@@ -389,7 +384,8 @@ class Worker:
         now = self.clock.now()
         keep = outcome in (RunOutcome.COMPLETED, RunOutcome.BUDGET_EXHAUSTED)
         with write(self.engine) as conn:
-            sessions.fence(conn, session_id=ctx.session_id, token=ctx.token)
+            # Releasing fences (only the latest token can) and takes effect only if this transaction commits.
+            sessions.release(conn, session_id=ctx.session_id, token=ctx.token)
             ids = [e.id for e in ctx.events]
             if keep:
                 for effect in ctx.effects:
@@ -398,54 +394,88 @@ class Worker:
                     outbox.enqueue(conn, user_id=ctx.user_id, session_id=ctx.session_id, run_id=ctx.run_id, now=now,
                                    body={"text": f"I stopped working on this for now: {reason}. What I did so far "
                                          "is saved.", "kind": "budget_exhausted"})
-                conn.execute(update(events).where(and_(events.c.id.in_(ids),
-                                                       events.c.status == EventStatus.PENDING.value))
-                             .values(status=EventStatus.PROCESSED.value, run_id=ctx.run_id, settled_at=now))
+                conn.execute(_PROCESSED, {"ids": ids, "status": EventStatus.PROCESSED.value, "run_id": ctx.run_id,
+                                          "settled_at": now})
                 sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=ctx.todo_version, retry_at=None)
             elif outcome is RunOutcome.INTERRUPTED:
                 # Not the events' fault: give the attempt back; the todo stays due for after START / resume.
-                conn.execute(update(events).where(events.c.id.in_(ids)).values(attempts=events.c.attempts - 1))
+                conn.execute(_COUNT_ATTEMPT, {"ids": ids, "by": -1})
             else:
                 attempts = max((e.attempts for e in conn.execute(select(events.c.attempts)
                                                                   .where(events.c.id.in_(ids)))), default=1)
                 sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=None,
                                      retry_at=now + timedelta(seconds=min(300, 2 ** attempts)))
             if ctx.steps:
-                stmt = upsert(conn, usage_daily).values(user_id=ctx.user_id, day=now.date().isoformat(),
-                                                        steps=ctx.steps)
-                conn.execute(stmt.on_conflict_do_update(index_elements=[usage_daily.c.user_id, usage_daily.c.day],
-                                                        set_={"steps": usage_daily.c.steps + ctx.steps}))
-            ended = conn.execute(
-                update(runs).where(and_(runs.c.id == ctx.run_id, runs.c.outcome == RunOutcome.RUNNING.value))
-                .values(outcome=outcome.value, ended_at=now, steps=ctx.steps,
-                        reason=reason or ctx.ended_by or "silence: the handler sent nothing")).rowcount
-            if ended != 1:  # the sweeper already wrote this run off (its lease lapsed): commit nothing
+                conn.execute(_count_steps(conn),
+                             {"user_id": ctx.user_id, "day": now.date().isoformat(), "steps": ctx.steps})
+            ended = conn.execute(_END_RUN, {"run": ctx.run_id, "outcome": outcome.value, "ended_at": now,
+                                            "steps": ctx.steps,
+                                            "reason": reason or ctx.ended_by or "silence: the handler sent nothing"})
+            if ended.rowcount != 1:  # the sweeper already wrote this run off (its lease lapsed): commit nothing
                 raise StaleToken(ctx.session_id, ctx.token)
-            sessions.release(conn, session_id=ctx.session_id, token=ctx.token)
+
+
+# The statements of every run, built once (see `sessions`): a run executes them holding the write lock. An `UPDATE`
+# without `values()` sets the columns its parameters name.
+_PENDING = (select(events).where(and_(events.c.session_id == bindparam("session_id"),
+                                      events.c.status == EventStatus.PENDING.value))
+            .order_by(events.c.received_at, events.c.id))
+_COUNT_ATTEMPT = (update(events).where(events.c.id.in_(bindparam("ids", expanding=True)))
+                  .values(attempts=events.c.attempts + bindparam("by")))
+_START_RUN = runs.insert()
+_PREEMPTING = (select(events.c.id)
+               .where(and_(events.c.session_id == bindparam("session_id"), events.c.preempt.is_(True),
+                           events.c.status == EventStatus.PENDING.value,
+                           events.c.id.not_in(bindparam("handed", expanding=True))))
+               .limit(1))
+_STEPS_TODAY = select(usage_daily.c.steps).where(and_(usage_daily.c.user_id == bindparam("user_id"),
+                                                      usage_daily.c.day == bindparam("day")))
+_PROCESSED = update(events).where(and_(events.c.id.in_(bindparam("ids", expanding=True)),
+                                       events.c.status == EventStatus.PENDING.value))
+_END_RUN = update(runs).where(and_(runs.c.id == bindparam("run"), runs.c.outcome == RunOutcome.RUNNING.value))
+
+
+_COUNT_STEPS: dict[str, Insert] = {}  # by dialect
+
+
+def _count_steps(conn: Connection) -> Insert:
+    stmt = _COUNT_STEPS.get(conn.dialect.name)
+    if stmt is None:
+        upserting = upsert(conn, usage_daily)
+        stmt = _COUNT_STEPS[conn.dialect.name] = upserting.on_conflict_do_update(
+            index_elements=[usage_daily.c.user_id, usage_daily.c.day],
+            set_={"steps": usage_daily.c.steps + upserting.excluded.steps})
+    return stmt
+
+
+def _steps_today(conn: Connection, user_id: str, now: datetime) -> int:
+    steps = conn.execute(_STEPS_TODAY, {"user_id": user_id, "day": now.date().isoformat()}).scalar()
+    return int(steps or 0)
 
 
 def _resumable_decisions(conn: Connection, session_id: str, run_id: str) -> dict[int, tuple[str, Any]]:
     """When the session's previous run died mid-way, its decisions, to be replayed by the run that picks up."""
-    previous = conn.execute(select(runs.c.id, runs.c.outcome).where(and_(runs.c.session_id == session_id,
-                                                                         runs.c.id != run_id))
-                            .order_by(runs.c.started_at.desc(), runs.c.id.desc()).limit(1)).first()
+    previous = conn.execute(_PREVIOUS_RUN, {"session_id": session_id, "run_id": run_id}).first()
     if previous is None or previous.outcome not in (RunOutcome.ABANDONED.value, RunOutcome.RUNNING.value):
         return {}
     rows = conn.execute(select(decisions_table).where(decisions_table.c.run_id == previous.id))
     return {r.step: (r.id, json.loads(r.proposal)) for r in rows}
 
 
+_PREVIOUS_RUN = (select(runs.c.id, runs.c.outcome)
+                 .where(and_(runs.c.session_id == bindparam("session_id"), runs.c.id != bindparam("run_id")))
+                 .order_by(runs.c.started_at.desc(), runs.c.id.desc())
+                 .limit(1))
+
+
 def fail_poison_events(conn: Connection, *, session_id: str | None, cap: int, now: datetime) -> int:
     """Events picked up `cap` times without success are failed, and the user is told (liveness)."""
-    query = select(events.c.id, events.c.user_id, events.c.session_id, events.c.source, events.c.source_id).where(
-        and_(events.c.status == EventStatus.PENDING.value, events.c.attempts >= cap))
     if session_id is not None:
-        query = query.where(events.c.session_id == session_id)
+        found = conn.execute(_POISON_IN_SESSION, {"cap": cap, "session_id": session_id})
     else:  # a session a live run holds is left to that run's claim-time check: it may be handling these now
-        held = select(sessions_table.c.id).where(sessions_table.c.lease_expires_at > now)
-        query = query.where(events.c.session_id.not_in(held))
+        found = conn.execute(_POISON_UNHELD, {"cap": cap, "now": now})
     failed = 0
-    for e in conn.execute(query).all():
+    for e in found.all():
         moved = conn.execute(update(events).where(and_(events.c.id == e.id,
                                                        events.c.status == EventStatus.PENDING.value))
                              .values(status=EventStatus.FAILED.value, settled_at=now)).rowcount
@@ -456,3 +486,10 @@ def fail_poison_events(conn: Connection, *, session_id: str | None, cap: int, no
                                  "text": f"I could not process the {e.source} event {e.source_id} after {cap} "
                                          "attempts and have set it aside. Nothing from it was acted on."})
     return failed
+
+
+_POISON = select(events.c.id, events.c.user_id, events.c.session_id, events.c.source, events.c.source_id).where(
+    and_(events.c.status == EventStatus.PENDING.value, events.c.attempts >= bindparam("cap")))
+_POISON_IN_SESSION = _POISON.where(events.c.session_id == bindparam("session_id"))
+_POISON_UNHELD = _POISON.where(events.c.session_id.not_in(
+    select(sessions_table.c.id).where(sessions_table.c.lease_expires_at > bindparam("now"))))

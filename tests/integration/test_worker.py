@@ -45,6 +45,54 @@ def test_stale_worker_commit_after_takeover_is_rejected_and_changes_nothing(runt
     assert event.status == EventStatus.PROCESSED and event.run_id != ctx.run_id
 
 
+def test_a_run_that_keeps_stepping_keeps_its_session(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                    owner: str) -> None:
+    deliver(engine, clock, owner, "d1")
+    worker = Worker(engine, runtime.settings, clock, EchoHandler())
+    ctx = worker._claim()
+    assert ctx is not None
+    lease = runtime.settings.lease
+    for _ in range(3):  # 1.8 leases in all, a step every 0.6
+        clock.advance(lease * 0.6)
+        ctx.step()
+        assert not Worker(engine, runtime.settings, clock, EchoHandler())._claim()  # nobody else can take it
+    runtime.sweep_once()
+    ctx.send_to_user("still here")
+    worker._commit(ctx, RunOutcome.COMPLETED, None)
+    assert [m["text"] for m in messages(engine)] == ["still here"]
+    assert [r.outcome for r in run_rows(engine)] == [RunOutcome.COMPLETED]
+
+
+def test_a_step_takes_the_write_lock_only_to_renew_the_lease(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                             owner: str) -> None:
+    deliver(engine, clock, owner, "d1")
+    ctx = Worker(engine, runtime.settings, clock, EchoHandler())._claim()
+    assert ctx is not None
+    before = write_lock_time()
+    ctx.step()
+    clock.advance(runtime.settings.lease / 20)
+    ctx.step()
+    assert write_lock_time() == before  # two steps within a tenth of the lease: only looked
+    clock.advance(runtime.settings.lease / 10)
+    ctx.step()
+    assert write_lock_time() > before  # then it renewed
+
+
+@pytest.mark.parametrize("renewing", [False, True])
+def test_a_step_after_a_takeover_fails_loudly(runtime: Runtime, engine: Engine, clock: FakeClock, owner: str,
+                                              renewing: bool) -> None:
+    deliver(engine, clock, owner, "d1")
+    ctx = Worker(engine, runtime.settings, clock, EchoHandler(), name="slow")._claim()
+    assert ctx is not None
+    ahead = FakeClock(clock.now() + runtime.settings.lease + timedelta(seconds=1))  # another host, its clock ahead
+    taken = Worker(engine, runtime.settings, ahead, EchoHandler(), name="fast")._claim()
+    assert taken is not None and taken.token > ctx.token
+    # By its own clock, the slow worker's lease has run down by a twentieth (the step only looks), or by a half.
+    clock.advance(runtime.settings.lease / (2 if renewing else 20))
+    with pytest.raises(StaleToken):
+        ctx.step()
+
+
 def test_two_workers_never_hold_one_session_at_once(runtime: Runtime, engine: Engine, clock: FakeClock,
                                                      owner: str) -> None:
     deliver(engine, clock, owner, "d1")
