@@ -250,8 +250,7 @@ class Runtime:
             self._guarded("sweeper", self.sweep_once)
 
     def sweep_once(self) -> float:
-        with write(self.engine) as conn:
-            report = sweep(conn, now=self.clock.now(), event_max_attempts=self.settings.event_max_attempts)
+        report = sweep(self.engine, now=self.clock.now(), event_max_attempts=self.settings.event_max_attempts)
         if report.rescheduled or report.abandoned_runs:
             self.signals.work.set()
         if report.failed_events:

@@ -493,3 +493,9 @@ _POISON = select(events.c.id, events.c.user_id, events.c.session_id, events.c.so
 _POISON_IN_SESSION = _POISON.where(events.c.session_id == bindparam("session_id"))
 _POISON_UNHELD = _POISON.where(events.c.session_id.not_in(
     select(sessions_table.c.id).where(sessions_table.c.lease_expires_at > bindparam("now"))))
+_ANY_POISON_UNHELD = _POISON_UNHELD.limit(1)
+
+
+def any_poison_unheld(conn: Connection, *, cap: int, now: datetime) -> bool:
+    """Whether `fail_poison_events(session_id=None)` would find anything."""
+    return conn.execute(_ANY_POISON_UNHELD, {"cap": cap, "now": now}).first() is not None

@@ -136,8 +136,7 @@ def test_every_proposal_is_stored_before_it_acts_and_a_resumed_run_never_asks_ag
     asked_before = len(model.seen)
     w.clock.advance(settings.lease + timedelta(seconds=1))
     from server.sweeper import sweep
-    with write(w.engine) as conn:
-        sweep(conn, now=w.clock.now(), event_max_attempts=5)
+    sweep(w.engine, now=w.clock.now(), event_max_attempts=5)
     model.script.extend([quiet("resumed")])
     worker(w, settings, model).run_once()
     assert len(model.seen) == asked_before + 1  # only the step after the stored ones was asked
