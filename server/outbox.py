@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import Connection, Engine, and_, select, update
+from sqlalchemy import Connection, Engine, and_, bindparam, select, update
 
 from server import control, faults
 from server.clock import Clock
@@ -28,7 +28,7 @@ __all__ = ["Dispatcher", "enqueue"]
 log = logging.getLogger(__name__)
 
 
-_ENQUEUE = outbox.insert()  # built once: a run enqueues while it holds the write lock
+_ENQUEUE = outbox.insert()  # built once (see `sessions`): a run enqueues while it holds the write lock
 
 
 def enqueue(conn: Connection, *, user_id: str, body: dict[str, Any], now: datetime,
@@ -72,13 +72,13 @@ class Dispatcher:
             if not ready:
                 return 0
             with write(self._engine) as conn:
-                for row in ready:
-                    self._settle(conn, row, None)
+                conn.execute(_SETTLE, [self._settled(row, None) for row in ready])
             return len(ready)
         for row in ready:  # each marked sent as soon as it is delivered: a crash re-delivers one message at most
             error = self._deliver(row)
+            settled = self._settled(row, error)
             with write(self._engine) as conn:
-                self._settle(conn, row, error)
+                conn.execute(_SETTLE, settled)
         return len(ready)
 
     def _deliver(self, row: Any) -> str | None:
@@ -94,17 +94,19 @@ class Dispatcher:
             return None
         return f"HTTP {response.status_code}"
 
-    def _settle(self, conn: Connection, row: Any, error: str | None) -> None:
+    def _settled(self, row: Any, error: str | None) -> dict[str, Any]:
+        """The parameters of `_SETTLE` for a delivery of `row` that succeeded, or failed with `error`."""
         now = self._clock.now()
-        guard = and_(outbox.c.id == row.id, outbox.c.state == OutboxState.PENDING.value)
-        if error is None:
-            conn.execute(update(outbox).where(guard).values(state=OutboxState.SENT.value, sent_at=now,
-                                                            attempts=row.attempts + 1, last_error=None))
-            return
         attempts = row.attempts + 1
+        if error is None:
+            return {"message": row.id, "state": OutboxState.SENT.value, "sent_at": now, "attempts": attempts,
+                    "last_error": None, "next_attempt_at": row.next_attempt_at}
         failed = attempts >= self._max_attempts
         log.warning("delivery of %s failed (attempt %d): %s", row.id, attempts, error)
-        conn.execute(update(outbox).where(guard).values(
-            state=(OutboxState.FAILED if failed else OutboxState.PENDING).value, attempts=attempts,
-            last_error=error, next_attempt_at=now + self._backoff * (2 ** (attempts - 1)),
-        ))
+        return {"message": row.id, "state": (OutboxState.FAILED if failed else OutboxState.PENDING).value,
+                "sent_at": None, "attempts": attempts, "last_error": error,
+                "next_attempt_at": now + self._backoff * (2 ** (attempts - 1))}
+
+
+# Built once; its parameters name the columns it sets (an executemany needs the same ones in every row).
+_SETTLE = update(outbox).where(and_(outbox.c.id == bindparam("message"), outbox.c.state == OutboxState.PENDING.value))

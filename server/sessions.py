@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, and_, bindparam, delete, func, or_, select, update
+from sqlalchemy import Connection, and_, bindparam, delete, exists, func, or_, select, update
 
 from server.db import upsert
 from server.errors import StaleToken
@@ -67,13 +67,14 @@ def claimable(conn: Connection, *, now: datetime, limit: int = 10) -> list[tuple
 _CLAIM = (update(sessions)
           .where(sessions.c.id == bindparam("session_id"))
           .where(_LEASE_FREE)
+          .where(exists().where(and_(todos.c.session_id == sessions.c.id, todos.c.due_at <= bindparam("now"))))
           .values(fencing_token=sessions.c.fencing_token + 1, lease_owner=bindparam("worker"),
                   lease_expires_at=bindparam("until"))
           .returning(sessions.c.fencing_token))
 
 
 def claim(conn: Connection, *, session_id: str, worker: str, now: datetime, lease: timedelta) -> int | None:
-    """Take the session if its lease is free; returns the new fencing token, or None if someone holds it."""
+    """Take the session if its lease is free and it has work due; returns the new fencing token, or None."""
     token = conn.execute(_CLAIM, {"session_id": session_id, "now": now, "worker": worker,
                                   "until": now + lease}).scalar_one_or_none()
     return None if token is None else int(token)

@@ -1,6 +1,7 @@
 """The worker: claim a session, hand its pending events to the run handler, commit the outcome under the token.
 
 One wake, end to end:
+    look                which sessions have work due, whose users are not stopped or over budget (a read)
     claim (lease + new fencing token; poison events failed; attempts counted)   ── one transaction
     handler(ctx)        effects are buffered; ctx.step() checks the token, STOP, preemption and budgets (a read)
                         and renews the lease once a tenth of it has run down
@@ -316,26 +317,29 @@ class Worker:
 
     def _claim(self) -> RunContext | None:
         now = self.clock.now()
-        with read(self.engine) as conn:  # most polls find nothing: look before taking the write lock
-            if not sessions.claimable(conn, now=now, limit=1):
+        with read(self.engine) as conn:  # look before taking the write lock: most polls find nothing
+            due = sessions.claimable(conn, now=now, limit=20)
+            if not due:
                 return None
-        with write(self.engine) as conn:
             stop = control.stop_state(conn)
-            for session_id, user_id in sessions.claimable(conn, now=now, limit=20):
-                if stop.blocks(user_id) or self._over_daily_budget(conn, user_id, now):
-                    continue
+            may_run = {user_id: not stop.blocks(user_id) and not self._over_daily_budget(conn, user_id, now)
+                       for user_id in {user_id for _, user_id in due}}
+        candidates = [(session_id, user_id) for session_id, user_id in due if may_run[user_id]]
+        # A STOP or a step counted since that look is heard at the run's first step, as one written just after.
+        with write(self.engine) as conn:
+            for session_id, user_id in candidates:
                 token = sessions.claim(conn, session_id=session_id, worker=self.name, now=now,
                                        lease=self.settings.lease)
-                if token is None:
+                if token is None:  # taken, or its work done or postponed, since the look
                     continue
                 fail_poison_events(conn, session_id=session_id, cap=self.settings.event_max_attempts, now=now)
-                pending = conn.execute(_PENDING, {"session_id": session_id}).all()
+                pending = sorted(conn.execute(_TAKE_PENDING, {"session": session_id}),  # attempts counted
+                                 key=lambda e: (e.received_at, e.id))
                 if not pending:
                     sessions.settle_todo(conn, session_id=session_id,
                                          seen_version=sessions.todo_version(conn, session_id), retry_at=None)
                     sessions.release(conn, session_id=session_id, token=token)
                     continue
-                conn.execute(_COUNT_ATTEMPT, {"ids": [e.id for e in pending], "by": 1})
                 run_id = new_id("run")
                 conn.execute(_START_RUN, {"id": run_id, "session_id": session_id, "user_id": user_id,
                                           "fencing_token": token, "worker": self.name,
@@ -399,7 +403,7 @@ class Worker:
                 sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=ctx.todo_version, retry_at=None)
             elif outcome is RunOutcome.INTERRUPTED:
                 # Not the events' fault: give the attempt back; the todo stays due for after START / resume.
-                conn.execute(_COUNT_ATTEMPT, {"ids": ids, "by": -1})
+                conn.execute(_GIVE_ATTEMPT_BACK, {"ids": ids})
             else:
                 attempts = max((e.attempts for e in conn.execute(select(events.c.attempts)
                                                                   .where(events.c.id.in_(ids)))), default=1)
@@ -417,11 +421,12 @@ class Worker:
 
 # The statements of every run, built once (see `sessions`): a run executes them holding the write lock. An `UPDATE`
 # without `values()` sets the columns its parameters name.
-_PENDING = (select(events).where(and_(events.c.session_id == bindparam("session_id"),
-                                      events.c.status == EventStatus.PENDING.value))
-            .order_by(events.c.received_at, events.c.id))
-_COUNT_ATTEMPT = (update(events).where(events.c.id.in_(bindparam("ids", expanding=True)))
-                  .values(attempts=events.c.attempts + bindparam("by")))
+_TAKE_PENDING = (update(events).where(and_(events.c.session_id == bindparam("session"),
+                                           events.c.status == EventStatus.PENDING.value))
+                 .values(attempts=events.c.attempts + 1)
+                 .returning(*events.c))
+_GIVE_ATTEMPT_BACK = (update(events).where(events.c.id.in_(bindparam("ids", expanding=True)))
+                      .values(attempts=events.c.attempts - 1))
 _START_RUN = runs.insert()
 _PREEMPTING = (select(events.c.id)
                .where(and_(events.c.session_id == bindparam("session_id"), events.c.preempt.is_(True),

@@ -27,6 +27,11 @@ def deliver(engine: Engine, clock: FakeClock, owner: str, source_id: str, key: s
                                                  payload={"n": source_id}, corr_key=key), now=clock.now()).event_id
 
 
+def inbox_session(engine: Engine, event_id: str) -> str:
+    (event,) = [e for e in event_rows(engine) if e.id == event_id]
+    return str(event.session_id)
+
+
 def test_stale_worker_commit_after_takeover_is_rejected_and_changes_nothing(runtime: Runtime, engine: Engine,
                                                                              clock: FakeClock, owner: str) -> None:
     deliver(engine, clock, owner, "d1")
@@ -91,6 +96,30 @@ def test_a_step_after_a_takeover_fails_loudly(runtime: Runtime, engine: Engine, 
     clock.advance(runtime.settings.lease / (2 if renewing else 20))
     with pytest.raises(StaleToken):
         ctx.step()
+
+
+def test_a_session_is_claimed_only_while_it_has_work_due(runtime: Runtime, engine: Engine, clock: FakeClock,
+                                                         owner: str) -> None:
+    # A worker claims from a list it read before taking the write lock: the claim itself re-checks the todo.
+    session_id = inbox_session(engine, deliver(engine, clock, owner, "d1"))
+
+    def claim() -> int | None:
+        with write(engine) as conn:
+            return sessions.claim(conn, session_id=session_id, worker="w", now=clock.now(),
+                                  lease=runtime.settings.lease)
+
+    with write(engine) as conn:  # as a failed run leaves it: retry in a minute
+        sessions.settle_todo(conn, session_id=session_id, seen_version=None,
+                             retry_at=clock.now() + timedelta(minutes=1))
+    assert claim() is None
+    clock.advance(timedelta(minutes=1))
+    token = claim()
+    assert token is not None
+    with write(engine) as conn:  # its work done
+        sessions.settle_todo(conn, session_id=session_id, seen_version=sessions.todo_version(conn, session_id),
+                             retry_at=None)
+        sessions.release(conn, session_id=session_id, token=token)
+    assert claim() is None
 
 
 def test_two_workers_never_hold_one_session_at_once(runtime: Runtime, engine: Engine, clock: FakeClock,
