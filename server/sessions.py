@@ -1,8 +1,9 @@
 """Sessions: one run at a time, enforced by a lease and a monotonically increasing fencing token.
 
-A claim is one guarded `UPDATE` that only succeeds when the lease is free or expired, and bumps the token. Every
-commit a run makes first calls `fence`, which only succeeds while the run's token is still the session's latest;
-a worker that was taken over raises `StaleToken` and its transaction is rolled back, changing nothing.
+A claim is one guarded `UPDATE` that only succeeds when the lease is free or expired and work is due, and bumps the
+token. Every commit a run makes first calls `fence` (or `release`, which checks the same), which only succeeds while
+the run's token is still the session's latest; a worker that was taken over raises `StaleToken` and its transaction
+is rolled back, changing nothing.
 
 The statements every run makes are built once, with bound parameters: building and caching a statement per call
 cost SQLAlchemy several times what executing it does, and a run executes them while holding the write lock. (In an
