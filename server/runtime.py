@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,7 +20,7 @@ from server import control, faults, outbox, timers, users, waits
 from server.clock import Clock, SystemClock
 from server.computers import Computers, LazyVmComputers
 from server.connectors import Registry, load_connectors
-from server.db import make_engine, migrate, read, write
+from server.db import make_engine, migrate, read, write, write_lock_time
 from server.dispatch import ActionDispatcher
 from server.handlers import EchoHandler
 from server.inbox import GroupCommitter
@@ -99,11 +100,11 @@ class Runtime:
         self.egress = ConnectorHTTP.from_settings(settings)
         self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy,
                                http=self.egress)
-        share = RunShare(InboxRate(lambda: self.committer.received), share=settings.ingest_run_share,
-                         busy_rate=settings.ingest_busy_rate)
+        self.share = RunShare(InboxRate(lambda: self.committer.received), share=settings.ingest_run_share,
+                              busy_rate=settings.ingest_busy_rate)
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools,
-                   share=share)
+                   share=self.share)
             for _ in range(settings.workers)
         ]
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
@@ -217,12 +218,19 @@ class Runtime:
                 waits_table.c.state == WaitState.PENDING.value, waits_table.c.deadline <= now)).limit(1)).first()
         return timer is not None or wait is not None
 
+    def dispatch_once(self) -> float:
+        """Send what the outbox and the action queue hold; how many were attempted. What runs enqueue is theirs to
+        pay for: while the inbox is busy, the dispatch's cost counts in the runs' share of the time (`RunShare`)."""
+        cpu, locked = time.thread_time(), write_lock_time()
+        attempted = self.dispatcher.drain() + self.actions.drain()
+        if attempted:
+            self.share.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
+        return float(attempted)
+
     def _dispatcher_loop(self) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not self.signals.stop.is_set():
-            attempted = self._guarded("dispatcher",
-                                      lambda: float(self.dispatcher.drain() + self.actions.drain()))
-            if attempted:
+            if self._guarded("dispatcher", self.dispatch_once):
                 idle.reset()
             else:
                 idle.wait(self.signals.dispatch)

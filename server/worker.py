@@ -110,7 +110,8 @@ class RunShare:
 
     A run's cost is what it takes from the acknowledgements: the CPU its thread spent (one interpreter lock) or the
     time it held the database's write lock (its commits and their fsyncs), whichever is longer. Not wall time: a run
-    waiting on a model or a provider takes nothing from them and owes no rest."""
+    waiting on a model or a provider takes nothing from them and owes no rest. The dispatcher's sending of what runs
+    enqueued is counted here too (`Runtime.dispatch_once`)."""
 
     def __init__(self, inbox_rate: Callable[[], float], *, share: float, busy_rate: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
