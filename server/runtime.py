@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,7 +19,7 @@ from server import control, faults, outbox, timers, users, waits
 from server.clock import Clock, SystemClock
 from server.computers import Computers, LazyVmComputers
 from server.connectors import Registry, load_connectors
-from server.db import make_engine, migrate, read, write, write_lock_time
+from server.db import make_engine, migrate, read, write
 from server.dispatch import ActionDispatcher
 from server.handlers import EchoHandler
 from server.inbox import GroupCommitter
@@ -221,10 +220,10 @@ class Runtime:
     def dispatch_once(self) -> float:
         """Send what the outbox and the action queue hold; how many were attempted. What runs enqueue is theirs to
         pay for: while the inbox is busy, the dispatch's cost counts in the runs' share of the time (`RunShare`)."""
-        cpu, locked = time.thread_time(), write_lock_time()
+        mark = RunShare.mark()
         attempted = self.dispatcher.drain() + self.actions.drain()
         if attempted:
-            self.share.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
+            self.share.spent_since(mark)
         return float(attempted)
 
     def _dispatcher_loop(self) -> None:
