@@ -99,11 +99,11 @@ class Runtime:
         self.egress = ConnectorHTTP.from_settings(settings)
         self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy,
                                http=self.egress)
-        self.share = RunShare(InboxRate(lambda: self.committer.received), share=settings.ingest_run_share,
-                              busy_rate=settings.ingest_busy_rate)
+        share = RunShare(InboxRate(lambda: self.committer.received), share=settings.ingest_run_share,
+                         busy_rate=settings.ingest_busy_rate)
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools,
-                   share=self.share)
+                   share=share)
             for _ in range(settings.workers)
         ]
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
@@ -217,19 +217,12 @@ class Runtime:
                 waits_table.c.state == WaitState.PENDING.value, waits_table.c.deadline <= now)).limit(1)).first()
         return timer is not None or wait is not None
 
-    def dispatch_once(self) -> float:
-        """Send what the outbox and the action queue hold; how many were attempted. What runs enqueue is theirs to
-        pay for: while the inbox is busy, the dispatch's cost counts in the runs' share of the time (`RunShare`)."""
-        mark = RunShare.mark()
-        attempted = self.dispatcher.drain() + self.actions.drain()
-        if attempted:
-            self.share.spent_since(mark)
-        return float(attempted)
-
     def _dispatcher_loop(self) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not self.signals.stop.is_set():
-            if self._guarded("dispatcher", self.dispatch_once):
+            attempted = self._guarded("dispatcher",
+                                      lambda: float(self.dispatcher.drain() + self.actions.drain()))
+            if attempted:
                 idle.reset()
             else:
                 idle.wait(self.signals.dispatch)

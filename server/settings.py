@@ -180,8 +180,8 @@ class Settings(BaseSettings):
     """Worker threads: different sessions run in parallel, one run per session at a time."""
     ingest_run_share: float = Field(default=0.05, gt=0, le=1)
     """While the inbox is busy (`ingest_busy_rate`), the share of the time the runs of all workers together may take
-    (CPU, or the database's write lock), dispatching what they send included, so that acknowledgements stay fast;
-    the backlog drains once the burst ends. 1: runs never give way."""
+    (CPU, or the database's write lock), so that acknowledgements stay fast; the backlog drains once the burst ends.
+    1: runs never give way."""
     ingest_busy_rate: float = Field(default=200.0, ge=0)
     """Deliveries per second above which the inbox counts as busy and runs give way. Below it runs go at full
     speed, so a steady stream the workers can keep up with never builds a backlog."""

@@ -110,8 +110,7 @@ class RunShare:
 
     A run's cost is what it takes from the acknowledgements: the CPU its thread spent (one interpreter lock) or the
     time it held the database's write lock (its commits and their fsyncs), whichever is longer. Not wall time: a run
-    waiting on a model or a provider takes nothing from them and owes no rest. The dispatcher's sending of what runs
-    enqueued is charged here too (`Runtime.dispatch_once`)."""
+    waiting on a model or a provider takes nothing from them and owes no rest."""
 
     def __init__(self, inbox_rate: Callable[[], float], *, share: float, busy_rate: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -127,16 +126,6 @@ class RunShare:
         """Seconds before the next run may start; 0: now."""
         with self._lock:
             return max(0.0, self._free_at - self._clock())
-
-    @staticmethod
-    def mark() -> tuple[float, float]:
-        """The calling thread's CPU and write-lock time so far; after the work, `spent_since(mark)` charges it."""
-        return time.thread_time(), write_lock_time()
-
-    def spent_since(self, mark: tuple[float, float]) -> None:
-        """The calling thread just did work (a run, or sending what runs enqueued) that began at `mark`."""
-        cpu, locked = mark
-        self.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
 
     def spent(self, cost: float) -> None:
         """A run just ended, having cost `cost` seconds."""
@@ -286,7 +275,7 @@ class Worker:
             rest = self._share.rest() if self._share is not None else 0.0
             if rest and stop.wait(rest):
                 return
-            mark = RunShare.mark()  # this thread's CPU and lock time, not wall time
+            cpu, locked = time.thread_time(), write_lock_time()  # this thread's, not wall time
             try:
                 worked = self.run_once()
             except Exception:
@@ -297,7 +286,7 @@ class Worker:
                 continue
             idle.reset()
             if self._share is not None:
-                self._share.spent_since(mark)
+                self._share.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
 
     def run_once(self) -> bool:
         """Claim one session with due work and run it. Returns False when there was nothing to do."""

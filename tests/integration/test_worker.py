@@ -350,18 +350,6 @@ def test_a_worker_does_not_rest_while_the_inbox_is_not_busy(runtime: Runtime, en
     assert len(runs) == 2 and stop.rests == []
 
 
-@pytest.mark.parametrize("busy", [True, False])
-def test_dispatching_what_a_run_enqueued_counts_in_the_runs_share(runtime: Runtime, engine: Engine,
-                                                                   clock: FakeClock, owner: str, busy: bool) -> None:
-    deliver(engine, clock, owner, "d1", key="a")
-    assert Worker(engine, runtime.settings, clock, EchoHandler()).run_once()  # its reply waits in the outbox
-    rate = runtime.settings.ingest_busy_rate * (2 if busy else 0.5)
-    runtime.share = _share(rate, runtime)
-    assert runtime.dispatch_once() == 1 and [m["state"] for m in messages(engine)] == ["sent"]
-    assert (runtime.share.rest() > 0) is busy  # the next run waits for the dispatch, as for a run of its own
-    assert runtime.dispatch_once() == 0
-
-
 def test_runs_under_ingest_take_at_most_their_share_of_the_time_all_workers_together() -> None:
     assert rest_after_run(0.004, share=0.1) == pytest.approx(0.036)  # 4 ms of run, 36 ms of rest: 10 %
     assert rest_after_run(0.004, share=1.0) == 0.0
