@@ -51,9 +51,10 @@ class ProxyConfig:
     max_body_bytes: int = 10 * 1024 * 1024
     """A larger request body is answered 413 and never decided."""
     client_timeout: float = 60.0
-    """Seconds a client connection may sit idle between requests, or take to send one."""
+    """Seconds a client connection may sit idle between requests, or take to send one; also its TLS handshake inside
+    a CONNECT tunnel (a tool computer's Chromium under TCG takes up to ~10 s for one, certificate checks included)."""
     handshake_timeout: float = 10.0
-    """Seconds for the client's TLS handshake inside a CONNECT tunnel, and for the upstream's."""
+    """Seconds for the TLS handshake with the upstream."""
     connect_timeout: float = 10.0
     """Seconds to open a connection to the upstream (per address tried)."""
     upstream_timeout: float = 60.0

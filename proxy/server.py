@@ -198,9 +198,9 @@ class ProxyServer:
             return
         try:
             context = self._leaves.context_for(host)
-            await client.writer.start_tls(context, ssl_handshake_timeout=self.config.handshake_timeout)
+            await client.writer.start_tls(context, ssl_handshake_timeout=self.config.client_timeout)
         except (OSError, ssl.SSLError, ValueError) as exc:
-            log.debug("TLS handshake for %s failed: %s", host, type(exc).__name__)
+            log.info("a client's TLS handshake for %s failed: %s", host, describe(exc))
             return
         sni = sni_of(client.writer.get_extra_info("ssl_object"))
         tunnel = Tunnel(host=host, port=port, sni=sni, identity=identity)

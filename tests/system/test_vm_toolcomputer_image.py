@@ -216,16 +216,12 @@ def test_an_https_page_is_intercepted_with_the_ca_the_image_trusts_and_only_it_g
     tc = lab.computer
     t = time.perf_counter()
     went = tc.act(Navigate(url=shop.shop.tls_url, observation=tc.observe().observation.number))
+    # Chromium's first handshake with the proxy's leaf takes ~10 s under TCG; the proxy gives a client's handshake
+    # client_timeout (it once gave the upstream bound, 10 s, and the guest saw net::ERR_SOCKET_NOT_CONNECTED).
     print(f"\nfirst HTTPS navigation: {went.outcome if isinstance(went, ActResult) else went.code} after "
           f"{time.perf_counter() - t:.1f} s")
-    if isinstance(went, ActResult) and went.outcome == "failed" and "net::ERR_SOCKET_NOT_CONNECTED" in went.detail:
-        # Seen in most runs here, but not in a run whose proxy logged at DEBUG, nor ever from Python in the same
-        # guest or from Chromium on the host over the same relay and proxy: a timing the cause of which is not
-        # pinned yet. A failed navigation changed nothing (the tab shows Chromium's error page), and the agent's
-        # answer to one is to navigate again.
-        print(f"\nfirst HTTPS navigation failed ({went.detail}); navigating again, as an agent would")
-        went = tc.act(Navigate(url=shop.shop.tls_url, observation=tc.observe().observation.number))
     done(went)
+    assert "handshake for shop.test failed" not in shop.proxy_log.read_text()
     page = observe_until(lab, "Shop")  # Chromium accepted the proxy's leaf for shop.test: no interstitial
     assert page.observation.view.url == shop.shop.tls_url
     over_tls = [r for r in shop.shop.requests if r.tls]

@@ -262,9 +262,9 @@ class World:
         return f"{scheme}://{host}:{self.port_of(host)}{path}"
 
     async def raw(self, data: bytes, *, connect: str | None = "merchant.test", sni: str | None = None,
-                  ) -> tuple[int, dict[str, str], bytes]:
-        """Send hand-written bytes through the proxy (inside a CONNECT tunnel to `connect`, the TLS name `sni`),
-        and read one response."""
+                  handshake_after: float = 0.0) -> tuple[int, dict[str, str], bytes]:
+        """Send hand-written bytes through the proxy (inside a CONNECT tunnel to `connect`, the TLS name `sni`, whose
+        handshake starts `handshake_after` seconds after the tunnel opened), and read one response."""
         async with asyncio.timeout(10):
             reader, writer = await asyncio.open_connection("127.0.0.1", self.proxy.port)
             try:
@@ -277,6 +277,7 @@ class World:
                     assert head.startswith(b"HTTP/1.1 200"), head
                     context = ssl.create_default_context(cafile=str(self.deployment_ca))
                     context.check_hostname = sni in (None, connect)
+                    await asyncio.sleep(handshake_after)  # a slow client (a TCG guest's Chromium checking the leaf)
                     await writer.start_tls(context, server_hostname=sni or connect)
                 writer.write(data)
                 await writer.drain()

@@ -56,6 +56,25 @@ async def test_an_intercepted_tunnel_presents_a_leaf_of_the_deployment_ca(tmp_pa
             assert (await client.get(w.url("merchant.test", "/"))).status_code == 200
 
 
+async def test_a_client_slower_at_its_tls_handshake_than_the_upstream_bound_is_served(tmp_path: Path) -> None:
+    # A tool computer's Chromium under TCG took 10 s for a first handshake; the upstream bound (handshake_timeout)
+    # used to cut it, and the guest saw net::ERR_SOCKET_NOT_CONNECTED. A client's handshake has client_timeout.
+    async with world(tmp_path, allow_tool("merchant_api"), handshake_timeout=0.2, client_timeout=10) as w:
+        status, _, body = await w.raw(b"GET /slow-client HTTP/1.1\r\nHost: " + f"merchant.test:{w.merchant.port}"
+                                      .encode() + b"\r\n\r\n", handshake_after=0.6)
+        assert status == 200, body
+        [received] = w.merchant.received
+        assert received.target == "/slow-client" and received.header("authorization") == [f"Bearer {SECRET}"]
+
+
+async def test_a_client_that_does_not_start_its_tls_handshake_within_client_timeout_is_cut_off(
+        tmp_path: Path) -> None:
+    async with world(tmp_path, allow_tool("merchant_api"), client_timeout=0.3) as w:
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            await w.raw(b"GET / HTTP/1.1\r\nHost: merchant.test\r\n\r\n", handshake_after=1.0)
+        assert w.merchant.received == [] and w.decider.requests == []
+
+
 async def test_an_upstream_that_fails_its_tls_check_is_a_bad_gateway_and_gets_nothing(tmp_path: Path) -> None:
     async with world(tmp_path, allow_tool("merchant_api"), upstream_cafile=None) as w, w.client() as client:
         response = await client.get(w.url("merchant.test", "/"))  # the system trust store does not know the test CA
