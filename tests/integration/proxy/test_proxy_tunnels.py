@@ -60,8 +60,8 @@ async def test_a_client_slower_at_its_tls_handshake_than_the_upstream_bound_is_s
     # A tool computer's Chromium under TCG took 10 s for a first handshake; the upstream bound (handshake_timeout)
     # used to cut it, and the guest saw net::ERR_SOCKET_NOT_CONNECTED. A client's handshake has client_timeout.
     async with world(tmp_path, allow_tool("merchant_api"), handshake_timeout=0.2, client_timeout=10) as w:
-        status, _, body = await w.raw(b"GET /slow-client HTTP/1.1\r\nHost: " + f"merchant.test:{w.merchant.port}"
-                                      .encode() + b"\r\n\r\n", handshake_after=0.6)
+        request = f"GET /slow-client HTTP/1.1\r\nHost: merchant.test:{w.merchant.port}\r\n\r\n".encode()
+        status, _, body = await w.raw(request, handshake_after=0.6)
         assert status == 200, body
         [received] = w.merchant.received
         assert received.target == "/slow-client" and received.header("authorization") == [f"Bearer {SECRET}"]
