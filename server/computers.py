@@ -302,6 +302,7 @@ def _build_vm_computers(settings: Settings, clock: Clock, engine: Engine) -> VmC
             data_dir=settings.data_dir, base_image=image / "base.qcow2", kernel=kernel,
             initrd=image / "initrd.img" if (image / "initrd.img").exists() else None, accel=accel.accel,
             proxy_port=settings.proxy_port if settings.proxy else None, idle_after=settings.computer_idle_after,
+            tb_cache_mib=settings.computer_tcg_cache,
             **network_settings(settings, hypervisor)), hypervisor)
     except VmError as exc:
         raise WakefulError(exc.code, exc.message) from None

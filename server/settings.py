@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     on KVM; minutes under TCG, where Chromium alone takes 100–230 s to start)."""
     computer_accel: Literal["kvm", "tcg"] | None = None
     """Force the acceleration; by default KVM is probed (a stock kernel must boot under it) and TCG used otherwise."""
+    computer_tcg_cache: int = Field(default=512, ge=32)
+    """MiB of host memory QEMU may hold per running tool computer for the guest code it translated, under TCG only
+    (ignored on KVM). Smaller thrashes: at 64 MiB a page load in the guest's Chromium took ~2 minutes, not ~13 s."""
     libvirt_uri: str = "qemu:///system"
     """Where tool computers run."""
     computer_network: str | None = None

@@ -12,7 +12,8 @@ Security-relevant choices, all checked by unit tests that parse the XML back:
   line (see `proxy_connector`): Chromium cannot send it unprompted, and the guest never holds the credential.
 * a named CPU model with `fallback='forbid'`, so a saved state restores on any host offering that model.
 * QEMU's seccomp sandbox is kept, with spawn and setsid allowed for that connector (see `SANDBOX`).
-* `<tcg><tb-cache>` under TCG, a free-page-reporting balloon and `init_on_free=1` keep RAM and save files small.
+* a free-page-reporting balloon and `init_on_free=1` keep RAM and save files small; under TCG, `<tcg><tb-cache>`
+  bounds the translated code QEMU holds (large enough for Chromium, see `VmSettings.tb_cache_mib`).
 """
 
 from __future__ import annotations

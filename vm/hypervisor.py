@@ -122,8 +122,8 @@ class DomainSpec:
     forwards: Forwards
     cpu_model: str = "Westmere"
     """A named model (never host-passthrough) so a saved state restores on any host that offers it."""
-    tb_cache_mib: int = 64
-    """TCG translation cache; QEMU's 1 GiB default costs ~0.5 GB resident per VM."""
+    tb_cache_mib: int = 512
+    """TCG translation cache (ignored under KVM); see `VmSettings.tb_cache_mib`."""
     machine: str = "q35"
     proxy_command: tuple[str, ...] = ("/bin/busybox", "nc")
     """Run by QEMU per guest connection to the proxy, with `127.0.0.1 PORT` appended: a stdio-to-TCP bridge."""

@@ -17,7 +17,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from server.clock import FakeClock
@@ -84,9 +84,12 @@ def image_settings(image_dir: Path, data_dir: Path, *, accel: AccelChoice, proxy
 @contextmanager
 def tool_computer(image_dir: Path, data_dir: Path, *, user: str, accel: AccelChoice, proxy_port: int | None,
                   credential: ProxyCredential | None, prefix: str = "wkt-",
-                  port_range: tuple[int, int] = (24500, 24999)) -> Iterator[ComputerLab]:
+                  port_range: tuple[int, int] = (24500, 24999),
+                  tb_cache_mib: int | None = None) -> Iterator[ComputerLab]:
     settings = image_settings(image_dir, data_dir, accel=accel, proxy_port=proxy_port, prefix=prefix,
                               port_range=port_range)
+    if tb_cache_mib is not None:
+        settings = replace(settings, tb_cache_mib=tb_cache_mib)
     clock = FakeClock()
     manager = VmManager(settings, LibvirtHypervisor(URI), clock=clock)
     vm = manager.provision(user, proxy_credential=credential)

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import libvirt
 import pytest
 import websockets
 from computer_lab import URI, qemu_pid
@@ -51,6 +53,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WAKEFUL = Path(sys.executable).parent / "wakeful"
 IDLE_AFTER = 30
 """Seconds without observe, act, handoff or live view before the sweeper suspends the VM (default 10 minutes)."""
+TCG_CACHE_MIB = 384
+"""`computer_tcg_cache`, not its default (512), so the domain shows the setting reached it."""
 TOOL_CALL_TIMEOUT = 900.0
 """The first observe cold-boots the guest and waits for Chromium: minutes under TCG."""
 VIEWPORT = {"width": 1280, "height": 848}
@@ -108,6 +112,7 @@ def served(libvirtd: None, guest_image: Path, tmp_path_factory: pytest.TempPathF
     with Sink() as sink:
         served = Served(server=ServeProcess({"WAKEFUL_DATA_DIR": str(data_dir), "WAKEFUL_NOTIFY_URL": sink.url,
                                              "WAKEFUL_COMPUTER_IDLE_AFTER": str(IDLE_AFTER),
+                                             "WAKEFUL_COMPUTER_TCG_CACHE": str(TCG_CACHE_MIB),
                                              "WAKEFUL_SWEEP_INTERVAL": "5"},
                                             log_path=data_dir / "serve.log"),
                         token=token, sink=sink, data_dir=data_dir, image=guest_image)
@@ -246,6 +251,12 @@ async def test_the_first_observe_through_wakeful_serve_boots_the_users_tool_comp
     vm = served.vm()
     assert vm.state is VmState.RUNNING and qemu_pid(vm.name) is not None
     assert png is not None and Image.open(BytesIO(png)).size == (1280, 800)
+    domain = ET.fromstring(libvirt.open(URI).lookupByName(vm.name).XMLDesc(0))
+    cache = domain.find("features/tcg/tb-cache")
+    if domain.get("type") == "qemu":  # TCG: the translation cache `computer_tcg_cache` asked for (libvirt says KiB)
+        assert cache is not None and (cache.text, cache.get("unit")) == (str(TCG_CACHE_MIB * 1024), "KiB")
+    else:
+        assert cache is None
     served.story.update(task_id=task_id, epoch=seen["epoch"], observation=seen["observation"])
     accel = re.search(r"tool computers run under (\S+ \([^)]*\))", served.server.log())
     print(f"\ncold boot to first observation through wakeful serve: {booted:.1f} s "

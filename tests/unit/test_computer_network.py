@@ -1,6 +1,6 @@
 """`computer_network` and `proxy_bridge_listen`: settings that refuse what cannot work, and the check that the guests
 will find the egress proxy where it listens (over the fake hypervisor; the libvirt side is in
-tests/unit/vm/test_vm_hypervisors.py)."""
+tests/unit/vm/test_vm_hypervisors.py). Also `computer_tcg_cache`'s floor."""
 
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ def test_a_network_without_a_proxy_listener_is_refused_with_an_example() -> None
 def test_a_proxy_listener_must_be_one_specific_ipv4_address_and_port(value: str) -> None:
     with pytest.raises(ValidationError, match="proxy_bridge_listen"):
         Settings(proxy_bridge_listen=value)
+
+
+def test_a_translation_cache_too_small_to_run_a_guest_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WAKEFUL_COMPUTER_TCG_CACHE", "16")
+    with pytest.raises(ValidationError, match="computer_tcg_cache"):
+        Settings()
+    monkeypatch.setenv("WAKEFUL_COMPUTER_TCG_CACHE", "1024")
+    assert Settings().computer_tcg_cache == 1024
 
 
 def test_on_user_mode_networking_nothing_is_added(hv: FakeHypervisor) -> None:

@@ -30,11 +30,13 @@ def _netdev(root: ET.Element) -> list[str]:
     return args[args.index("-netdev") + 1].split(",")
 
 
-def test_tcg_domain_is_type_qemu_with_a_small_translation_cache() -> None:
+def test_tcg_domain_is_type_qemu_with_a_translation_cache_of_the_specs_size() -> None:
     root = ET.fromstring(domain_xml(_spec()))
     assert root.get("type") == "qemu"
     cache = root.find("features/tcg/tb-cache")
-    assert cache is not None and cache.text == "64" and cache.get("unit") == "MiB"
+    assert cache is not None and cache.text == "512" and cache.get("unit") == "MiB", "the default holds Chromium"
+    cache = ET.fromstring(domain_xml(replace(_spec(), tb_cache_mib=384))).find("features/tcg/tb-cache")
+    assert cache is not None and cache.text == "384"
 
 
 def test_kvm_domain_is_type_kvm_without_tcg_settings() -> None:
