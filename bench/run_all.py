@@ -28,6 +28,7 @@ BENCHMARKS: list[tuple[str, bool]] = [
     ("mcp_roundtrip", False),
     ("egress_proxy", True),
     ("tool_computer", False),  # boots a 1 GiB guest: minutes under TCG, and it needs the built image
+    ("tcg_cache", False),  # boots it twice, once thrashing: ten minutes or more
 ]
 
 

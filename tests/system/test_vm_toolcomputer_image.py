@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from computer_lab import ComputerLab, qemu_pid, tool_computer
-from shop_lab import ShopEgress, shop_egress
+from shop_lab import HOST, ShopEgress, shop_egress
 
 from vm.accel import choose_accel
 from vm.lifecycle_rules import VmState
@@ -231,3 +231,5 @@ def test_an_https_page_is_intercepted_with_the_ca_the_image_trusts_and_only_it_g
     assert all(r.proxy_auth is None for r in shop.shop.requests)
     # The guest never held it: the page it got does not carry it, and the guest's screen of it neither.
     assert shop.secret not in str(page.elements) and shop.secret not in page.title
+    # Over the whole story the guest's browser asked the proxy for the shop alone: none of Chromium's own traffic.
+    assert {r.host for r in shop.asked} == {HOST}, sorted({f"{r.method} {r.host}" for r in shop.asked})
