@@ -132,12 +132,12 @@ class Settings(BaseSettings):
     """A tool computer with nothing in flight for this long is suspended (memory saved to disk, RAM freed)."""
     computer_boot_timeout: Duration = timedelta(minutes=10)
     """How long the first observe of a cold-booted tool computer waits for its SSH and Chromium to answer (seconds
-    on KVM; minutes under TCG, where Chromium alone takes 100–230 s to start)."""
+    on KVM; about two minutes under TCG, where the guest's Chromium answers 125–140 s after the start)."""
     computer_accel: Literal["kvm", "tcg"] | None = None
     """Force the acceleration; by default KVM is probed (a stock kernel must boot under it) and TCG used otherwise."""
     computer_tcg_cache: int = Field(default=512, ge=32)
     """MiB of host memory QEMU may hold per running tool computer for the guest code it translated, under TCG only
-    (ignored on KVM). Smaller thrashes: at 64 MiB a page load in the guest's Chromium took ~2 minutes, not ~13 s."""
+    (ignored on KVM). Smaller thrashes: at 64 MiB a page took the guest's Chromium 107-164 s to load, not 14-29 s."""
     libvirt_uri: str = "qemu:///system"
     """Where tool computers run."""
     computer_network: str | None = None

@@ -97,8 +97,8 @@ class VmSettings:
     cpu_model: str = "Westmere"
     tb_cache_mib: int = 512
     """Host memory (MiB) QEMU may hold per running VM for code it translated, under TCG only. Chromium does not fit
-    in less: at 64 MiB QEMU threw the whole cache away every 1-2 s and a page load took ~2 minutes instead of ~13 s
-    (`bench/tcg_cache.py`). QEMU's own default is 1 GiB."""
+    in less: at 64 MiB QEMU threw the whole cache away every 1-2 s and a page took 107-164 s to load instead of
+    14-29 s (`bench/tcg_cache.py`). QEMU's own default is 1 GiB."""
     proxy_command: tuple[str, ...] = ("/bin/busybox", "nc")
     network: str | None = None
     """An isolated libvirt network (see `Hypervisor.network`) VMs join instead of user-mode networking: each gets a

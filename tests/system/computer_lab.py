@@ -36,7 +36,8 @@ URI = "qemu:///system"
 SAVE_DIR = Path("/var/lib/libvirt/qemu/save")
 PID_DIR = Path("/run/libvirt/qemu")
 BOOT_TIMEOUT = 600.0
-"""Cold boot to CDP: 100–230 s measured under TCG on a shared 2-core host; bounded well above that."""
+"""Cold boot to CDP: 125–140 s measured under TCG on a shared 2-core host (185 s at CI with the old 64 MiB translation
+cache); bounded well above that."""
 
 
 def qemu_pid(name: str) -> int | None:
@@ -97,7 +98,7 @@ def tool_computer(image_dir: Path, data_dir: Path, *, user: str, accel: AccelCho
         host, port = vm.ssh_endpoint
         channel = GuestChannel(host=host, port=port, user="root", client_key_path=vm.keys.client_key,
                                pinned_host_key=vm.keys.host_public)
-        # Chromium under TCG on a shared host: a first cross-site navigation took 56 s here (a new renderer).
+        # Chromium under TCG on a shared host: a first cross-site navigation takes 30-80 s here (a new renderer).
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0)
         computer = ToolComputer(vm_id=vm.name, channel=channel, clock=clock, browser=browser,
                                 reconnect_timeout=120.0)

@@ -158,7 +158,8 @@ class ShopEgress:
     """The vault credential the proxy injects on the shop's TLS port (and nowhere else)."""
     asked: list[DecisionRequest] = field(default_factory=list)
     """Every decision the proxy asked for (the tool computer's identity is on each)."""
-    verdicts: list[Verdict] = field(default_factory=list)
+    decided: list[tuple[DecisionRequest, Verdict]] = field(default_factory=list)
+    """Each request the decider answered, with its answer."""
 
 
 def _config(settings: Settings) -> str:
@@ -207,7 +208,7 @@ def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | Non
     async def decide(req: DecisionRequest) -> Verdict:
         lab.asked.append(req)
         verdict = await service.decide(req)
-        lab.verdicts.append(verdict)
+        lab.decided.append((req, verdict))
         return verdict
 
     try:
