@@ -47,7 +47,6 @@ class Step:
 
 @dataclass
 class Figures:
-    cache_mib: int
     boot_ssh: float
     boot_cdp: float
     first_observation: float
@@ -87,9 +86,8 @@ def measure(accel: AccelChoice, cache_mib: int, quick: bool) -> Figures:
         lab.computer.observe()
         observed = time.perf_counter() - start
         steps = _pages(lab, shop, quick)
-        figures = Figures(cache_mib=cache_mib, boot_ssh=lab.boot_steps["ssh"], boot_cdp=lab.boot_steps["cdp"],
-                          first_observation=observed, steps=steps, flushes=flush_count(lab.vm.name),
-                          qemu_rss=lab.manager.memory_bytes("bench"))
+        figures = Figures(boot_ssh=lab.boot_steps["ssh"], boot_cdp=lab.boot_steps["cdp"], first_observation=observed,
+                          steps=steps, flushes=flush_count(lab.vm.name), qemu_rss=lab.manager.memory_bytes("bench"))
     print(f"{cache_mib} MiB: SSH {figures.boot_ssh:.1f} s, CDP {figures.boot_cdp:.1f} s, first observation "
           f"{observed:.1f} s, "
           + ", ".join(f"{k} {v}" for k, v in steps.items())
