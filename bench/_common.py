@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from server.signatures import sign
+from wakeful.server.core.signatures import sign
 
 __all__ = [
     "BENCH_DIR",

@@ -173,8 +173,8 @@ async def trivial_decider(socket_path: str, token: str, credential: str) -> None
     """wakeful's own decider channel (`proxy.channel.DeciderServer`) answering every request inline with an allow
     (the credential for HTTPS) and acknowledging audit records without storing them: what the proxy costs when the
     policy component costs nothing."""
-    from proxy.channel import DeciderServer
-    from proxy.contract import Allow, DecisionRequest, Verdict
+    from wakeful.proxy.channel import DeciderServer
+    from wakeful.proxy.contract import Allow, DecisionRequest, Verdict
 
     def allow(req: DecisionRequest) -> Verdict:
         return Allow(credential=credential if req.scheme == "https" else None, rule="always", attempt_id=None,

@@ -23,18 +23,20 @@ from sqlalchemy import select, text
 
 sys.path.insert(0, str(ROOT))  # the hotel simulator lives with the tests
 
-from server import control, sessions, users
-from server.clock import SystemClock
-from server.connectors import load_connectors
-from server.db import make_engine, migrate, read, write
-from server.harness import Harness
-from server.model import ModelReply, ModelRequest, ScriptedModel, calls, quiet
-from server.policy import AutoRule, Policy
-from server.runtime import Runtime, load_registry
-from server.settings import Settings
-from server.tables import actions, attempts, events, runs, tasks
-from server.tools import Binding, ToolLayer
 from tests.sims import create_hotel, serve
+from wakeful.server.acting.connectors import load_connectors
+from wakeful.server.acting.policy import AutoRule, Policy
+from wakeful.server.core import control, sessions
+from wakeful.server.core.worker import Binding
+from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, calls, quiet
+from wakeful.server.harness.wake import Harness
+from wakeful.server.runtime import Runtime, load_registry
+from wakeful.server.settings import Settings
+from wakeful.server.store import users
+from wakeful.server.store.clock import SystemClock
+from wakeful.server.store.db import make_engine, migrate, read, write
+from wakeful.server.store.tables import actions, attempts, events, runs, tasks
+from wakeful.server.tools.layer import ToolLayer
 
 POLICY = Policy(rules=(AutoRule(name="hotel-auto", tool="hotel__book_quote", max_amount_cents=10**9),))
 

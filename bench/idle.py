@@ -20,8 +20,9 @@ from pathlib import Path
 from _common import Row, Serve, Table, bench_args, print_and_save, reproduce, start_servers, verdict
 from sqlalchemy import Connection
 
-from server import control, sessions, timers, users, waits
-from server.db import make_engine, migrate, write
+from wakeful.server.core import control, sessions, timers, waits
+from wakeful.server.store import users
+from wakeful.server.store.db import make_engine, migrate, write
 
 TARGET_CPU = 1.0  # percent of one core
 TARGET_RSS = 200 * 1024 * 1024

@@ -26,11 +26,11 @@ from computer_lab import URI, ComputerLab, tool_computer  # noqa: E402
 from shop_lab import ShopEgress, shop_egress  # noqa: E402
 from tool_computer import IMAGE  # noqa: E402
 
-from vm.accel import AccelChoice, choose_accel  # noqa: E402
-from vm.hypervisor import Accel  # noqa: E402
-from vm.lifecycle import VmSettings  # noqa: E402
-from vm.observe import Navigate  # noqa: E402
-from vm.toolcomputer import ActResult  # noqa: E402
+from wakeful.vm.accel import AccelChoice, choose_accel  # noqa: E402
+from wakeful.vm.hypervisor import Accel  # noqa: E402
+from wakeful.vm.lifecycle import VmSettings  # noqa: E402
+from wakeful.vm.observe import Navigate  # noqa: E402
+from wakeful.vm.toolcomputer import ActResult  # noqa: E402
 
 BASELINE_MIB = 64
 MIB = 2**20

@@ -21,11 +21,12 @@ from pathlib import Path
 from _common import Row, Table, bench_args, fmt_ms, percentile, print_and_save, reproduce, verdict
 from sqlalchemy import text
 
-from server import control, sessions, timers, users
-from server.db import read, write
-from server.handlers import EchoHandler
-from server.runtime import Runtime
-from server.settings import Settings
+from wakeful.server.core import control, sessions, timers
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store import users
+from wakeful.server.store.db import read, write
 
 TARGET = 1.0
 

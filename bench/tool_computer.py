@@ -28,9 +28,9 @@ from _common import ROOT, Row, Table, bench_args, print_and_save, reproduce, ver
 from computer_lab import ComputerLab, qemu_pid, tool_computer  # noqa: E402
 from shop_lab import shop_egress  # noqa: E402
 
-from vm.accel import choose_accel  # noqa: E402
-from vm.observe import Navigate  # noqa: E402
-from vm.toolcomputer import RestoreReport  # noqa: E402
+from wakeful.vm.accel import choose_accel  # noqa: E402
+from wakeful.vm.observe import Navigate  # noqa: E402
+from wakeful.vm.toolcomputer import RestoreReport  # noqa: E402
 
 IMAGE = ROOT / ".cache" / "image-build" / "data" / "images" / "guest"
 URI = "qemu:///system"

@@ -7,10 +7,10 @@ The pure core (`contract`, `decide`, `rewrite`, `credential`, `hosts`, `wire`, `
 `DecryptFailed`, `VaultFileError`, `CAError`; `ChannelError` for a broken decider-channel frame.
 """
 
-from proxy.audit import EgressRecord
-from proxy.channel import ChannelError, DeciderClient, DeciderServer
-from proxy.config import ProxyConfig
-from proxy.contract import (
+from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.channel import ChannelError, DeciderClient, DeciderServer
+from wakeful.proxy.config import ProxyConfig
+from wakeful.proxy.contract import (
     Allow,
     ContractError,
     DecisionRequest,
@@ -23,12 +23,12 @@ from proxy.contract import (
     parse_request,
     parse_verdict,
 )
-from proxy.credential import Credential, CredentialInfo, SecretBytes
-from proxy.decide import AllowRule, agree, check_request, check_verdict, decide_by_allowlist, match_allowlist
-from proxy.rewrite import HeaderRejected, InjectionRefused, inject, strip_credentials
-from proxy.server import ProxyServer, run, serve_proxy
-from proxy.tls import CAError, DeploymentCA, LeafCertificates, ca_pem, load_or_create_ca
-from proxy.vault import KeyRing, Vault, VaultError
+from wakeful.proxy.credential import Credential, CredentialInfo, SecretBytes
+from wakeful.proxy.decide import AllowRule, agree, check_request, check_verdict, decide_by_allowlist, match_allowlist
+from wakeful.proxy.rewrite import HeaderRejected, InjectionRefused, inject, strip_credentials
+from wakeful.proxy.server import ProxyServer, run, serve_proxy
+from wakeful.proxy.tls import CAError, DeploymentCA, LeafCertificates, ca_pem, load_or_create_ca
+from wakeful.proxy.vault import KeyRing, Vault, VaultError
 
 __all__ = [
     "Allow",

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Final
 
-from proxy.wire import ANONYMOUS, Identity
+from wakeful.proxy.wire import ANONYMOUS, Identity
 
 __all__ = ["AddressBook", "normalize_address"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final, Literal, get_args
 
-from proxy.contract import (
+from wakeful.proxy.contract import (
     CREDENTIAL_NAME,
     Client,
     ContractError,

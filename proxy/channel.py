@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
-from proxy.audit import EgressRecord, encode_record, parse_record
-from proxy.contract import (
+from wakeful.proxy.audit import EgressRecord, encode_record, parse_record
+from wakeful.proxy.contract import (
     MAX_MESSAGE_BYTES,
     Allow,
     ContractError,
@@ -44,7 +44,7 @@ from proxy.contract import (
     parse_verdict,
     refuse,
 )
-from proxy.wire import describe
+from wakeful.proxy.wire import describe
 
 __all__ = ["ChannelError", "DeciderClient", "DeciderServer", "Decide", "DecideNow", "Record"]
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.hosts import normalize_host
-from proxy.vault import KeyRing, Vault
+from wakeful.proxy.hosts import normalize_host
+from wakeful.proxy.vault import KeyRing, Vault
 
 __all__ = ["ProxyConfig"]
 

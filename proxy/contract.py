@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, Literal, TypeAlias, get_args
 
-from proxy.hosts import normalize_host
+from wakeful.proxy.hosts import normalize_host
 
 __all__ = [
     "REASONS",

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
-from proxy.contract import CREDENTIAL_NAME
-from proxy.hosts import is_ip, normalize_host
+from wakeful.proxy.contract import CREDENTIAL_NAME
+from wakeful.proxy.hosts import is_ip, normalize_host
 
 __all__ = ["Credential", "CredentialInfo", "SecretBytes", "check_binding"]
 

@@ -13,8 +13,17 @@ from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
 
-from proxy.contract import CREDENTIAL_NAME, Allow, ContractError, DecisionRequest, RefusalCode, Refuse, Verdict, refuse
-from proxy.hosts import default_port, is_ip, normalize_host, parse_authority
+from wakeful.proxy.contract import (
+    CREDENTIAL_NAME,
+    Allow,
+    ContractError,
+    DecisionRequest,
+    RefusalCode,
+    Refuse,
+    Verdict,
+    refuse,
+)
+from wakeful.proxy.hosts import default_port, is_ip, normalize_host, parse_authority
 
 __all__ = [
     "AllowRule",

@@ -18,16 +18,24 @@ from typing import Final
 
 import h11
 
-from proxy.audit import EgressRecord
-from proxy.channel import DeciderClient
-from proxy.config import ProxyConfig
-from proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyRefusal, RefusalCode, Refuse
-from proxy.credential import Credential
-from proxy.decide import agree, check_addresses, check_method, check_verdict
-from proxy.rewrite import HeaderRejected, inject, refuse_placeholders, strip_credentials
-from proxy.upstream import H11Stream, ResponseHead, Upstream, UpstreamPool, resolve, response_headers, serialize_request
-from proxy.vault import Vault, VaultError
-from proxy.wire import (
+from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.channel import DeciderClient
+from wakeful.proxy.config import ProxyConfig
+from wakeful.proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyRefusal, RefusalCode, Refuse
+from wakeful.proxy.credential import Credential
+from wakeful.proxy.decide import agree, check_addresses, check_method, check_verdict
+from wakeful.proxy.rewrite import HeaderRejected, inject, refuse_placeholders, strip_credentials
+from wakeful.proxy.upstream import (
+    H11Stream,
+    ResponseHead,
+    Upstream,
+    UpstreamPool,
+    resolve,
+    response_headers,
+    serialize_request,
+)
+from wakeful.proxy.vault import Vault, VaultError
+from wakeful.proxy.wire import (
     REQUEST_TOO_LARGE,
     UPSTREAM_FAILED,
     UPSTREAM_TIMEOUT,

@@ -11,9 +11,9 @@ import re
 from collections.abc import Iterable
 from typing import Final
 
-from proxy.contract import ProxyRefusal, RefusalCode
-from proxy.credential import FORBIDDEN_HEADERS, Credential
-from proxy.hosts import normalize_host
+from wakeful.proxy.contract import ProxyRefusal, RefusalCode
+from wakeful.proxy.credential import FORBIDDEN_HEADERS, Credential
+from wakeful.proxy.hosts import normalize_host
 
 __all__ = [
     "ATTEMPT_HEADER",

@@ -17,11 +17,11 @@ from collections.abc import Callable
 
 import h11
 
-from proxy.addressbook import AddressBook
-from proxy.channel import DeciderClient
-from proxy.config import ProxyConfig
-from proxy.contract import ContractError, DecisionRequest, ProxyRefusal, RefusalCode
-from proxy.exchange import (
+from wakeful.proxy.addressbook import AddressBook
+from wakeful.proxy.channel import DeciderClient
+from wakeful.proxy.config import ProxyConfig
+from wakeful.proxy.contract import ContractError, DecisionRequest, ProxyRefusal, RefusalCode
+from wakeful.proxy.exchange import (
     EMPTY_SHA256,
     ClientConnection,
     Credentials,
@@ -33,10 +33,10 @@ from proxy.exchange import (
     authorize,
     handle_request,
 )
-from proxy.rewrite import HeaderRejected
-from proxy.tls import LeafCertificates, load_or_create_ca, sni_of
-from proxy.upstream import H11Stream, UpstreamPool
-from proxy.wire import (
+from wakeful.proxy.rewrite import HeaderRejected
+from wakeful.proxy.tls import LeafCertificates, load_or_create_ca, sni_of
+from wakeful.proxy.upstream import H11Stream, UpstreamPool
+from wakeful.proxy.wire import (
     ANONYMOUS,
     Identity,
     attempt_token,

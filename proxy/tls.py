@@ -30,8 +30,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from proxy.hosts import is_ip, normalize_host
-from proxy.vault import Key, KeyRing, VaultError, _atomic_write
+from wakeful.proxy.hosts import is_ip, normalize_host
+from wakeful.proxy.vault import Key, KeyRing, VaultError, _atomic_write
 
 __all__ = ["CA_CERT_FILE", "CA_KEY_FILE", "CAError", "DeploymentCA", "LeafCertificates", "ca_pem", "load_or_create_ca",
            "sni_of"]

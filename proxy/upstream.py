@@ -15,8 +15,8 @@ from typing import Final, Literal
 import h11
 import httptools
 
-from proxy.hosts import is_ip
-from proxy.rewrite import HOP_BY_HOP
+from wakeful.proxy.hosts import is_ip
+from wakeful.proxy.rewrite import HOP_BY_HOP
 
 __all__ = ["Framing", "H11Stream", "PoolKey", "ResponseHead", "Upstream", "UpstreamPool", "resolve", "response_headers",
            "serialize_request"]

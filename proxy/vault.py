@@ -29,8 +29,8 @@ from typing import Final, Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from proxy.credential import Credential, CredentialInfo, SecretBytes, check_binding
-from proxy.hosts import normalize_host
+from wakeful.proxy.credential import Credential, CredentialInfo, SecretBytes, check_binding
+from wakeful.proxy.hosts import normalize_host
 
 __all__ = [
     "KEY_ENV",

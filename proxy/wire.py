@@ -14,9 +14,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Final
 
-from proxy.contract import RefusalCode
-from proxy.hosts import default_port, parse_authority
-from proxy.rewrite import ATTEMPT_HEADER, HeaderRejected
+from wakeful.proxy.contract import RefusalCode
+from wakeful.proxy.hosts import default_port, parse_authority
+from wakeful.proxy.rewrite import ATTEMPT_HEADER, HeaderRejected
 
 __all__ = [
     "ANONYMOUS",

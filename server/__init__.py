@@ -1,13 +1,24 @@
-"""wakeful's server: records and store, inbox, timers, sessions, worker, outbox, sweeper, HTTP API, CLI.
+"""wakeful's server (`wakeful.server`), in rooms that follow one wake from the outside in:
 
-The front door is small; each concept lives in its own module (`server.inbox`, `server.sessions`, ...).
+    store      tables, database, migrations, IDs, clock, users                  imports: errors
+    core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, settings
+    acting     objects, actions, admission, approvals, policy, connectors, ledger  + core
+    computers  the tool-computer pool and the handoff state                      + store, wakeful.vm
+    egress     dispatch, connector requests through the proxy, grants, the proxy + acting, computers, wakeful.proxy
+    tools      the agent's tools (implements core's `Tools`)                     + egress
+    harness    context, model, the run (implements core's `RunHandler`), replay  + tools
+    runtime    the one place that wires them into a running server               + harness
+    faces      HTTP, MCP, the command line, the demo                             + runtime
+
+A room imports only from the rooms above it (`tests/unit/test_layers.py` holds it to this table); `errors` and
+`settings` are shared by all. The front door below is what an embedding program needs.
 """
 
-from server.clock import Clock, FakeClock, SystemClock
-from server.errors import WakefulError
-from server.runtime import Runtime
-from server.settings import Settings, load_settings
-from server.worker import RunContext, RunHandler
+from wakeful.server.core.worker import RunContext, RunHandler
+from wakeful.server.errors import WakefulError
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings, load_settings
+from wakeful.server.store.clock import Clock, FakeClock, SystemClock
 
 __all__ = ["Clock", "FakeClock", "RunContext", "RunHandler", "Runtime", "Settings", "SystemClock", "WakefulError",
            "load_settings"]

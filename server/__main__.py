@@ -1,5 +1,5 @@
 """`python -m server …` is `wakeful …` (how `wakeful serve` starts its egress proxy child)."""
 
-from server.cli import app
+from wakeful.server.faces.cli import app
 
 app(prog_name="wakeful")

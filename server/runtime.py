@@ -12,29 +12,35 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, and_, func, select
 
-from server import control, faults, outbox, timers, users, waits
-from server.clock import Clock, SystemClock
-from server.computers import Computers, LazyVmComputers
-from server.connectors import Registry, load_connectors
-from server.db import make_engine, migrate, read, write
-from server.dispatch import ActionDispatcher
-from server.handlers import EchoHandler
-from server.inbox import GroupCommitter
-from server.liveview import LiveViews
-from server.outbound import ConnectorHTTP
-from server.outbox import Dispatcher
-from server.policy import load_policy
-from server.settings import Settings
-from server.sweeper import sweep
-from server.tables import TimerState, WaitState
-from server.tables import tasks as tasks_table
-from server.tables import timers as timers_table
-from server.tables import waits as waits_table
-from server.tools import Binding, ToolLayer
-from server.worker import IdlePoll, InboxRate, RunHandler, RunShare, Worker
+from wakeful.server.acting.connectors import Registry, load_connectors
+from wakeful.server.acting.policy import load_policy
+from wakeful.server.computers.handoff import LiveViews
+from wakeful.server.computers.pool import Computers, LazyVmComputers
+from wakeful.server.core import control, faults, outbox, timers, waits
+from wakeful.server.core.inbox import GroupCommitter
+from wakeful.server.core.outbox import Dispatcher
+from wakeful.server.core.sweeper import sweep
+from wakeful.server.core.worker import Binding, IdlePoll, InboxRate, RunHandler, RunShare, Worker
+from wakeful.server.egress.dispatch import ActionDispatcher
+from wakeful.server.egress.grants import issue_client_token
+from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.settings import Settings
+from wakeful.server.store import users
+from wakeful.server.store.clock import Clock, SystemClock
+from wakeful.server.store.db import make_engine, migrate, read, write
+from wakeful.server.store.tables import TimerState, WaitState
+from wakeful.server.store.tables import tasks as tasks_table
+from wakeful.server.store.tables import timers as timers_table
+from wakeful.server.store.tables import waits as waits_table
+from wakeful.server.tools.layer import ToolLayer
+
+if TYPE_CHECKING:
+    from wakeful.vm.hypervisor import ProxyCredential
 
 __all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
 
@@ -75,8 +81,8 @@ def make_handler(settings: Settings, registry: Registry) -> RunHandler:
     if settings.anthropic_api_key is None:
         log.warning("no model configured (WAKEFUL_ANTHROPIC_API_KEY): runs use the echo handler")
         return EchoHandler()
-    from server.harness import Harness
-    from server.model_anthropic import AnthropicModel
+    from wakeful.server.harness.model_anthropic import AnthropicModel
+    from wakeful.server.harness.wake import Harness
 
     model = AnthropicModel(api_key=settings.anthropic_api_key.get_secret_value(), model=settings.model)
     return Harness(model, registry=registry, instructions=settings.instructions_file
@@ -109,7 +115,7 @@ class Runtime:
         self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
                                      max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
         if computers is None and settings.computers:
-            computers = LazyVmComputers(settings, self.clock, self.engine)
+            computers = LazyVmComputers(settings, self.clock, self._computer_credential)
         self.computers = computers
         self.live = LiveViews(computers, self.clock) if computers is not None else None
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
@@ -119,6 +125,14 @@ class Runtime:
             self.tools.attach_computers(computers, dispatch_now=self._dispatch_now, notify=self._send_live_view)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
+
+    def _computer_credential(self, user_id: str) -> ProxyCredential:
+        """A tool computer's own proxy credential: its traffic is matched against the user's egress allowlist."""
+        from wakeful.vm.hypervisor import ProxyCredential  # importing the VM layer waits for the first computer
+
+        with write(self.engine) as conn:
+            _, token = issue_client_token(conn, user_id=user_id, label="tool computer", now=self.clock.now())
+        return ProxyCredential(user_id=user_id, token=token)
 
     def prepare(self) -> str | None:
         """Migrate, create the owner on first start (returns its token, to be shown once), bind sources to users."""

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from server.clock import FakeClock
-from server.db import make_engine, migrate, write
-from server.handlers import EchoHandler
-from server.runtime import Runtime
-from server.settings import Settings
-from server.users import ensure_user
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import make_engine, migrate, write
+from wakeful.server.store.users import ensure_user
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ The front door of the hypervisor layer; the libvirt adapter (`vm.libvirt_adapter
 (`vm.fake.FakeHypervisor`) are imported from their modules so that importing `vm` never loads libvirt.
 """
 
-from vm.errors import (
+from wakeful.vm.errors import (
     HypervisorUnavailable,
     IllegalTransition,
     ImageMissing,
@@ -14,9 +14,9 @@ from vm.errors import (
     VmError,
     VmNotFound,
 )
-from vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, ProxyCredential, SnapshotInfo
-from vm.lifecycle import AfterRestore, AfterRestoreHook, VmInfo, VmManager, VmSettings
-from vm.lifecycle_rules import ActivityKind, Limits, VmSize, VmState
+from wakeful.vm.hypervisor import Accel, DomainSpec, DomainState, Forwards, Hypervisor, ProxyCredential, SnapshotInfo
+from wakeful.vm.lifecycle import AfterRestore, AfterRestoreHook, VmInfo, VmManager, VmSettings
+from wakeful.vm.lifecycle_rules import ActivityKind, Limits, VmSize, VmState
 
 __all__ = [
     "Accel",

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vm.hypervisor import Accel
+from wakeful.vm.hypervisor import Accel
 
 __all__ = ["AccelChoice", "choose_accel", "host_id", "kvm_boots", "kvm_device_usable"]
 

@@ -28,8 +28,8 @@ from playwright.async_api import Browser as PwBrowser  # noqa: TID251 - the one 
 from playwright.async_api import BrowserContext, CDPSession, Page, Playwright, Request, async_playwright  # noqa: TID251
 from playwright.async_api import Error as PwError  # noqa: TID251
 
-from vm.errors import VmError
-from vm.observe import Capture, Element, FrameSize, Surface, View
+from wakeful.vm.errors import VmError
+from wakeful.vm.observe import Capture, Element, FrameSize, Surface, View
 
 __all__ = [
     "Browser",

@@ -15,9 +15,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from vm.errors import VmError
-from vm.guest import Channel
-from vm.observe import FrameSize, Surface, View
+from wakeful.vm.errors import VmError
+from wakeful.vm.guest import Channel
+from wakeful.vm.observe import FrameSize, Surface, View
 
 __all__ = ["BadKeys", "Desktop", "DesktopCapture", "DesktopError", "FocusChanged", "XDesktop", "png_size"]
 

@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 from typing import Protocol
 
-from vm.errors import HypervisorUnavailable, ImageMissing
+from wakeful.vm.errors import HypervisorUnavailable, ImageMissing
 
 __all__ = ["Disks", "QemuImg"]
 

@@ -22,7 +22,7 @@ import shlex
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from vm.hypervisor import Accel, DomainSpec, ProxyCredential
+from wakeful.vm.hypervisor import Accel, DomainSpec, ProxyCredential
 
 __all__ = ["ANTI_SPOOFING", "GUEST_PROXY", "QEMU_NS", "RELAY", "domain_xml", "netdev_arg", "proxy_connector"]
 

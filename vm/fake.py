@@ -11,8 +11,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmError, VmNotFound
-from vm.hypervisor import BridgePlace, DomainSpec, DomainState, NetworkInfo, SnapshotInfo
+from wakeful.vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmError, VmNotFound
+from wakeful.vm.hypervisor import BridgePlace, DomainSpec, DomainState, NetworkInfo, SnapshotInfo
 
 __all__ = ["FakeDisks", "FakeHypervisor"]
 

@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vm.browser import BrowserDisconnected, Effect, ElementGone, NoSuchTab, PageCapture, Tab
-from vm.fake_guest import tiny_png
-from vm.observe import Element, FrameSize, Surface, View
+from wakeful.vm.browser import BrowserDisconnected, Effect, ElementGone, NoSuchTab, PageCapture, Tab
+from wakeful.vm.fake_guest import tiny_png
+from wakeful.vm.observe import Element, FrameSize, Surface, View
 
 __all__ = ["FakeBrowser", "FakePage"]
 

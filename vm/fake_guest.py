@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from vm.desktop import DesktopCapture, FocusChanged
-from vm.guest import ChannelClosed, ClockSync, GuestUnreachable, NotConnected, ReconnectReport, RunResult
-from vm.observe import FrameSize, Surface, View
+from wakeful.vm.desktop import DesktopCapture, FocusChanged
+from wakeful.vm.guest import ChannelClosed, ClockSync, GuestUnreachable, NotConnected, ReconnectReport, RunResult
+from wakeful.vm.observe import FrameSize, Surface, View
 
 __all__ = ["FakeChannel", "FakeDesktop", "tiny_png"]
 

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import paramiko  # noqa: TID251 - the one module that talks SSH
 
-from vm.errors import VmError
+from wakeful.vm.errors import VmError
 
 __all__ = [
     "AuthFailed",

@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from vm.image_prereq import MIN_FREE_BYTES, Problem, check_prerequisites, free_bytes
-from vm.image_recipe import (
+from wakeful.vm.image_prereq import MIN_FREE_BYTES, Problem, check_prerequisites, free_bytes
+from wakeful.vm.image_recipe import (
     STAGES,
     CaCert,
     ImageError,
@@ -39,8 +39,8 @@ from vm.image_recipe import (
     read_configured_mirror,
     stage_keys,
 )
-from vm.image_stages import Cache, StageContext, run_stage, unpack_cached_tree
-from vm.image_system import CommandRunner, remove_tree, temp_dir
+from wakeful.vm.image_stages import Cache, StageContext, run_stage, unpack_cached_tree
+from wakeful.vm.image_system import CommandRunner, remove_tree, temp_dir
 
 __all__ = [
     "DEFAULT_RECIPE",

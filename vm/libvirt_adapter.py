@@ -22,9 +22,9 @@ from pathlib import Path
 
 import libvirt  # noqa: TID251 - the one module that talks to libvirt
 
-from vm.disks import Disks, QemuImg
-from vm.domain_xml import domain_xml
-from vm.errors import (
+from wakeful.vm.disks import Disks, QemuImg
+from wakeful.vm.domain_xml import domain_xml
+from wakeful.vm.errors import (
     HypervisorUnavailable,
     IllegalTransition,
     ImageMissing,
@@ -33,7 +33,7 @@ from vm.errors import (
     VmDead,
     VmNotFound,
 )
-from vm.hypervisor import BridgePlace, DomainSpec, DomainState, NetworkInfo, SnapshotInfo
+from wakeful.vm.hypervisor import BridgePlace, DomainSpec, DomainState, NetworkInfo, SnapshotInfo
 
 __all__ = ["LibvirtHypervisor"]
 

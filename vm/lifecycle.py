@@ -30,11 +30,11 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
-from vm.clock import Clock, SystemClock
-from vm.disks import Disks, QemuImg
-from vm.domain_xml import GUEST_PROXY
-from vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmError, VmNotFound
-from vm.hypervisor import (
+from wakeful.vm.clock import Clock, SystemClock
+from wakeful.vm.disks import Disks, QemuImg
+from wakeful.vm.domain_xml import GUEST_PROXY
+from wakeful.vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmError, VmNotFound
+from wakeful.vm.hypervisor import (
     Accel,
     BridgePlace,
     DomainSpec,
@@ -44,8 +44,8 @@ from vm.hypervisor import (
     ProxyCredential,
     SnapshotInfo,
 )
-from vm.keys import VmKeys, generate_keys, load_keys
-from vm.lifecycle_rules import (
+from wakeful.vm.keys import VmKeys, generate_keys, load_keys
+from wakeful.vm.lifecycle_rules import (
     Activity,
     ActivityKind,
     Limits,
@@ -59,7 +59,7 @@ from vm.lifecycle_rules import (
     pick_ports,
     reap_candidates,
 )
-from vm.seed import build_seed
+from wakeful.vm.seed import build_seed
 
 __all__ = ["AfterRestore", "AfterRestoreHook", "VmInfo", "VmManager", "VmSettings"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from vm.errors import IllegalTransition, LimitExceeded, NetworkUnusable
+from wakeful.vm.errors import IllegalTransition, LimitExceeded, NetworkUnusable
 
 __all__ = [
     "TRANSITIONS",

@@ -47,7 +47,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from vm.errors import IllegalTransition
+from wakeful.vm.errors import IllegalTransition
 
 __all__ = [
     "TRANSITIONS",

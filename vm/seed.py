@@ -14,8 +14,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from vm.errors import HypervisorUnavailable
-from vm.keys import VmKeys
+from wakeful.vm.errors import HypervisorUnavailable
+from wakeful.vm.keys import VmKeys
 
 __all__ = ["SEED_FILES", "SEED_LABEL", "build_seed"]
 

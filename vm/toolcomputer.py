@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
 
-from vm.browser import (
+from wakeful.vm.browser import (
     Browser,
     BrowserDisconnected,
     BrowserError,
@@ -38,11 +38,11 @@ from vm.browser import (
     NotEditable,
     Tab,
 )
-from vm.clock import Clock
-from vm.desktop import BadKeys, Desktop, FocusChanged
-from vm.errors import VmError
-from vm.guest import Channel, ClockSync
-from vm.observe import (
+from wakeful.vm.clock import Clock
+from wakeful.vm.desktop import BadKeys, Desktop, FocusChanged
+from wakeful.vm.errors import VmError
+from wakeful.vm.guest import Channel, ClockSync
+from wakeful.vm.observe import (
     Accepted,
     Act,
     BumpReason,

@@ -8,15 +8,16 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, select
 
-from server import control, ledger
-from server.clock import FakeClock
-from server.db import read, write
-from server.errors import Conflict, Refused
-from server.objects import UnknownObject
-from server.policy import Policy
-from server.tables import ControlKind, Outcome, attempts, refusals
 from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.records import messages
+from wakeful.server.acting import ledger
+from wakeful.server.acting.objects import UnknownObject
+from wakeful.server.acting.policy import Policy
+from wakeful.server.core import control
+from wakeful.server.errors import Conflict, Refused
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import ControlKind, Outcome, attempts, refusals
 
 
 @pytest.fixture

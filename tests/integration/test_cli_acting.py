@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from server.clock import FakeClock, SystemClock
-from server.db import make_engine, migrate, write
-from server.policy import load_policy
-from server.tables import Risk
-from server.users import ensure_user
 from tests.integration.test_cli import run
 from tests.support.acting import World, world
+from wakeful.server.acting.policy import load_policy
+from wakeful.server.store.clock import FakeClock, SystemClock
+from wakeful.server.store.db import make_engine, migrate, write
+from wakeful.server.store.tables import Risk
+from wakeful.server.store.users import ensure_user
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "acting.md").read_text()
 
@@ -99,9 +99,9 @@ def test_a_typo_in_the_policy_file_names_the_field(tmp_path: Path) -> None:
 
 
 def test_a_cli_write_wakes_a_running_server_at_once(tmp_path: Path) -> None:
-    from server.nudge import nudge
-    from server.settings import Settings
     from tests.support.serve import ServeProcess
+    from wakeful.server.core.nudge import nudge
+    from wakeful.server.settings import Settings
 
     with ServeProcess({"WAKEFUL_DATA_DIR": str(tmp_path)}, log_path=tmp_path / "serve.log") as server:
         assert nudge(Settings(data_dir=tmp_path, port=server.port)) is True

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import httpx
 
-from proxy.contract import RefusalCode
-from proxy.rewrite import COOKIE_HEADERS, CREDENTIAL_HEADERS
-from proxy.vault import Vault, load_keys
-from proxy.wire import REQUEST_TOO_LARGE, UPSTREAM_FAILED, UPSTREAM_TIMEOUT, refusal_status
 from tests.integration.test_cli import run
 from tests.support.serve import WAKEFUL, ServeProcess, free_port
+from wakeful.proxy.contract import RefusalCode
+from wakeful.proxy.rewrite import COOKIE_HEADERS, CREDENTIAL_HEADERS
+from wakeful.proxy.vault import Vault, load_keys
+from wakeful.proxy.wire import REQUEST_TOO_LARGE, UPSTREAM_FAILED, UPSTREAM_TIMEOUT, refusal_status
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "egress.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", DOC, re.S)

@@ -19,29 +19,30 @@ from mcp import Client
 from sqlalchemy import Engine, select
 from starlette.websockets import WebSocketDisconnect
 
-from server import approvals, control, sessions
-from server.clock import FakeClock
-from server.computers import VmComputers, observe
-from server.db import read, write
-from server.errors import Refused
-from server.handlers import EchoHandler
-from server.http import create_app
-from server.liveview import CONTROL_VNC_PORT, VIEW_VNC_PORT
-from server.mcpserver import WakefulMCP
-from server.policy import Policy
-from server.runtime import Runtime
-from server.settings import Settings
-from server.tables import actions, attempts, refusals, verdicts
-from server.tools import Binding
 from tests.support.polling import wait_until
 from tests.support.records import messages
-from vm.fake import FakeDisks, FakeHypervisor
-from vm.fake_browser import FakeBrowser
-from vm.fake_guest import FakeChannel, FakeDesktop
-from vm.hypervisor import ProxyCredential
-from vm.lifecycle import VmInfo, VmManager, VmSettings
-from vm.observe import Element
-from vm.toolcomputer import ToolComputer
+from wakeful.server.acting import approvals
+from wakeful.server.acting.policy import Policy
+from wakeful.server.computers.handoff import CONTROL_VNC_PORT, VIEW_VNC_PORT
+from wakeful.server.computers.pool import VmComputers, observe
+from wakeful.server.core import control, sessions
+from wakeful.server.core.worker import Binding
+from wakeful.server.errors import Refused
+from wakeful.server.faces.http import create_app
+from wakeful.server.faces.mcpserver import WakefulMCP
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import actions, attempts, refusals, verdicts
+from wakeful.vm.fake import FakeDisks, FakeHypervisor
+from wakeful.vm.fake_browser import FakeBrowser
+from wakeful.vm.fake_guest import FakeChannel, FakeDesktop
+from wakeful.vm.hypervisor import ProxyCredential
+from wakeful.vm.lifecycle import VmInfo, VmManager, VmSettings
+from wakeful.vm.observe import Element
+from wakeful.vm.toolcomputer import ToolComputer
 
 pytestmark = pytest.mark.anyio
 
@@ -170,7 +171,7 @@ async def test_clicking_pay_waits_for_approval_and_runs_once_approved(
 
 
 def _owner(runtime: Runtime) -> str:
-    from server import users
+    from wakeful.server.store import users
 
     with read(runtime.engine) as conn:
         return users.user_id_by_name(conn, "owner")
@@ -226,7 +227,7 @@ async def test_a_paused_task_cannot_act_and_a_malformed_act_is_refused_with_its_
         assert bad.is_error and "invalid_act" in bad.content[0].text  # type: ignore[union-attr]
         _, refs = await _observe(client, task_id)
         with write(runtime.engine) as conn:
-            from server.tables import ControlKind
+            from wakeful.server.store.tables import ControlKind
 
             control.set_task_state(conn, user_id=_owner(runtime), task_id=task_id, kind=ControlKind.PAUSE,
                                    actor="user:test", reason="wait", now=runtime.clock.now())
@@ -313,7 +314,7 @@ def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_
 
 
 def _token(runtime: Runtime) -> str:
-    from server import users
+    from wakeful.server.store import users
 
     with write(runtime.engine) as conn:
         return users.issue_token(conn, user_id=_owner(runtime))

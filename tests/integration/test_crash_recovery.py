@@ -33,11 +33,11 @@ from typing import Any
 import httpx
 import pytest
 
-from server.faults import EXIT_CODE, POINTS
-from server.signatures import sign
 from tests.support.polling import wait_until
 from tests.support.serve import ServeProcess, ServerExited
 from tests.support.sink import Sink
+from wakeful.server.core.faults import EXIT_CODE, POINTS
+from wakeful.server.core.signatures import sign
 
 # The campaigns are bounded by their own deadlines; the project-wide 300 s per test is too tight for a campaign on
 # a loaded machine (each restart is ~1.5 CPU-seconds of imports), so they get a wider net.

@@ -38,14 +38,15 @@ import httpx
 import pytest
 from sqlalchemy import Engine, and_, select
 
-from server import control, ledger
-from server.clock import FakeClock
-from server.db import read, write
-from server.faults import POINTS
-from server.tables import ControlKind, attempts, evidence
 from tests.support.acting import World, world
 from tests.support.dispatch_world import CANCEL_VERIFIED, DispatchWorld, Proposed, dispatch_world, holds_for
 from tests.support.polling import wait_until
+from wakeful.server.acting import ledger
+from wakeful.server.core import control
+from wakeful.server.core.faults import POINTS
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import ControlKind, attempts, evidence
 
 pytestmark = pytest.mark.faults
 

@@ -8,12 +8,12 @@ from datetime import timedelta
 import httpx
 from sqlalchemy import Engine
 
-from server import control, outbox
-from server.clock import FakeClock
-from server.db import write
-from server.outbox import Dispatcher
-from server.tables import OutboxKind
 from tests.support.records import messages
+from wakeful.server.core import control, outbox
+from wakeful.server.core.outbox import Dispatcher
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import write
+from wakeful.server.store.tables import OutboxKind
 
 
 class Receiver:

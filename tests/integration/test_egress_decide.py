@@ -17,19 +17,20 @@ import httpx
 import pytest
 from sqlalchemy import Engine, select
 
-from proxy.contract import Allow, DecisionRequest, Refuse, Verdict
-from proxy.hosts import default_port, normalize_host
-from proxy.rewrite import ATTEMPT_HEADER
-from server import control, egress
-from server.clock import FakeClock
-from server.db import read, write
-from server.dispatch import ActionDispatcher
-from server.errors import BadRequest, WakefulError
-from server.outbound import ConnectorHTTP
-from server.proxyctl import DeciderService
-from server.settings import Settings
-from server.tables import ControlKind, Outcome, attempts, egress_grant_uses, egress_grants
 from tests.support.acting import World, world
+from wakeful.proxy.contract import Allow, DecisionRequest, Refuse, Verdict
+from wakeful.proxy.hosts import default_port, normalize_host
+from wakeful.proxy.rewrite import ATTEMPT_HEADER
+from wakeful.server.core import control
+from wakeful.server.egress import grants as egress
+from wakeful.server.egress.dispatch import ActionDispatcher
+from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.egress.proxyctl import DeciderService
+from wakeful.server.errors import BadRequest, WakefulError
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import ControlKind, Outcome, attempts, egress_grant_uses, egress_grants
 
 Hook = Callable[[DecisionRequest], object]
 """Runs between the request leaving the server and the decision; a `DecisionRequest` it returns replaces it."""

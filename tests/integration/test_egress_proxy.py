@@ -24,13 +24,6 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import Engine, select
 
-from proxy.contract import DecisionRequest
-from proxy.rewrite import ATTEMPT_HEADER
-from server import control, egress
-from server.actions import load_action
-from server.clock import FakeClock
-from server.db import read, write
-from server.tables import ControlKind, attempts, egress_grants
 from tests.integration.test_cli import run
 from tests.sims import create_merchant, serve
 from tests.support.acting import CANCEL_VERIFIED, POLICIES, Received, recorder
@@ -38,6 +31,14 @@ from tests.support.egress import EgressStack, egress_stack
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess, free_port
 from tests.support.tlsca import make_test_ca
+from wakeful.proxy.contract import DecisionRequest
+from wakeful.proxy.rewrite import ATTEMPT_HEADER
+from wakeful.server.acting.actions import load_action
+from wakeful.server.core import control
+from wakeful.server.egress import grants as egress
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import ControlKind, attempts, egress_grants
 
 
 @pytest.fixture

@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, select
 
-from server import inbox
-from server.clock import FakeClock
-from server.db import read, write
-from server.harness import Harness
-from server.model import ModelReply, ModelRequest, ScriptedModel, calls, quiet
-from server.model_anthropic import request_payload
-from server.policy import Policy
-from server.replay import replay
-from server.settings import Settings
-from server.tables import RunOutcome, actions, decisions, run_contexts, runs, tool_results
-from server.worker import Worker
 from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.records import messages
+from wakeful.server.acting.policy import Policy
+from wakeful.server.core import inbox
+from wakeful.server.core.worker import Worker
+from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, calls, quiet
+from wakeful.server.harness.model_anthropic import request_payload
+from wakeful.server.harness.replay import replay
+from wakeful.server.harness.wake import Harness
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import RunOutcome, actions, decisions, run_contexts, runs, tool_results
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_every_proposal_is_stored_before_it_acts_and_a_resumed_run_never_asks_ag
         wk.run_once()
     asked_before = len(model.seen)
     w.clock.advance(settings.lease + timedelta(seconds=1))
-    from server.sweeper import sweep
+    from wakeful.server.core.sweeper import sweep
     sweep(w.engine, now=w.clock.now(), event_max_attempts=5)
     model.script.extend([quiet("resumed")])
     worker(w, settings, model).run_once()
@@ -182,7 +182,7 @@ def test_the_anthropic_request_caches_the_stable_prefix() -> None:
 @pytest.mark.skipif(not os.environ.get("ANTHROPIC_API_KEY"),
                     reason="ANTHROPIC_API_KEY is not set: the real-API test is skipped (no network call is made)")
 def test_the_real_anthropic_model_answers_with_tool_calls_only() -> None:
-    from server.model_anthropic import AnthropicModel
+    from wakeful.server.harness.model_anthropic import AnthropicModel
 
     model = AnthropicModel(api_key=os.environ["ANTHROPIC_API_KEY"],
                            model=os.environ.get("WAKEFUL_MODEL", "claude-sonnet-4-5"))

@@ -17,16 +17,16 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
-from server.clock import FakeClock
-from server.db import make_engine, migrate, write
-from server.handlers import EchoHandler
-from server.http import QuietServer, create_app
-from server.runtime import Runtime
-from server.settings import Settings
-from server.signatures import SignatureKind, sign
-from server.users import ensure_user
 from tests.support.polling import wait_until
 from tests.support.records import event_rows
+from wakeful.server.core.signatures import SignatureKind, sign
+from wakeful.server.faces.http import QuietServer, create_app
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import make_engine, migrate, write
+from wakeful.server.store.users import ensure_user
 
 SECRET = "shh-its-a-secret"
 KINDS: list[SignatureKind] = ["github", "stripe", "slack", "generic"]

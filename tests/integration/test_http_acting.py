@@ -8,15 +8,15 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
-from server.clock import FakeClock
-from server.db import write
-from server.handlers import EchoHandler
-from server.http import create_app
-from server.runtime import Runtime
-from server.settings import Settings
-from server.tools import Binding
-from server.users import ensure_user, issue_token
 from tests.support.acting import CANCEL_VERIFIED, World, world
+from wakeful.server.core.worker import Binding
+from wakeful.server.faces.http import create_app
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import write
+from wakeful.server.store.users import ensure_user, issue_token
 
 
 @pytest.fixture

@@ -12,11 +12,20 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import IntegrityError
 
-from server.clock import FakeClock
-from server.db import bound, connect_nowait, insert_many, make_engine, migrate, read, write, write_unless_busy
-from server.inbox import Delivery, GroupCommitter, Recorded, record, record_many
-from server.tables import events, sessions, todos
-from server.users import ensure_user
+from wakeful.server.core.inbox import Delivery, GroupCommitter, Recorded, record, record_many
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import (
+    bound,
+    connect_nowait,
+    insert_many,
+    make_engine,
+    migrate,
+    read,
+    write,
+    write_unless_busy,
+)
+from wakeful.server.store.tables import events, sessions, todos
+from wakeful.server.store.users import ensure_user
 
 deliveries = st.lists(
     st.builds(lambda source, sid, key: (source, sid, key), st.sampled_from(["a", "b"]),

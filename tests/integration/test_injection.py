@@ -10,17 +10,17 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import Engine, func, select
 
-from server import inbox
-from server.clock import FakeClock
-from server.db import read, write
-from server.harness import Harness
-from server.model import ModelReply, ModelRequest, ScriptedModel, calls
-from server.policy import Policy
-from server.settings import Settings
-from server.tables import approvals, control, timers, tool_results, verdicts
-from server.worker import Worker
 from tests.support.acting import World, world
 from tests.support.records import messages
+from wakeful.server.acting.policy import Policy
+from wakeful.server.core import inbox
+from wakeful.server.core.worker import Worker
+from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, calls
+from wakeful.server.harness.wake import Harness
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import approvals, control, timers, tool_results, verdicts
 
 
 @pytest.fixture

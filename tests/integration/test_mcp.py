@@ -16,14 +16,14 @@ from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import Engine
 
-from server.clock import FakeClock
-from server.db import write
-from server.mcpserver import WakefulMCP
-from server.policy import Policy
-from server.users import ensure_user
 from tests.support.acting import World, world
 from tests.support.records import messages
 from tests.support.serve import ServeProcess
+from wakeful.server.acting.policy import Policy
+from wakeful.server.faces.mcpserver import WakefulMCP
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import write
+from wakeful.server.store.users import ensure_user
 
 pytestmark = pytest.mark.anyio
 

@@ -12,12 +12,12 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, insert, text
 from sqlalchemy.exc import DatabaseError
 
-from proxy.audit import EgressRecord
-from proxy.contract import RefusalCode
-from server import egress
-from server.clock import FakeClock
-from server.db import make_engine, migrate, read, write
-from server.tables import control, metadata
+from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.contract import RefusalCode
+from wakeful.server.egress import grants as egress
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import make_engine, migrate, read, write
+from wakeful.server.store.tables import control, metadata
 
 
 def schema(engine: Engine) -> dict[str, object]:

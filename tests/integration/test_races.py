@@ -26,15 +26,25 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, and_, select
 
-from server import approvals, control
-from server.actions import Action, load_action
-from server.clock import FakeClock
-from server.db import read, write
-from server.dispatch import ActionDispatcher
-from server.tables import ControlKind, OutboxKind, OutboxState, TaskState, VerdictKind, attempts, outbox, verdicts
-from server.tables import control as control_table
-from server.tools import Binding
 from tests.support.acting import World, world
+from wakeful.server.acting import approvals
+from wakeful.server.acting.actions import Action, load_action
+from wakeful.server.core import control
+from wakeful.server.core.worker import Binding
+from wakeful.server.egress.dispatch import ActionDispatcher
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import (
+    ControlKind,
+    OutboxKind,
+    OutboxState,
+    TaskState,
+    VerdictKind,
+    attempts,
+    outbox,
+    verdicts,
+)
+from wakeful.server.store.tables import control as control_table
 
 TRIALS = int(os.environ.get("WAKEFUL_RACE_TRIALS", "1000"))
 THREADED_TRIALS = 250

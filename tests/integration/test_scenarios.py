@@ -18,17 +18,20 @@ import pytest
 from sqlalchemy import Engine, and_, select, text
 from sqlalchemy.exc import DBAPIError
 
-from server import control, inbox, sessions
-from server.acting import admit_and_record
-from server.actions import Action, load_action
-from server.clock import FakeClock
-from server.db import read, write
-from server.dispatch import reconcile_key
-from server.errors import Conflict
-from server.ids import new_id
-from server.objects import UnknownObject
-from server.policy import Policy
-from server.tables import (
+from tests.support.acting import CANCEL_VERIFIED, World, world
+from tests.support.records import messages
+from wakeful.server.acting.actions import Action, load_action
+from wakeful.server.acting.objects import UnknownObject
+from wakeful.server.acting.policy import Policy
+from wakeful.server.acting.verdicts import admit_and_record
+from wakeful.server.core import control, inbox, sessions
+from wakeful.server.core.worker import Binding
+from wakeful.server.egress.dispatch import reconcile_key
+from wakeful.server.errors import Conflict
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import (
     ApprovalDecision,
     ControlKind,
     EventStatus,
@@ -47,11 +50,8 @@ from server.tables import (
     verdicts,
     waits,
 )
-from server.tables import approvals as approvals_table
-from server.tools import Binding
-from server.users import ensure_user
-from tests.support.acting import CANCEL_VERIFIED, World, world
-from tests.support.records import messages
+from wakeful.server.store.tables import approvals as approvals_table
+from wakeful.server.store.users import ensure_user
 
 
 @pytest.fixture

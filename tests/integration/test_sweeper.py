@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from sqlalchemy import Engine, delete, func, select, update
 
-from server import inbox, sessions
-from server.clock import FakeClock
-from server.db import read, write
-from server.runtime import Runtime
-from server.sweeper import sweep
-from server.tables import EventStatus, events, todos
 from tests.support.records import event_rows, messages
+from wakeful.server.core import inbox, sessions
+from wakeful.server.core.sweeper import sweep
+from wakeful.server.runtime import Runtime
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import EventStatus, events, todos
 
 
 def deliver(engine: Engine, clock: FakeClock, owner: str, source_id: str) -> inbox.Recorded:

@@ -8,15 +8,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import Engine, select, update
 
-from server import control, sessions, timers
-from server.clock import FakeClock
-from server.db import read, write
-from server.errors import BadRequest, Refused
-from server.runtime import Runtime
-from server.schedule import Misfire
-from server.tables import ControlKind, TimerState
-from server.tables import timers as timers_table
 from tests.support.records import event_rows
+from wakeful.server.core import control, sessions, timers
+from wakeful.server.core.schedule import Misfire
+from wakeful.server.errors import BadRequest, Refused
+from wakeful.server.runtime import Runtime
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import ControlKind, TimerState
+from wakeful.server.store.tables import timers as timers_table
 
 
 def new_task(engine: Engine, clock: FakeClock, owner: str) -> str:

@@ -14,15 +14,15 @@ from urllib.parse import parse_qs
 
 import pytest
 
-from server.clock import FakeClock
 from tests.support.chromium import HostChromium
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd
 from tests.support.threaded import serving_on_thread
-from vm.browser import CdpBrowser, NavigationFailed
-from vm.guest import GuestChannel
-from vm.observe import BumpReason, Click, Fill, Navigate, NewTab, Press, Refused, Select, SwitchTab
-from vm.toolcomputer import ActResult, ObserveResult, ToolComputer
+from wakeful.server.store.clock import FakeClock
+from wakeful.vm.browser import CdpBrowser, NavigationFailed
+from wakeful.vm.guest import GuestChannel
+from wakeful.vm.observe import BumpReason, Click, Fill, Navigate, NewTab, Press, Refused, Select, SwitchTab
+from wakeful.vm.toolcomputer import ActResult, ObserveResult, ToolComputer
 
 pytestmark = pytest.mark.browser
 

@@ -19,7 +19,7 @@ import pytest
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd, keygen
 from tests.support.threaded import serving_on_thread
-from vm.guest import GuestChannel, GuestError
+from wakeful.vm.guest import GuestChannel, GuestError
 
 
 class _Hits(ThreadingHTTPServer):

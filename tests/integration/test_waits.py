@@ -7,14 +7,14 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, select, update
 
-from server import inbox, sessions, waits
-from server.clock import FakeClock
-from server.db import read, write
-from server.errors import Conflict
-from server.runtime import Runtime
-from server.tables import EventKind, EventStatus, WaitState, todos
-from server.tables import waits as waits_table
 from tests.support.records import event_rows
+from wakeful.server.core import inbox, sessions, waits
+from wakeful.server.errors import Conflict
+from wakeful.server.runtime import Runtime
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import EventKind, EventStatus, WaitState, todos
+from wakeful.server.store.tables import waits as waits_table
 
 
 def reply(engine: Engine, clock: FakeClock, owner: str, source_id: str, key: str) -> inbox.Recorded:

@@ -10,15 +10,15 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine
 
-from server import control, inbox, sessions
-from server.clock import FakeClock
-from server.db import write, write_lock_time
-from server.errors import StaleToken
-from server.handlers import EchoHandler, ScriptedHandler
-from server.runtime import Runtime
-from server.tables import ControlKind, EventStatus, RunOutcome
-from server.worker import InboxRate, RunContext, RunShare, Worker, rest_after_run
 from tests.support.records import event_rows, messages, run_rows
+from wakeful.server.core import control, inbox, sessions
+from wakeful.server.core.worker import InboxRate, RunContext, RunShare, Worker, rest_after_run
+from wakeful.server.errors import StaleToken
+from wakeful.server.harness.handlers import EchoHandler, ScriptedHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import write, write_lock_time
+from wakeful.server.store.tables import ControlKind, EventStatus, RunOutcome
 
 
 def deliver(engine: Engine, clock: FakeClock, owner: str, source_id: str, key: str | None = "thread-1") -> str:

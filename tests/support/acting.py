@@ -13,15 +13,17 @@ from typing import Any
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server import approvals, control, sessions
-from server.clock import FakeClock
-from server.connectors import load_connectors
-from server.db import write
-from server.dispatch import ActionDispatcher
-from server.outbound import ConnectorHTTP
-from server.policy import Policy
-from server.tools import Binding, ToolLayer
 from tests.sims import Airline, Hotel, Merchant, SimClock, create_airline, create_hotel, create_merchant, serve
+from wakeful.server.acting import approvals
+from wakeful.server.acting.connectors import load_connectors
+from wakeful.server.acting.policy import Policy
+from wakeful.server.core import control, sessions
+from wakeful.server.core.worker import Binding
+from wakeful.server.egress.dispatch import ActionDispatcher
+from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import write
+from wakeful.server.tools.layer import ToolLayer
 
 POLICIES = Path(__file__).resolve().parents[2] / "policies"
 

@@ -29,18 +29,20 @@ from typing import Any
 import httpx
 from sqlalchemy import Connection, Engine, and_, select
 
-from server import control, sessions, users
-from server.clock import SystemClock
-from server.connectors import load_connectors
-from server.db import make_engine, read, write
-from server.dispatch import reconcile_key
-from server.faults import EXIT_CODE
-from server.policy import Policy
-from server.tables import actions, attempts, events, evidence, objects, outbox, waits
-from server.tools import Binding, ToolLayer
 from tests.sims import Merchant, create_merchant, serve
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess
+from wakeful.server.acting.connectors import load_connectors
+from wakeful.server.acting.policy import Policy
+from wakeful.server.core import control, sessions
+from wakeful.server.core.faults import EXIT_CODE
+from wakeful.server.core.worker import Binding
+from wakeful.server.egress.dispatch import reconcile_key
+from wakeful.server.store import users
+from wakeful.server.store.clock import SystemClock
+from wakeful.server.store.db import make_engine, read, write
+from wakeful.server.store.tables import actions, attempts, events, evidence, objects, outbox, waits
+from wakeful.server.tools.layer import ToolLayer
 
 __all__ = ["CANCEL_VERIFIED", "CLEAN_EXIT", "POLICIES", "DispatchWorld", "Proposed", "dispatch_world", "holds_for"]
 

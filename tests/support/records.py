@@ -7,8 +7,8 @@ from typing import Any
 
 from sqlalchemy import Engine, select
 
-from server.db import read
-from server.tables import events, outbox, runs
+from wakeful.server.store.db import read
+from wakeful.server.store.tables import events, outbox, runs
 
 
 def event_rows(engine: Engine) -> list[Any]:

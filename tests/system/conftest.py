@@ -19,11 +19,11 @@ import pytest
 from tiny_guest import TinyGuest, build_tiny_guest
 from vm_lab import Lab, Recorder, serve
 
-from server.clock import FakeClock
-from vm.accel import AccelChoice, choose_accel
-from vm.libvirt_adapter import LibvirtHypervisor
-from vm.lifecycle import AfterRestore, VmManager, VmSettings
-from vm.lifecycle_rules import VmSize
+from wakeful.server.store.clock import FakeClock
+from wakeful.vm.accel import AccelChoice, choose_accel
+from wakeful.vm.libvirt_adapter import LibvirtHypervisor
+from wakeful.vm.lifecycle import AfterRestore, VmManager, VmSettings
+from wakeful.vm.lifecycle_rules import VmSize
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache" / "vm-tiny"

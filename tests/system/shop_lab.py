@@ -28,17 +28,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.contract import DecisionRequest, Verdict
-from server import egress
-from server.clock import FakeClock
-from server.db import make_engine, migrate, write
-from server.proxyctl import DeciderService, open_vault
-from server.settings import Settings
-from server.users import ensure_user
 from tests.support.egress import decider_on_thread, proxy_child
 from tests.support.serve import free_port
 from tests.support.tlsca import make_test_ca
-from vm.hypervisor import ProxyCredential
+from wakeful.proxy.contract import DecisionRequest, Verdict
+from wakeful.server.egress import grants as egress
+from wakeful.server.egress.proxyctl import DeciderService, open_vault
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import make_engine, migrate, write
+from wakeful.server.store.users import ensure_user
+from wakeful.vm.hypervisor import ProxyCredential
 
 __all__ = ["Request", "Shop", "ShopEgress", "shop_egress"]
 

@@ -37,15 +37,15 @@ from mcp.client.streamable_http import streamable_http_client
 from PIL import Image, ImageChops, ImageStat
 from playwright.async_api import Page, async_playwright
 
-from server.clock import FakeClock
 from tests.support.chromium import CHROMIUM
 from tests.support.polling import wait_until
 from tests.support.serve import ServeProcess
 from tests.support.sink import Sink
-from vm.guest import GuestChannel
-from vm.libvirt_adapter import LibvirtHypervisor
-from vm.lifecycle import VmInfo, VmManager, VmSettings
-from vm.lifecycle_rules import VmState
+from wakeful.server.store.clock import FakeClock
+from wakeful.vm.guest import GuestChannel
+from wakeful.vm.libvirt_adapter import LibvirtHypervisor
+from wakeful.vm.lifecycle import VmInfo, VmManager, VmSettings
+from wakeful.vm.lifecycle_rules import VmState
 
 pytestmark = [pytest.mark.vm, pytest.mark.anyio, pytest.mark.timeout(1800)]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from vm_lab import Lab, Recorder, Serial
 
-from vm.errors import IllegalTransition
-from vm.hypervisor import ProxyCredential
-from vm.lifecycle_rules import VmState
+from wakeful.vm.errors import IllegalTransition
+from wakeful.vm.hypervisor import ProxyCredential
+from wakeful.vm.lifecycle_rules import VmState
 
 pytestmark = pytest.mark.vm
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from vm.domain_xml import ANTI_SPOOFING
-from vm.errors import NetworkUnusable
-from vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards
-from vm.libvirt_adapter import LibvirtHypervisor
+from wakeful.vm.domain_xml import ANTI_SPOOFING
+from wakeful.vm.errors import NetworkUnusable
+from wakeful.vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards
+from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 
 pytestmark = pytest.mark.vm
 

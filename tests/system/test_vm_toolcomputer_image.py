@@ -20,11 +20,11 @@ import pytest
 from computer_lab import ComputerLab, qemu_pid, tool_computer
 from shop_lab import HOST, ShopEgress, shop_egress
 
-from proxy.contract import Refuse
-from vm.accel import choose_accel
-from vm.lifecycle_rules import VmState
-from vm.observe import Click, Fill, Navigate, Refused
-from vm.toolcomputer import ActResult, ObserveResult
+from wakeful.proxy.contract import Refuse
+from wakeful.vm.accel import choose_accel
+from wakeful.vm.lifecycle_rules import VmState
+from wakeful.vm.observe import Click, Fill, Navigate, Refused
+from wakeful.vm.toolcomputer import ActResult, ObserveResult
 
 if TYPE_CHECKING:
     from tests.system.conftest import GuestImageBuild

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.clock import FakeClock
-from vm.libvirt_adapter import LibvirtHypervisor
-from vm.lifecycle import AfterRestore, VmManager
+from wakeful.server.store.clock import FakeClock
+from wakeful.vm.libvirt_adapter import LibvirtHypervisor
+from wakeful.vm.lifecycle import AfterRestore, VmManager
 
 __all__ = ["Count", "Lab", "Recorder", "Serial", "serve"]
 

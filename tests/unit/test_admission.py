@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.admission import ApprovalFacts, Budgets, Facts, admit
-from server.tables import ApprovalDecision, Risk, TaskState, VerdictKind
+from wakeful.server.acting.admission import ApprovalFacts, Budgets, Facts, admit
+from wakeful.server.store.tables import ApprovalDecision, Risk, TaskState, VerdictKind
 
 NOW = datetime(2026, 3, 1, 12, tzinfo=UTC)
 APPROVAL = ApprovalFacts(id="apr_1", decision=ApprovalDecision.APPROVED, approver="user:usr_1", content_hash="h",

@@ -9,11 +9,11 @@ import ipaddress
 import pytest
 from pydantic import ValidationError
 
-from server.computers import network_settings
-from server.errors import WakefulError
-from server.settings import Settings
-from vm.errors import NetworkUnusable
-from vm.fake import FakeHypervisor
+from wakeful.server.computers.pool import network_settings
+from wakeful.server.errors import WakefulError
+from wakeful.server.settings import Settings
+from wakeful.vm.errors import NetworkUnusable
+from wakeful.vm.fake import FakeHypervisor
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.connectors import (
+from wakeful.server.acting.connectors import (
     OBJECT_ID_PATTERN,
     ConnectorError,
     ConnectorProblem,
@@ -27,7 +27,7 @@ from server.connectors import (
     reconcile_done,
     validate_arguments,
 )
-from server.errors import BadRequest, NotFound
+from wakeful.server.errors import BadRequest, NotFound
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "policies" / "connectors"

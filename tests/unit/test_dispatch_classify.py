@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server.dispatch import REFUSAL_HEADER, classify
-from server.tables import Outcome
+from wakeful.server.egress.dispatch import REFUSAL_HEADER, classify
+from wakeful.server.store.tables import Outcome
 
 REQUEST = httpx.Request("POST", "https://merchant.test/v1/cancel")
 

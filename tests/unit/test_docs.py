@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.settings import Settings
+from wakeful.server.settings import Settings
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

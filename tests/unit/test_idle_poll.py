@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from server.worker import IdlePoll
+from wakeful.server.core.worker import IdlePoll
 
 
 def test_idle_polling_doubles_up_to_the_ceiling_and_a_wakeup_resets_it() -> None:

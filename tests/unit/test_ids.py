@@ -8,7 +8,7 @@ import time
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.ids import _ALPHABET, _b32, new_id
+from wakeful.server.store.ids import _ALPHABET, _b32, new_id
 
 
 def test_ids_issued_one_after_another_sort_in_issue_order() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vm.image import DEFAULT_RECIPE
-from vm.image_recipe import (
+from wakeful.vm.image import DEFAULT_RECIPE
+from wakeful.vm.image_recipe import (
     Plan,
     Recipe,
     Sources,

@@ -13,9 +13,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from vm.image import MANIFEST_FORMAT, image_checksum, make_manifest
-from vm.image_recipe import ImageError, Stage, load_ca
-from vm.image_stages import Cache
+from wakeful.vm.image import MANIFEST_FORMAT, image_checksum, make_manifest
+from wakeful.vm.image_recipe import ImageError, Stage, load_ca
+from wakeful.vm.image_stages import Cache
 
 FILES = {
     "base.qcow2": {"sha256": "a" * 64, "size": 1_500_000_000},

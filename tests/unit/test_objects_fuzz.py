@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine
 
-from server import control, sessions
-from server.clock import FakeClock
-from server.db import read, write
-from server.objects import IssuedObject, UnknownObject, mint, resolve
-from server.users import ensure_user
+from wakeful.server.acting.objects import IssuedObject, UnknownObject, mint, resolve
+from wakeful.server.core import control, sessions
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.users import ensure_user
 
 KINDS = ("subscription", "quote", "flight")
 TTL = timedelta(hours=6)

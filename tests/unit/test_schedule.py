@@ -9,7 +9,7 @@ from croniter import croniter  # type: ignore[import-untyped,unused-ignore]
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.schedule import (
+from wakeful.server.core.schedule import (
     CRON_SCAN_CAP,
     Decision,
     Misfire,
@@ -456,7 +456,7 @@ def test_next_after_an_interval_is_the_first_grid_slot_strictly_after_t(
 
 
 def test_a_schedule_error_is_both_a_value_error_and_a_bad_request() -> None:
-    from server.errors import BadRequest
+    from wakeful.server.errors import BadRequest
 
     error = ScheduleError("invalid_schedule", "interval must be positive")
     assert isinstance(error, ValueError) and isinstance(error, BadRequest)

@@ -15,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from starlette.datastructures import Headers
 
-from server.signatures import SignatureError, SignatureKind, sign, verify_signature
+from wakeful.server.core.signatures import SignatureError, SignatureKind, sign, verify_signature
 
 KINDS: tuple[SignatureKind, ...] = get_args(SignatureKind)
 SECRET = b"whsec_test_secret"

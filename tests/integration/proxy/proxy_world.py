@@ -16,14 +16,14 @@ from typing import Any
 import h11
 import httpx
 
-from proxy.audit import EgressRecord
-from proxy.channel import DeciderServer
-from proxy.config import ProxyConfig
-from proxy.contract import Allow, DecisionRequest, RefusalCode, Refuse, Verdict, refuse
-from proxy.server import ProxyServer, serve_proxy
-from proxy.tls import CA_CERT_FILE
-from proxy.vault import KeyRing, Vault, generate_key
 from tests.support.tlsca import make_test_ca
+from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.channel import DeciderServer
+from wakeful.proxy.config import ProxyConfig
+from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Refuse, Verdict, refuse
+from wakeful.proxy.server import ProxyServer, serve_proxy
+from wakeful.proxy.tls import CA_CERT_FILE
+from wakeful.proxy.vault import KeyRing, Vault, generate_key
 
 SECRET = "sk_live_canary_4f9a1e7c2b"
 TOKEN = "decider-channel-token"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from proxy_world import CLIENT_TOKEN, SECRET, world
 
-from proxy.audit import encode_record
-from proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
+from wakeful.proxy.audit import encode_record
+from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
 
 pytestmark = pytest.mark.anyio
 ATTEMPT = "att_tok_canary_91c3"

@@ -19,7 +19,7 @@ import httpcore
 import pytest
 from proxy_world import World, world
 
-from proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
+from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
 
 pytestmark = pytest.mark.anyio
 

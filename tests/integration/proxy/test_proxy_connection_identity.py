@@ -16,7 +16,7 @@ import h11
 import pytest
 from proxy_world import CLIENT_TOKEN, World, world
 
-from proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
+from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
 
 pytestmark = pytest.mark.anyio
 

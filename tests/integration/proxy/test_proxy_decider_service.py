@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
-from proxy.contract import Allow, DecisionRequest, Refuse, Verdict
-from server import control, egress
-from server.clock import FakeClock
-from server.db import read, write
-from server.proxyctl import DeciderService
-from server.settings import Settings
-from server.users import ensure_user
+from wakeful.proxy.contract import Allow, DecisionRequest, Refuse, Verdict
+from wakeful.server.core import control
+from wakeful.server.egress import grants as egress
+from wakeful.server.egress.proxyctl import DeciderService
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import FakeClock
+from wakeful.server.store.db import read, write
+from wakeful.server.store.users import ensure_user
 
 RULES = '[[allow]]\nname = "shop"\nhost = "shop.example.com"\ncredential = "shop_session"\n'
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from proxy_world import TOKEN, World, allow_tool, refusal_code, refuse_all, world
 
-from proxy.channel import DECIDE, HELLO, VERDICT, WELCOME, frame, read_frame
-from proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict
+from wakeful.proxy.channel import DECIDE, HELLO, VERDICT, WELCOME, frame, read_frame
+from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict
 
 pytestmark = pytest.mark.anyio
 

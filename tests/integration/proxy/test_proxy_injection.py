@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from proxy_world import CLIENT_TOKEN, SECRET, allow_tool, refusal_code, world
 
-from proxy.contract import Allow, DecisionRequest, Verdict
+from wakeful.proxy.contract import Allow, DecisionRequest, Verdict
 
 pytestmark = pytest.mark.anyio
 

@@ -12,23 +12,23 @@ from pathlib import Path
 import httpx
 import pytest
 
-from proxy.audit import EgressRecord
-from proxy.contract import DecisionRequest, Verdict
-from proxy.vault import KEY_ENV, generate_key
-from server.proxyctl import _listening
-from server.settings import Settings
 from tests.support.egress import decider_on_thread, proxy_child
 from tests.support.polling import wait_until
 from tests.support.serve import free_port
+from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.contract import DecisionRequest, Verdict
+from wakeful.proxy.vault import KEY_ENV, generate_key
+from wakeful.server.egress.proxyctl import _listening
+from wakeful.server.settings import Settings
 
 pytestmark = pytest.mark.anyio
 
 CHILD = textwrap.dedent("""
     import logging, sys
     from pathlib import Path
-    from proxy.config import ProxyConfig
-    from proxy.server import run
-    from proxy.vault import Vault, keys_from_env
+    from wakeful.proxy.config import ProxyConfig
+    from wakeful.proxy.server import run
+    from wakeful.proxy.vault import Vault, keys_from_env
 
     logging.basicConfig(level=logging.INFO)
     d = Path(sys.argv[1])

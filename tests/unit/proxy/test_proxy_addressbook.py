@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from proxy.addressbook import AddressBook, normalize_address
-from proxy.config import ProxyConfig
-from proxy.vault import KeyRing, Vault, generate_key
-from proxy.wire import ANONYMOUS, Identity
+from wakeful.proxy.addressbook import AddressBook, normalize_address
+from wakeful.proxy.config import ProxyConfig
+from wakeful.proxy.vault import KeyRing, Vault, generate_key
+from wakeful.proxy.wire import ANONYMOUS, Identity
 
 TOKEN_A = "tok_canary_a_5d1f0c"
 TOKEN_B = "tok_canary_b_93e2aa"
@@ -110,7 +110,8 @@ def test_an_unchanged_book_is_not_read_again(path: Path, monkeypatch: pytest.Mon
     book = AddressBook(path)
     book.identity("10.77.0.23")
     opened: list[object] = []
-    monkeypatch.setattr("proxy.addressbook.open", lambda *a, **k: opened.append(a) or open(*a, **k), raising=False)
+    monkeypatch.setattr("wakeful.proxy.addressbook.open", lambda *a, **k: opened.append(a) or open(*a, **k),
+                        raising=False)
     for _ in range(3):
         assert book.identity("10.77.0.23").user_id == "usr_a"
     assert opened == []

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.audit import EgressRecord, encode_record, parse_record
-from proxy.contract import ContractError, RefusalCode
+from wakeful.proxy.audit import EgressRecord, encode_record, parse_record
+from wakeful.proxy.contract import ContractError, RefusalCode
 
 RECORD = EgressRecord(request_id="egr_1", at=datetime(2030, 1, 1, 12, 0, tzinfo=UTC), user_id="usr_1",
                       client="connector", attempt_id="att_1", action_id="act_1", method="POST", scheme="https",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.audit import EgressRecord
-from proxy.channel import (
+from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.channel import (
     ACK,
     AUDIT,
     DECIDE,
@@ -29,7 +29,7 @@ from proxy.channel import (
     frame,
     read_frame,
 )
-from proxy.contract import REASONS, Allow, DecisionRequest, RefusalCode, Refuse, Verdict, encode_verdict, refuse
+from wakeful.proxy.contract import REASONS, Allow, DecisionRequest, RefusalCode, Refuse, Verdict, encode_verdict, refuse
 
 pytestmark = pytest.mark.anyio
 TOKEN = "channel-token"
@@ -357,7 +357,7 @@ async def test_a_record_sent_twice_is_stored_once_and_acked_twice(sock: Path) ->
         reader, writer = await asyncio.open_unix_connection(str(sock))
         writer.write(frame(HELLO, json.dumps({"v": 1, "token": TOKEN}).encode()))
         await asyncio.wait_for(read_frame(reader), 5)
-        from proxy.audit import encode_record
+        from wakeful.proxy.audit import encode_record
         writer.write(frame(AUDIT, encode_record(record(1))) * 2)
         acks = [await asyncio.wait_for(read_frame(reader), 5) for _ in range(2)]
         writer.close()

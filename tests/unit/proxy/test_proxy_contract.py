@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.contract import (
+from wakeful.proxy.contract import (
     REASONS,
     Allow,
     ContractError,

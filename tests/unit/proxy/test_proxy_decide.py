@@ -9,8 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from proxy.contract import Allow, ContractError, DecisionRequest, RefusalCode, Refuse
-from proxy.decide import (
+from wakeful.proxy.contract import Allow, ContractError, DecisionRequest, RefusalCode, Refuse
+from wakeful.proxy.decide import (
     AllowRule,
     agree,
     check_addresses,
@@ -20,7 +20,7 @@ from proxy.decide import (
     is_public_address,
     match_allowlist,
 )
-from proxy.hosts import normalize_host, parse_authority
+from wakeful.proxy.hosts import normalize_host, parse_authority
 
 REQ = DecisionRequest(request_id="req_1", user_id="usr_1", attempt_token=None, client_token="tok_1",
                       method="GET", scheme="https",

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.contract import RefusalCode
-from proxy.credential import Credential, SecretBytes
-from proxy.rewrite import (
+from wakeful.proxy.contract import RefusalCode
+from wakeful.proxy.credential import Credential, SecretBytes
+from wakeful.proxy.rewrite import (
     CREDENTIAL_HEADERS,
     HeaderRejected,
     InjectionRefused,

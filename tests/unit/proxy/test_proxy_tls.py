@@ -16,8 +16,8 @@ from cryptography.x509 import verification
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.tls import CA_CERT_FILE, CA_KEY_FILE, CAError, LeafCertificates, ca_pem, load_or_create_ca, sni_of
-from proxy.vault import KeyRing, generate_key
+from wakeful.proxy.tls import CA_CERT_FILE, CA_KEY_FILE, CAError, LeafCertificates, ca_pem, load_or_create_ca, sni_of
+from wakeful.proxy.vault import KeyRing, generate_key
 
 KEYS = KeyRing(current=generate_key())
 

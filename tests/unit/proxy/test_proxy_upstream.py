@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.hosts import is_ip
-from proxy.upstream import response_headers, serialize_request
+from wakeful.proxy.hosts import is_ip
+from wakeful.proxy.upstream import response_headers, serialize_request
 
 
 def test_a_request_is_written_as_http11_with_its_headers_in_order_and_its_body() -> None:

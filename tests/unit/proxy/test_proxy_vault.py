@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.credential import CredentialInfo
-from proxy.vault import (
+from wakeful.proxy.credential import CredentialInfo
+from wakeful.proxy.vault import (
     CredentialNotFound,
     DecryptFailed,
     Key,

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.contract import RefusalCode
-from proxy.rewrite import HeaderRejected
-from proxy.wire import (
+from wakeful.proxy.contract import RefusalCode
+from wakeful.proxy.rewrite import HeaderRejected
+from wakeful.proxy.wire import (
     ANONYMOUS,
     Identity,
     IdentityChanged,

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vm.errors import IllegalTransition
-from vm.observe import (
+from wakeful.vm.errors import IllegalTransition
+from wakeful.vm.observe import (
     TRANSITIONS,
     Accepted,
     Act,

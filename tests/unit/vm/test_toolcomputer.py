@@ -9,11 +9,11 @@ from datetime import timedelta
 
 import pytest
 
-from server.clock import FakeClock
-from vm.browser import BrowserTimeout, ElementGone
-from vm.fake_browser import FakeBrowser
-from vm.fake_guest import FakeChannel, FakeDesktop
-from vm.observe import (
+from wakeful.server.store.clock import FakeClock
+from wakeful.vm.browser import BrowserTimeout, ElementGone
+from wakeful.vm.fake_browser import FakeBrowser
+from wakeful.vm.fake_guest import FakeChannel, FakeDesktop
+from wakeful.vm.observe import (
     Accepted,
     BumpReason,
     Click,
@@ -31,7 +31,7 @@ from vm.observe import (
     Surface,
     SwitchTab,
 )
-from vm.toolcomputer import ActResult, ObserveResult, ToolComputer
+from wakeful.vm.toolcomputer import ActResult, ObserveResult, ToolComputer
 
 FORM = [Element(node=1, role="heading", name="Checkout", level=1), Element(node=2, role="textbox", name="Name"),
         Element(node=3, role="combobox", name="City", value="Choose"), Element(node=4, role="button", name="Pay")]

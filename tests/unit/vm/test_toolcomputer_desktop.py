@@ -7,10 +7,10 @@ import shlex
 
 import pytest
 
-from vm.desktop import BadKeys, DesktopError, FocusChanged, XDesktop, png_size
-from vm.fake_guest import FakeChannel, tiny_png
-from vm.guest import RunResult
-from vm.observe import FrameSize, Surface
+from wakeful.vm.desktop import BadKeys, DesktopError, FocusChanged, XDesktop, png_size
+from wakeful.vm.fake_guest import FakeChannel, tiny_png
+from wakeful.vm.guest import RunResult
+from wakeful.vm.observe import FrameSize, Surface
 
 
 def desktop_with(status: int = 0, stdout: bytes = b"", stderr: bytes = b"") -> tuple[XDesktop, FakeChannel]:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from vm import accel as accel_module
-from vm.accel import choose_accel
-from vm.hypervisor import Accel
+from wakeful.vm import accel as accel_module
+from wakeful.vm.accel import choose_accel
+from wakeful.vm.hypervisor import Accel
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from vm.domain_xml import QEMU_NS, RELAY, SANDBOX, domain_xml
-from vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards, ProxyCredential
+from wakeful.vm.domain_xml import QEMU_NS, RELAY, SANDBOX, domain_xml
+from wakeful.vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards, ProxyCredential
 
 
 def _spec(accel: Accel = Accel.TCG, **forwards: int | None) -> DomainSpec:

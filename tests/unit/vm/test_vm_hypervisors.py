@@ -16,10 +16,10 @@ from pathlib import Path
 import libvirt  # noqa: TID251 - the tests define the networks the adapter only reads (an infra step)
 import pytest
 
-from vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmNotFound
-from vm.fake import FakeHypervisor
-from vm.hypervisor import Accel, BridgePlace, DomainSpec, DomainState, Forwards, Hypervisor
-from vm.libvirt_adapter import LibvirtHypervisor
+from wakeful.vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmNotFound
+from wakeful.vm.fake import FakeHypervisor
+from wakeful.vm.hypervisor import Accel, BridgePlace, DomainSpec, DomainState, Forwards, Hypervisor
+from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 
 
 @pytest.fixture(params=["fake", "test:///default"])
@@ -123,7 +123,7 @@ def test_unknown_snapshot_is_snapshot_not_found(hv: Hypervisor, spec: DomainSpec
 
 
 def test_the_libvirt_adapter_names_the_remedy_when_libvirt_is_unreachable() -> None:
-    from vm.errors import HypervisorUnavailable
+    from wakeful.vm.errors import HypervisorUnavailable
 
     with pytest.raises(HypervisorUnavailable, match="scripts/libvirtd") as caught:
         LibvirtHypervisor("qemu+unix:///system?socket=/nonexistent/sock").names()
@@ -167,7 +167,7 @@ def test_fake_refuses_snapshots_of_a_suspended_domain(spec: DomainSpec) -> None:
 
 
 def test_fake_failures_can_be_injected_once(spec: DomainSpec) -> None:
-    from vm.errors import VmDead
+    from wakeful.vm.errors import VmDead
 
     hv = FakeHypervisor()
     hv.define(spec)

@@ -11,8 +11,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from tests.support.debugfs import debugfs
-from vm.keys import generate_keys, load_keys
-from vm.seed import SEED_FILES, SEED_LABEL, build_seed
+from wakeful.vm.keys import generate_keys, load_keys
+from wakeful.vm.seed import SEED_FILES, SEED_LABEL, build_seed
 
 
 def test_keys_are_ed25519_openssh_pairs_readable_only_by_the_owner(tmp_path: Path) -> None:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from server.clock import FakeClock
 from tests.support.debugfs import debugfs
-from vm.errors import IllegalTransition, ImageMissing, LimitExceeded, NetworkUnusable, VmDead, VmNotFound
-from vm.fake import FakeDisks, FakeHypervisor
-from vm.hypervisor import DomainState, ProxyCredential
-from vm.lifecycle import AfterRestore, VmManager, VmSettings
-from vm.lifecycle_rules import Limits, VmSize, VmState
+from wakeful.server.store.clock import FakeClock
+from wakeful.vm.errors import IllegalTransition, ImageMissing, LimitExceeded, NetworkUnusable, VmDead, VmNotFound
+from wakeful.vm.fake import FakeDisks, FakeHypervisor
+from wakeful.vm.hypervisor import DomainState, ProxyCredential
+from wakeful.vm.lifecycle import AfterRestore, VmManager, VmSettings
+from wakeful.vm.lifecycle_rules import Limits, VmSize, VmState
 
 IDLE = timedelta(minutes=10)
 

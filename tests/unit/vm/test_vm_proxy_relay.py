@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.polling import wait_until
-from vm.domain_xml import proxy_connector
-from vm.hypervisor import ProxyCredential
+from wakeful.vm.domain_xml import proxy_connector
+from wakeful.vm.hypervisor import ProxyCredential
 
 pytestmark = pytest.mark.skipif(not Path("/bin/busybox").exists(), reason="the host has no /bin/busybox")
 

@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from vm.errors import IllegalTransition, LimitExceeded
-from vm.lifecycle_rules import (
+from wakeful.vm.errors import IllegalTransition, LimitExceeded
+from wakeful.vm.lifecycle_rules import (
     TRANSITIONS,
     Activity,
     Limits,

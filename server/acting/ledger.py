@@ -1,0 +1,164 @@
+"""The audit ledger: a task's whole history in order, from the records alone.
+
+Events, runs, decisions, task versions, control decisions, actions with their content hashes, admission verdicts
+with reasons, approvals with their approver, attempts with outcomes, evidence from responses and reconciliation,
+refusals, and messages to the user. Enough to answer "why did this effect happen, and on whose authority".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, and_, or_, select
+
+from wakeful.server.errors import NotFound
+from wakeful.server.store.tables import (
+    actions,
+    approvals,
+    attempts,
+    control,
+    decisions,
+    events,
+    evidence,
+    outbox,
+    refusals,
+    runs,
+    task_versions,
+    tasks,
+    verdicts,
+    waits,
+)
+
+__all__ = ["describe", "entries", "four_facts", "task_status"]
+
+_JSON = {"content", "payload", "reasons", "observed", "request", "proposal", "constraints", "completion", "body"}
+
+
+def _row(kind: str, at: datetime, row: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    data: dict[str, Any] = {"at": at.isoformat(), "type": kind}
+    for key, value in row._mapping.items():
+        if key in skip or value is None:
+            continue
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif key in _JSON and isinstance(value, str):
+            value = json.loads(value)
+        data[key] = value
+    return data
+
+
+def entries(conn: Connection, *, task_id: str, user_id: str) -> list[dict[str, Any]]:
+    task = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
+    if task is None:
+        raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
+    return sorted(_collect(conn, task), key=lambda e: (e["at"], e["type"], e.get("id", "")))
+
+
+def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
+    yield _row("task", task.created_at, task)
+    for r in conn.execute(select(task_versions).where(task_versions.c.task_id == task.id)):
+        yield _row("task_version", r.created_at, r)
+    for r in conn.execute(select(control).where(control.c.task_id == task.id)):
+        yield _row("control", r.created_at, r)
+    for r in conn.execute(select(events).where(events.c.session_id == task.session_id)):
+        yield _row("event", r.received_at, r)
+    run_ids = []
+    for r in conn.execute(select(runs).where(runs.c.session_id == task.session_id)):
+        run_ids.append(r.id)
+        yield _row("run", r.started_at, r)
+    for r in conn.execute(select(decisions).where(decisions.c.run_id.in_(run_ids))):
+        yield _row("decision", r.created_at, r)
+    action_ids = []
+    for r in conn.execute(select(actions).where(actions.c.task_id == task.id)):
+        action_ids.append(r.id)
+        yield _row("action", r.created_at, r)
+    for r in conn.execute(select(verdicts).where(verdicts.c.action_id.in_(action_ids))):
+        yield _row("verdict", r.created_at, r)
+    for r in conn.execute(select(approvals).where(approvals.c.action_id.in_(action_ids))):
+        yield _row("approval", r.created_at, r)
+    for r in conn.execute(select(attempts).where(attempts.c.action_id.in_(action_ids))):
+        yield _row("attempt", r.created_at, r)
+        if r.outcome_at is not None:
+            yield {"at": r.outcome_at.isoformat(), "type": "outcome", "id": r.id, "action_id": r.action_id,
+                   "outcome": r.outcome, "status_code": r.status_code, "external_ref": r.external_ref,
+                   "detail": r.detail}
+    for r in conn.execute(select(evidence).where(evidence.c.task_id == task.id)):
+        yield _row("evidence", r.checked_at, r)
+    for r in conn.execute(select(refusals).where(refusals.c.task_id == task.id)):
+        yield _row("refusal", r.created_at, r)
+    intents = [outbox.c.id.like(f"dsp_{a}%") for a in action_ids]  # the first intent and any resends
+    for r in conn.execute(select(outbox).where(or_(outbox.c.session_id == task.session_id, *intents))):
+        yield _row("message" if r.kind == "user_message" else "dispatch_intent", r.created_at, r)
+
+
+def four_facts(conn: Connection, *, task_id: str) -> dict[str, str | None]:
+    """The four separate facts of a task, each with its own time (None: not yet)."""
+    task = conn.execute(select(tasks).where(tasks.c.id == task_id)).one()
+    ended = conn.execute(select(runs.c.ended_at).where(and_(runs.c.session_id == task.session_id,
+                                                            runs.c.ended_at.is_not(None)))
+                         .order_by(runs.c.ended_at.desc()).limit(1)).scalar()
+    verified = conn.execute(select(evidence.c.checked_at).where(and_(
+        evidence.c.task_id == task_id, evidence.c.source == "completion", evidence.c.verdict == "accepted"))
+        .order_by(evidence.c.checked_at).limit(1)).scalar()
+    receipt = conn.execute(select(outbox.c.sent_at).where(and_(
+        outbox.c.id.like(f"rcpt_{task_id}%"), outbox.c.state == "sent")).limit(1)).scalar()
+    return {
+        "request_received": task.created_at.isoformat(),
+        "run_ended": ended.isoformat() if ended else None,
+        "goal_verified": verified.isoformat() if verified else None,
+        "receipt_delivered": receipt.isoformat() if receipt else None,
+    }
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """One line per entry, for people reading the ledger in a terminal."""
+    kind = entry["type"]
+    formats: dict[str, Callable[[dict[str, Any]], str]] = {
+        "task": lambda e: f"{e['id']} {e['title']!r}",
+        "task_version": lambda e: f"v{e['version']}: {e['goal']} (by {e['created_by']})",
+        "control": lambda e: f"{e['kind']} by {e['actor']} {e.get('reason', '')}".rstrip(),
+        "event": lambda e: f"{e['source']}:{e['source_id']} [{e['status']}] trust={e['trust']}",
+        "run": lambda e: f"{e['id']} token={e['fencing_token']} → {e['outcome']} ({e.get('reason', '')})",
+        "decision": lambda e: f"run {e['run_id']} step {e['step']}: {json.dumps(e['proposal'])[:100]}",
+        "action": lambda e: f"{e['id']} {e['tool']} sha256={e['content_hash'][:16]}… risk={e['risk']}"
+                            + (f" amount={e['amount_cents']} {e.get('currency', '')}" if "amount_cents" in e else ""),
+        "verdict": lambda e: f"{e['action_id']}: {e['verdict']} ({e['code']})"
+                             + (f" approver={e['approver']}" if "approver" in e else ""),
+        "approval": lambda e: f"{e['action_id']}: {e['decision']} by {e['approver']} for sha256="
+                              f"{e['content_hash'][:16]}… until {e['valid_until']}",
+        "attempt": lambda e: f"{e['id']} #{e['seq']} of {e['action_id']} persisted before sending",
+        "outcome": lambda e: f"{e['id']}: {e['outcome']} {e.get('status_code', '')} {e.get('detail', '')}",
+        "evidence": lambda e: f"{e['source']} → {e['verdict']}"
+                              + (f" for {e['action_id']}" if "action_id" in e else ""),
+        "refusal": lambda e: f"{e['tool']}: {e['code']}: {e['detail']}",
+        "message": lambda e: f"to user [{e['state']}]: {str(e['body'].get('text') or e['body'].get('kind'))[:100]}",
+        "dispatch_intent": lambda e: f"{e['id']} [{e['state']}]",
+    }
+    detail = formats.get(kind)
+    return f"{entry['at']}  {kind:<15} {detail(entry) if detail else ''}"
+
+
+def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, Any]:
+    """A task's state from its records: the four facts, pending waits, actions with verdicts and outcomes."""
+    row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
+    if row is None:
+        raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
+    pending = conn.execute(select(waits.c.id, waits.c.kind, waits.c.match_key, waits.c.deadline)
+                           .where(and_(waits.c.task_id == task_id, waits.c.state == "pending"))).all()
+    action_rows = []
+    for a in conn.execute(select(actions).where(actions.c.task_id == task_id).order_by(actions.c.created_at)):
+        verdict = conn.execute(select(verdicts.c.verdict, verdicts.c.code).where(verdicts.c.action_id == a.id)
+                               .order_by(verdicts.c.created_at.desc(), verdicts.c.id.desc()).limit(1)).first()
+        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.action_id == a.id)
+                               .order_by(attempts.c.seq.desc()).limit(1)).scalar()
+        action_rows.append({"action_id": a.id, "tool": a.tool, "version": a.task_version,
+                            "content_hash": a.content_hash, "verdict": verdict.verdict if verdict else None,
+                            "code": verdict.code if verdict else None, "outcome": outcome})
+    return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state,
+            "version": row.current_version, "facts": four_facts(conn, task_id=task_id),
+            "waits": [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key,
+                       "deadline": w.deadline.isoformat() if w.deadline else None} for w in pending],
+            "actions": action_rows}

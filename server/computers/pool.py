@@ -1,0 +1,321 @@
+"""Tool computers inside the server: the agent's `computer__observe` and `computer__act` tools, and acts as actions.
+
+Observing is a read. Acting is an external effect like any other: the act (kind, ref, the element's role and name
+as observed, the observation and epoch it is based on) becomes an immutable action, goes through admission (acting
+on an element whose name reads like confirm, pay, buy, delete, submit, cancel… needs the user's approval unless
+the policy says otherwise), and is executed by the dispatcher with its attempt persisted first. The tool computer
+checks the act against the latest observation again at execution: a stale ref is refused there and nothing runs.
+
+    Computers           where a user's ToolComputer comes from (a VM from vm.VmManager, or fakes in tests)
+    ComputerTools       the tool specs, argument parsing and the ledger path (used by ToolLayer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+from wakeful.server.errors import BadRequest, WakefulError
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import Clock
+
+if TYPE_CHECKING:
+    from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
+    from wakeful.vm.lifecycle import VmInfo, VmManager
+    from wakeful.vm.observe import Act, Refused
+    from wakeful.vm.toolcomputer import ActResult, ObserveResult, ToolComputer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "Computers", "LazyVmComputers", "VmComputers",
+           "act_from_args",
+           "act_json", "act_risk", "computer_tools", "execute", "network_settings", "observe"]
+
+OBSERVE_TOOL: Final = "computer__observe"
+ACT_TOOL: Final = "computer__act"
+HANDOFF_TOOL: Final = "computer__request_handoff"
+COMPUTER_TOOLS: Final = frozenset({OBSERVE_TOOL, ACT_TOOL, HANDOFF_TOOL})
+SENSITIVE: Final = re.compile(r"confirm|pay|buy|purchase|order|checkout|delete|remove|submit|cancel|send|transfer|"
+                              r"sign|subscribe|unsubscribe|book|place", re.IGNORECASE)
+"""Element names that make an act need approval by default (policy `tiers` can override `computer__act`)."""
+
+_KINDS: Final = ("click", "fill", "press", "select", "scroll", "navigate", "new_tab", "switch_tab", "close_tab",
+                 "desktop_click", "desktop_type", "desktop_key")
+
+ACT_SCHEMA: Final[dict[str, Any]] = {
+    "type": "object", "additionalProperties": False, "required": ["kind"],
+    "properties": {
+        "kind": {"enum": list(_KINDS)},
+        "ref": {"type": "string", "maxLength": 64, "description": "An element ref from the latest observation."},
+        "text": {"type": "string", "maxLength": 10_000},
+        "key": {"type": "string", "maxLength": 64, "description": "press: Enter, Tab, Control+a …"},
+        "keys": {"type": "string", "maxLength": 64, "description": "desktop_key: xdotool names, e.g. ctrl+l"},
+        "option": {"type": "string", "maxLength": 500},
+        "url": {"type": "string", "maxLength": 4000},
+        "tab_id": {"type": "string", "maxLength": 100},
+        "x": {"type": "integer", "minimum": 0}, "y": {"type": "integer", "minimum": 0},
+        "dx": {"type": "integer"}, "dy": {"type": "integer"},
+        "observation": {"type": "integer", "minimum": 0,
+                        "description": "The observation acted on, for acts without a ref."},
+    },
+}
+
+
+def act_from_args(raw: Any) -> Act:
+    """The typed act for the tool's `act` argument; `invalid_act` names what is missing or wrong."""
+    from wakeful.vm import observe as o
+
+    if not isinstance(raw, dict) or raw.get("kind") not in _KINDS:
+        raise BadRequest("invalid_act", f"act.kind must be one of {', '.join(_KINDS)}")
+    kind = raw["kind"]
+    fields = {k: v for k, v in raw.items() if k != "kind"}
+    if kind == "desktop_key":
+        fields.setdefault("keys", fields.pop("key", None))
+    classes: dict[str, type] = {
+        "click": o.Click, "fill": o.Fill, "press": o.Press, "select": o.Select, "scroll": o.Scroll,
+        "navigate": o.Navigate, "new_tab": o.NewTab, "switch_tab": o.SwitchTab, "close_tab": o.CloseTab,
+        "desktop_click": o.DesktopClick, "desktop_type": o.DesktopType, "desktop_key": o.DesktopKey,
+    }
+    cls = classes[kind]
+    known = {f.name for f in dataclasses.fields(cls)}
+    extra = sorted(set(fields) - known)
+    if extra:
+        raise BadRequest("invalid_act", f"a {kind} act takes no {', '.join(extra)}")
+    try:
+        act: Act = cls(**fields)
+    except TypeError as exc:
+        raise BadRequest("invalid_act", f"a {kind} act: {exc}".replace("__init__() ", "")) from None
+    return act
+
+
+def act_json(act: Act) -> dict[str, Any]:
+    from wakeful.vm.toolcomputer import act_kind
+
+    return {"kind": act_kind(act), **{k: v for k, v in dataclasses.asdict(act).items() if v is not None}}
+
+
+def act_risk(act: Act, name: str | None) -> str:
+    """`ask` when the act may commit something (its element's name reads like it, or it types into the desktop
+    blind), else `auto`. Risk tiers in the policy override this for `computer__act`."""
+    from wakeful.vm.observe import DesktopClick, DesktopKey, DesktopType
+
+    if isinstance(act, DesktopClick | DesktopKey | DesktopType):
+        return "ask"  # coordinates name nothing: a blind click could be "Pay"
+    return "ask" if name and SENSITIVE.search(name) else "auto"
+
+
+class Computers(Protocol):
+    """Where a user's tool computer comes from."""
+
+    def computer(self, user_id: str) -> ToolComputer:
+        """The user's tool computer, provisioned, running (restored if it was suspended) and connected."""
+
+    def activity(self, user_id: str, kind: str) -> contextlib.AbstractContextManager[None]:
+        """Marks the VM busy (observe, act, handoff, live_view) so the idle reaper leaves it alone."""
+
+    def reap(self) -> list[str]:
+        """Suspend the tool computers idle past the setting; returns whose."""
+
+
+class VmComputers:
+    """Tool computers on VMs: one per user from `VmManager`, connected by `connect` (SSH, CDP, desktop)."""
+
+    def __init__(self, manager: VmManager, connect: Callable[[VmInfo], ToolComputer], *,
+                 credential: Callable[[str], ProxyCredential | None] = lambda user: None,
+                 boot_wait: float = 0.0) -> None:
+        """`boot_wait`: seconds the first connection to a VM waits for SSH and Chromium (it may be booting)."""
+        self._manager = manager
+        self._connect = connect
+        self._credential = credential
+        self._boot_wait = boot_wait
+        self._computers: dict[str, ToolComputer] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        """Guards `_locks`; each user's lock then covers provisioning, booting and connecting that user's VM only,
+        so one user's cold boot (minutes under TCG) holds nobody else up."""
+        manager.add_after_restore_hook(self._after_restore)
+
+    def _after_restore(self, restored: Any) -> None:
+        tc = self._computers.get(restored.vm.user)
+        if tc is not None:
+            tc.after_restore()  # reconnect SSH ‖ CDP, resync the clock, bump the epoch: observe before acting
+
+    def _user_lock(self, user_id: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(user_id, threading.Lock())
+
+    def _provisioned(self, user_id: str) -> None:
+        """The user's VM exists from their first use on (the caller holds the user's lock)."""
+        from wakeful.vm.errors import VmNotFound
+
+        try:
+            self._manager.get(user_id)
+        except VmNotFound:
+            self._manager.provision(user_id, proxy_credential=self._credential(user_id))
+
+    def computer(self, user_id: str) -> ToolComputer:
+        with self._user_lock(user_id):
+            self._provisioned(user_id)
+            info = self._manager.ensure_running(user_id)
+            tc = self._computers.get(user_id)
+            if tc is None:
+                tc = self._connect(info)
+                tc.connect(wait=self._boot_wait)
+                self._computers[user_id] = tc
+            return tc
+
+    @contextlib.contextmanager
+    def activity(self, user_id: str, kind: str) -> Iterator[None]:
+        with self._user_lock(user_id):
+            self._provisioned(user_id)  # the first observe marks a VM busy before it asks for the computer
+        with self._manager.activity(user_id, kind):
+            yield
+
+    def reap(self) -> list[str]:
+        return self._manager.reap()
+
+
+def _vm_error(exc: Exception) -> WakefulError:
+    code = getattr(exc, "code", "tool_computer_error")
+    return WakefulError(code, str(getattr(exc, "message", exc)))
+
+
+def observe(computers: Computers, user_id: str, surface: str) -> ObserveResult:
+    from wakeful.vm.errors import VmError
+    from wakeful.vm.observe import Surface
+
+    try:
+        with computers.activity(user_id, "observe"):
+            return computers.computer(user_id).observe(Surface(surface))
+    except VmError as exc:
+        raise _vm_error(exc) from None
+
+
+def execute(computers: Computers, user_id: str, act: Act) -> ActResult | Refused:
+    from wakeful.vm.errors import VmError
+
+    try:
+        with computers.activity(user_id, "act"):
+            return computers.computer(user_id).act(act)
+    except VmError as exc:
+        raise _vm_error(exc) from None
+
+
+def computer_tools() -> list[dict[str, Any]]:
+    """Name, description, input schema and annotations of the tool-computer tools (task_id is added by callers)."""
+    return [
+        {"name": OBSERVE_TOOL, "read_only": True,
+         "description": "Look at your tool computer: a screenshot and the page's elements with refs. Refs are only "
+                        "good for the next act; after any act, a restore or a handoff, observe again.",
+         "schema": {"type": "object", "additionalProperties": False, "properties": {
+             "surface": {"enum": ["browser", "desktop"], "default": "browser"}}}},
+        {"name": ACT_TOOL, "read_only": False,
+         "description": "Act on your tool computer with a ref (or coordinates) from the latest observation: click, "
+                        "fill, press, select, scroll, navigate, tabs, or desktop input. Acts that may commit "
+                        "something (pay, confirm, delete, submit…) wait for the user's approval.",
+         "schema": {"type": "object", "additionalProperties": False, "required": ["act"],
+                    "properties": {"act": ACT_SCHEMA}}},
+        {"name": HANDOFF_TOOL, "read_only": False,
+         "description": "Hand the screen to the user (CAPTCHA, login, 2FA, payment details): they get a one-time "
+                        "link to a live view. Your acts are refused until they return control; then observe again.",
+         "schema": {"type": "object", "additionalProperties": False, "required": ["reason"],
+                    "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": 300},
+                                   "minutes": {"type": "integer", "minimum": 1, "maximum": 120, "default": 15}}}},
+    ]
+
+
+
+class LazyVmComputers:
+    """`VmComputers` built on first use from the settings, so a server without an image or libvirt starts fine and
+    says exactly what is missing when the agent first asks for its tool computer."""
+
+    def __init__(self, settings: Settings, clock: Clock, credential: Callable[[str], ProxyCredential]) -> None:
+        self._settings = settings
+        self._clock = clock
+        self._credential = credential
+        self._inner: VmComputers | None = None
+        self._lock = threading.Lock()
+
+    def _vms(self) -> VmComputers:
+        with self._lock:
+            if self._inner is None:
+                self._inner = _build_vm_computers(self._settings, self._clock, self._credential)
+            return self._inner
+
+    def computer(self, user_id: str) -> ToolComputer:
+        return self._vms().computer(user_id)
+
+    def activity(self, user_id: str, kind: str) -> contextlib.AbstractContextManager[None]:
+        return self._vms().activity(user_id, kind)
+
+    def reap(self) -> list[str]:
+        return self._inner.reap() if self._inner is not None else []
+
+
+def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, Any]:
+    """The `VmSettings` fields for `computer_network`, after checking that the guests will find the egress proxy
+    there: the network is usable (`Hypervisor.network`), its host address is the one the proxy listens on, and the
+    proxy runs at all. Nothing (user-mode networking) when no network is set."""
+    if settings.computer_network is None:
+        return {}
+    listen = settings.bridge_listen
+    assert listen is not None, "Settings requires proxy_bridge_listen with computer_network"
+    if not settings.proxy:
+        raise WakefulError("network_unusable", "computer_network needs the egress proxy (proxy = true): it is the "
+                                               "only thing tool computers on the network can reach")
+    network = hypervisor.network(settings.computer_network)
+    if str(network.host.ip) != listen[0]:
+        raise WakefulError("network_unusable", f"proxy_bridge_listen is {settings.proxy_bridge_listen}, but the host's "
+                                               f"address on {network.name} is {network.host.ip}: tool computers would "
+                                               "look for the egress proxy where it is not")
+    return {"network": network.name, "network_proxy_port": listen[1], "address_book": settings.address_book}
+
+
+def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[str], ProxyCredential]) -> VmComputers:
+    from wakeful.vm.accel import choose_accel
+    from wakeful.vm.browser import CdpBrowser
+    from wakeful.vm.desktop import XDesktop
+    from wakeful.vm.errors import VmError
+    from wakeful.vm.guest import GuestChannel
+    from wakeful.vm.hypervisor import Accel
+    from wakeful.vm.libvirt_adapter import LibvirtHypervisor
+    from wakeful.vm.lifecycle import VmManager, VmSettings
+    from wakeful.vm.toolcomputer import ToolComputer
+
+    image = settings.data_dir / "images" / settings.computer_image
+    kernel = image / "vmlinux"
+    if not (image / "base.qcow2").exists() or not kernel.exists():
+        raise WakefulError("tool_computer_unavailable", f"no guest image in {image}: build it with "
+                                                        "`wakeful image build`")
+    try:
+        accel = choose_accel(kernel, data_dir=settings.data_dir, force=settings.computer_accel)
+        log.info("tool computers run under %s", accel.describe())
+        hypervisor = LibvirtHypervisor(settings.libvirt_uri)
+        manager = VmManager(VmSettings(
+            data_dir=settings.data_dir, base_image=image / "base.qcow2", kernel=kernel,
+            initrd=image / "initrd.img" if (image / "initrd.img").exists() else None, accel=accel.accel,
+            proxy_port=settings.proxy_port if settings.proxy else None, idle_after=settings.computer_idle_after,
+            tb_cache_mib=settings.computer_tcg_cache,
+            **network_settings(settings, hypervisor)), hypervisor)
+    except VmError as exc:
+        raise WakefulError(exc.code, exc.message) from None
+
+    # Chromium under TCG is ~30x slower than on the host (a new tab 9-12 s, a first cross-site navigation up to a
+    # minute): its calls get minutes, not seconds, and so does SSH coming back after a restore.
+    slow = accel.accel is Accel.TCG
+
+    def connect(info: VmInfo) -> ToolComputer:
+        host, port = info.ssh_endpoint
+        channel = GuestChannel(host=host, port=port, user="root", client_key_path=info.keys.client_key,
+                               pinned_host_key=info.keys.host_public)
+        browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0) if slow else CdpBrowser()
+        return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=browser, desktop=XDesktop(channel),
+                            reconnect_timeout=120.0 if slow else 60.0)
+
+    return VmComputers(manager, connect, credential=credential,
+                       boot_wait=settings.computer_boot_timeout.total_seconds())

@@ -1,0 +1,170 @@
+"""Control state: STOP and task pause / resume / close. Written only by the user (CLI or authenticated HTTP).
+
+Every decision is an append-only row in `control`; the current state is derived from the latest row, so the
+history of who stopped what, and why, is never overwritten. Pausing or closing a task also preempts its
+session: a control event is persisted first, and a run in progress stops at its next step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, and_, select, update
+
+from wakeful.server.core import inbox
+from wakeful.server.errors import Conflict, NotFound
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import (
+    ControlKind,
+    EventKind,
+    TaskState,
+    TimerState,
+    WaitState,
+    control,
+    task_versions,
+    tasks,
+    timers,
+    waits,
+)
+
+__all__ = ["StopState", "create_task", "record", "set_stop", "set_task_state", "steer", "stop_state"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StopState:
+    everything: bool
+    users: frozenset[str]
+
+    def blocks(self, user_id: str) -> bool:
+        return self.everything or user_id in self.users
+
+
+def set_stop(conn: Connection, *, stopped: bool, user_id: str | None, actor: str, reason: str, now: datetime) -> str:
+    """Write a STOP (or START) record for one user, or for the whole deployment when `user_id` is None."""
+    return record(conn, user_id=user_id, task_id=None, kind=ControlKind.STOP if stopped else ControlKind.START,
+                  actor=actor, reason=reason, now=now)
+
+
+def record(conn: Connection, *, user_id: str | None, task_id: str | None, kind: ControlKind, actor: str,
+           reason: str, now: datetime) -> str:
+    """Append one control decision to the history; returns its ID."""
+    record_id = new_id("ctl")
+    conn.execute(control.insert().values(id=record_id, user_id=user_id, task_id=task_id, kind=kind.value,
+                                         actor=actor, reason=reason, created_at=now))
+    return record_id
+
+
+_STOPS_AND_STARTS = (select(control.c.user_id, control.c.kind)
+                     .where(control.c.kind.in_([ControlKind.STOP.value, ControlKind.START.value]))
+                     .order_by(control.c.created_at, control.c.id))
+
+
+def stop_state(conn: Connection) -> StopState:
+    """Who is stopped now: the latest STOP/START row per scope decides."""
+    latest: dict[str | None, str] = {}
+    for row in conn.execute(_STOPS_AND_STARTS):
+        latest[row.user_id] = row.kind
+    return StopState(
+        everything=latest.get(None) == ControlKind.STOP.value,
+        users=frozenset(u for u, k in latest.items() if u is not None and k == ControlKind.STOP.value),
+    )
+
+
+def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, now: datetime,
+                goal: str | None = None, constraints: Mapping[str, Any] | None = None,
+                completion: Sequence[Mapping[str, Any]] = (), actor: str = "user") -> str:
+    """A responsibility (the whole delegation) with its first task version."""
+    task_id = new_id("task")
+    conn.execute(tasks.insert().values(id=task_id, user_id=user_id, session_id=session_id, title=title,
+                                       state=TaskState.ACTIVE.value, current_version=1, created_at=now))
+    conn.execute(task_versions.insert().values(
+        id=new_id("tv"), task_id=task_id, version=1, goal=goal or title, created_by=actor, created_at=now,
+        constraints=json.dumps(dict(constraints or {}), sort_keys=True), completion=json.dumps(list(completion)),
+    ))
+    # The delegation itself is the first event: it wakes the agent, and its time is "request received".
+    inbox.record(conn, inbox.Delivery(user_id=user_id, source="delegation", source_id=task_id, kind=EventKind.CONTROL,
+                                      trust="user", session_id=session_id,
+                                      payload={"task_id": task_id, "title": title, "goal": goal or title,
+                                               "constraints": dict(constraints or {})}), now=now)
+    return task_id
+
+
+_TRANSITIONS: dict[ControlKind, tuple[frozenset[TaskState], TaskState]] = {
+    ControlKind.PAUSE: (frozenset({TaskState.ACTIVE}), TaskState.PAUSED),
+    ControlKind.RESUME: (frozenset({TaskState.PAUSED}), TaskState.ACTIVE),
+    ControlKind.REVOKE: (frozenset({TaskState.ACTIVE, TaskState.PAUSED}), TaskState.REVOKED),
+    ControlKind.CLOSE: (frozenset({TaskState.ACTIVE, TaskState.PAUSED, TaskState.REVOKED}), TaskState.CLOSED),
+    ControlKind.REOPEN: (frozenset({TaskState.CLOSED}), TaskState.ACTIVE),
+}
+"""Task states and the control operations that move between them; only the user's control channel calls these."""
+
+
+def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: ControlKind, actor: str, reason: str,
+                   now: datetime) -> TaskState:
+    """Pause, resume or close a task the user owns: one guarded transition, one control row, one control event."""
+    sources, target = _TRANSITIONS[kind]
+    row = conn.execute(
+        select(tasks.c.session_id, tasks.c.state).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))
+    ).first()
+    if row is None:
+        raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
+    moved = conn.execute(
+        update(tasks)
+        .where(and_(tasks.c.id == task_id, tasks.c.state.in_([s.value for s in sources])))
+        .values(state=target.value, closed_at=now if target is TaskState.CLOSED else None)
+    ).rowcount
+    if moved != 1:
+        raise Conflict("invalid_transition", f"task {task_id} is {row.state}; cannot {kind.value} it",
+                       task_id=task_id, state=row.state)
+    record_id = record(conn, user_id=user_id, task_id=task_id, kind=kind, actor=actor, reason=reason, now=now)
+    if target in (TaskState.CLOSED, TaskState.REVOKED):
+        # Proactivity closes with its task: timers and pending waits end here.
+        conn.execute(update(timers).where(and_(timers.c.task_id == task_id, timers.c.state == TimerState.ACTIVE.value))
+                     .values(state=TimerState.CANCELLED.value))
+        # ... except reconciliation: a request that already left is still found out about and reported.
+        conn.execute(update(waits).where(and_(waits.c.task_id == task_id, waits.c.state == WaitState.PENDING.value,
+                                              waits.c.kind != "reconcile"))
+                     .values(state=WaitState.CANCELLED.value, resolved_at=now))
+    inbox.record(
+        conn,
+        inbox.Delivery(user_id=user_id, source="control", source_id=record_id, kind=EventKind.CONTROL,
+                       trust="user", session_id=row.session_id,
+                       preempt=kind not in (ControlKind.RESUME, ControlKind.REOPEN),
+                       payload={"control": kind.value, "task_id": task_id, "reason": reason}),
+        now=now,
+    )
+    return target
+
+
+def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraints: Mapping[str, Any] | None = None,
+          completion: Sequence[Mapping[str, Any]] = (), actor: str, now: datetime) -> int:
+    """The user changed the goal: a new task version. The old version's actions, approvals and objects stop
+    counting (admission and dispatch check the version), and its pending approval waits are cancelled."""
+    row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))
+                       .with_for_update()).first()
+    if row is None:
+        raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
+    if row.state in (TaskState.CLOSED.value, TaskState.REVOKED.value):
+        raise Conflict("invalid_transition", f"task {task_id} is {row.state}; reopen it before steering it",
+                       task_id=task_id, state=row.state)
+    version = int(row.current_version) + 1
+    conn.execute(task_versions.insert().values(
+        id=new_id("tv"), task_id=task_id, version=version, goal=goal, created_by=actor, created_at=now,
+        constraints=json.dumps(dict(constraints or {}), sort_keys=True), completion=json.dumps(list(completion)),
+    ))
+    conn.execute(update(tasks).where(and_(tasks.c.id == task_id, tasks.c.current_version == row.current_version))
+                 .values(current_version=version))
+    conn.execute(update(waits).where(and_(waits.c.task_id == task_id, waits.c.state == WaitState.PENDING.value,
+                                          waits.c.kind == "approval"))
+                 .values(state=WaitState.CANCELLED.value, resolved_at=now))
+    record_id = record(conn, user_id=user_id, task_id=task_id, kind=ControlKind.STEER, actor=actor,
+                       reason=f"version {version}: {goal}", now=now)
+    inbox.record(conn, inbox.Delivery(user_id=user_id, source="control", source_id=record_id, kind=EventKind.CONTROL,
+                                      trust="user", session_id=row.session_id, preempt=True,
+                                      payload={"control": "steer", "task_id": task_id, "version": version,
+                                               "goal": goal}), now=now)
+    return version

@@ -1,0 +1,90 @@
+"""Waits: a registered condition with a unique identity, a match key and a deadline.
+
+    pending ──► satisfied | timed_out | cancelled        (terminal states are final)
+
+An event whose correlation key equals a pending wait's match key satisfies it and wakes its session (see
+`server.inbox`); one matching only a terminal wait is recorded as late and wakes nothing. Registration locks the
+session first and looks for an answer that arrived before the wait existed, so an early answer is not lost.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Connection, and_, select, update
+
+from wakeful.server.core import inbox, sessions
+from wakeful.server.errors import Conflict
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import EventKind, EventStatus, WaitState, events, waits
+
+__all__ = ["cancel", "expire_due", "register", "settle"]
+
+
+def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str,
+             deadline: datetime | None, now: datetime, task_id: str | None = None) -> str:
+    sessions.lock(conn, session_id)
+    taken = conn.execute(
+        select(waits.c.id).where(and_(waits.c.user_id == user_id, waits.c.match_key == match_key))
+    ).first()
+    if taken is not None:
+        raise Conflict("wait_key_taken", f"a wait with match key {match_key!r} already exists; keys are single-use",
+                       match_key=match_key)
+    wait_id = new_id("wait")
+    early = conn.execute(
+        select(events.c.id, events.c.session_id, events.c.status)
+        .where(and_(events.c.user_id == user_id, events.c.corr_key == match_key))
+        .order_by(events.c.received_at)
+        .limit(1)
+    ).first()
+    conn.execute(
+        waits.insert().values(
+            id=wait_id, user_id=user_id, session_id=session_id, task_id=task_id, match_key=match_key, kind=kind,
+            state=(WaitState.SATISFIED if early else WaitState.PENDING).value, deadline=deadline, created_at=now,
+            resolved_at=now if early else None, resolved_event_id=early.id if early else None,
+        )
+    )
+    if early is not None:
+        # The answer beat its wait: bring it to this session if no run has taken it yet, and wake the session.
+        if early.session_id != session_id:
+            conn.execute(update(events).where(and_(events.c.id == early.id,
+                                                   events.c.status == EventStatus.PENDING.value))
+                         .values(session_id=session_id))
+        sessions.wake(conn, session_id=session_id, user_id=user_id, due_at=now)
+    return wait_id
+
+
+def cancel(conn: Connection, *, wait_id: str, now: datetime) -> bool:
+    return conn.execute(
+        update(waits).where(and_(waits.c.id == wait_id, waits.c.state == WaitState.PENDING.value))
+        .values(state=WaitState.CANCELLED.value, resolved_at=now)
+    ).rowcount == 1
+
+
+def settle(conn: Connection, *, user_id: str, match_key: str, now: datetime) -> bool:
+    """Mark the pending wait with this key satisfied (the answer came by another way); False if none was pending."""
+    return conn.execute(
+        update(waits).where(and_(waits.c.user_id == user_id, waits.c.match_key == match_key,
+                                 waits.c.state == WaitState.PENDING.value))
+        .values(state=WaitState.SATISFIED.value, resolved_at=now)
+    ).rowcount == 1
+
+
+def expire_due(conn: Connection, *, now: datetime, limit: int = 500) -> int:
+    """Time out pending waits past their deadline; each timeout is an inbox event that wakes the wait's session."""
+    due = conn.execute(
+        select(waits.c.id, waits.c.user_id, waits.c.session_id, waits.c.match_key)
+        .where(and_(waits.c.state == WaitState.PENDING.value, waits.c.deadline <= now))
+        .limit(limit)
+    ).all()
+    for w in due:
+        moved = conn.execute(
+            update(waits).where(and_(waits.c.id == w.id, waits.c.state == WaitState.PENDING.value))
+            .values(state=WaitState.TIMED_OUT.value, resolved_at=now)
+        ).rowcount
+        if moved == 1:
+            inbox.record(conn, inbox.Delivery(
+                user_id=w.user_id, source="wait", source_id=f"{w.id}:timed_out", kind=EventKind.WAIT_TIMEOUT,
+                trust="system", session_id=w.session_id, payload={"wait_id": w.id, "match_key": w.match_key},
+            ), now=now)
+    return len(due)

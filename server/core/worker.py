@@ -1,0 +1,528 @@
+"""The worker: claim a session, hand its pending events to the run handler, commit the outcome under the token.
+
+One wake, end to end:
+    look                which sessions have work due, whose users are not stopped or over budget (a read)
+    claim (lease + new fencing token; poison events failed; attempts counted)   ── one transaction
+    handler(ctx)        effects are buffered; ctx.step() checks the token, STOP, preemption and budgets (a read)
+                        and renews the lease once a tenth of it has run down
+    commit              release(token) first (it fences), then outbox rows, waits, timers, events → processed,
+                        run → ended                                               ── one transaction
+A run that is interrupted (STOP, pause) or fails commits none of its effects: its events stay pending for the
+next run. A run that exhausts its budget commits what it did and tells the user.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
+
+from wakeful.server.core import control, faults, outbox, sessions, timers, waits
+from wakeful.server.core.schedule import Misfire
+from wakeful.server.errors import StaleToken
+from wakeful.server.settings import Settings
+from wakeful.server.store.clock import Clock
+from wakeful.server.store.db import read, upsert, write, write_lock_time
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import EventStatus, RunOutcome, events, runs, usage_daily
+from wakeful.server.store.tables import decisions as decisions_table
+from wakeful.server.store.tables import sessions as sessions_table
+
+__all__ = ["Binding", "EventView", "IdlePoll", "InboxRate", "RunContext", "RunHandler", "RunInterrupted", "Tools",
+           "Worker", "rest_after_run"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EventView:
+    """What a run sees of an event. `payload` is data from `source` at `trust`, never an instruction."""
+
+    id: str
+    source: str
+    source_id: str
+    kind: str
+    trust: str
+    corr_key: str | None
+    payload: Any
+    received_at: datetime
+
+
+class IdlePoll:
+    """Fallback polling that slows down while nothing is found (doubling up to `ceiling`) and is woken at once by
+    in-process work; finding work resets it."""
+
+    def __init__(self, floor: float, ceiling: float) -> None:
+        self._floor, self._ceiling = floor, max(floor, ceiling)
+        self._delay = floor
+
+    def wait(self, wakeup: threading.Event, at_most: float | None = None) -> None:
+        delay = self._delay if at_most is None else min(self._delay, at_most)
+        if wakeup.wait(delay):
+            self.reset()
+        else:
+            self._delay = min(self._delay * 2, self._ceiling)
+        wakeup.clear()
+
+    def reset(self) -> None:
+        self._delay = self._floor
+
+
+class InboxRate:
+    """Deliveries per second the inbox committed, measured over windows of at least `window` seconds: a shorter one
+    would make a quiet inbox look busy whenever two deliveries happen to land within one short run."""
+
+    def __init__(self, received: Callable[[], int], *, window: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._received = received
+        self._window = window
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._mark = (received(), clock())
+        self._rate = 0.0
+
+    def __call__(self) -> float:
+        with self._lock:
+            count, now = self._received(), self._clock()
+            if now - self._mark[1] >= self._window:
+                self._rate = (count - self._mark[0]) / (now - self._mark[1])
+                self._mark = (count, now)
+            return self._rate
+
+
+def rest_after_run(cost: float, *, share: float) -> float:
+    """How long runs rest after one that cost `cost` seconds while the inbox was busy, so that they take at most
+    `share` of the time."""
+    return cost * (1 - share) / share
+
+
+class RunShare:
+    """Runs give way to acknowledgements: while the inbox is busy, the runs of all workers together take at most
+    `share` of the time, and the backlog drains at full speed once deliveries stop. Never zero, so runs never starve.
+
+    A run's cost is what it takes from the acknowledgements: the CPU its thread spent (one interpreter lock) or the
+    time it held the database's write lock (its commits and their fsyncs), whichever is longer. Not wall time: a run
+    waiting on a model or a provider takes nothing from them and owes no rest."""
+
+    def __init__(self, inbox_rate: Callable[[], float], *, share: float, busy_rate: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`inbox_rate`: deliveries per second the inbox is committing; above `busy_rate`, runs give way."""
+        self._inbox_rate = inbox_rate
+        self._share = share
+        self._busy_rate = busy_rate
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # no run starts before this (clock seconds)
+
+    def rest(self) -> float:
+        """Seconds before the next run may start; 0: now."""
+        with self._lock:
+            return max(0.0, self._free_at - self._clock())
+
+    def spent(self, cost: float) -> None:
+        """A run just ended, having cost `cost` seconds."""
+        if self._inbox_rate() <= self._busy_rate:
+            return
+        with self._lock:
+            self._free_at = max(self._free_at, self._clock()) + rest_after_run(cost, share=self._share)
+
+
+class RunInterrupted(Exception):
+    def __init__(self, outcome: RunOutcome, reason: str) -> None:
+        super().__init__(reason)
+        self.outcome = outcome
+        self.reason = reason
+
+
+class RunHandler(Protocol):
+    def __call__(self, ctx: RunContext) -> None: ...
+
+
+Effect = Callable[[Connection, datetime], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Binding:
+    """Who is calling: the user and task always; a worker run adds its run, session and fencing token."""
+
+    user_id: str
+    task_id: str
+    run_id: str | None = None
+    session_id: str | None = None
+    token: int | None = None
+    decision_id: str | None = None
+
+
+class Tools(Protocol):
+    """What a run calls its tools through; the tool layer (`server.tools`) implements it, the core never imports it."""
+
+    def call(self, binding: Binding, tool: str, args: Mapping[str, Any]) -> dict[str, Any]: ...
+
+
+@dataclass
+class RunContext:
+    """The handler's view of one run. Effects are buffered and committed atomically under the fencing token."""
+
+    run_id: str
+    session_id: str
+    user_id: str
+    token: int
+    events: tuple[EventView, ...]
+    todo_version: int | None
+    lease_until: datetime
+    _worker: Worker
+    _started: float
+    steps: int = 0
+    effects: list[Effect] = field(default_factory=list)
+    ended_by: str | None = None
+    prior: dict[int, tuple[str, Any]] = field(default_factory=dict)
+    """Decisions of the run this one resumes (it died mid-way), by step: replayed, never asked again."""
+    decisions: int = 0
+    followups: int = 0
+
+    @property
+    def engine(self) -> Engine:
+        """The database, for reading what the run needs (writes go through `persist`, which fences)."""
+        return self._worker.engine
+
+    def now(self) -> datetime:
+        return self._worker.clock.now()
+
+    def propose(self, ask: Callable[[], Any]) -> tuple[str, Any]:
+        """The next decision: the stored one when resuming a run that made it, else `ask()`'s answer (the model's
+        proposal), persisted under this run and step before anything acts on it. Returns (decision ID, proposal)."""
+        step = self.decisions
+        self.decisions += 1
+        if step in self.prior:
+            return self.prior[step]
+        proposal = ask()
+        decision_id = new_id("dec")
+        self.persist(lambda conn: conn.execute(decisions_table.insert().values(
+            id=decision_id, run_id=self.run_id, session_id=self.session_id, step=step,
+            proposal=json.dumps(proposal, sort_keys=True, default=str), created_at=self.now())))
+        return decision_id, proposal
+
+    def persist(self, write_rows: Callable[[Connection], Any]) -> None:
+        """Commit rows now, in a transaction that first checks this run still holds the session."""
+        with write(self._worker.engine) as conn:
+            sessions.fence(conn, session_id=self.session_id, token=self.token)
+            write_rows(conn)
+
+    def call_tool(self, *, task_id: str, tool: str, args: dict[str, Any], decision_id: str | None = None) -> Any:
+        """Run one tool through the tool layer and admission, under this run's fencing token."""
+        if self._worker.tools is None:
+            raise RuntimeError("this worker has no tool layer (no connectors are declared)")
+        binding = Binding(user_id=self.user_id, task_id=task_id, run_id=self.run_id, session_id=self.session_id,
+                          token=self.token, decision_id=decision_id)
+        return self._worker.tools.call(binding, tool, args)
+
+    def step(self) -> None:
+        """Call before each step: refuses to go on under STOP, preemption or an exhausted budget; renews the lease."""
+        self._worker.check_step(self)
+        self.steps += 1
+
+    def send_to_user(self, text: str, **extra: Any) -> None:
+        def effect(conn: Connection, now: datetime) -> None:
+            outbox.enqueue(conn, user_id=self.user_id, session_id=self.session_id, run_id=self.run_id, now=now,
+                           body={"text": text, **extra})
+
+        self.effects.append(effect)
+        self.ended_by = "message"
+
+    def silence(self, reason: str) -> None:
+        """Nothing to send: an explicit, logged outcome with a one-line reason."""
+        log.info("run %s: nothing to send: %s", self.run_id, reason)
+        if self.ended_by != "message":  # a run that sent a message ended in that message
+            self.ended_by = f"silence: {reason}"
+
+    def wait_for(self, match_key: str, *, kind: str = "reply", deadline: datetime | None = None,
+                 task_id: str | None = None) -> None:
+        def effect(conn: Connection, now: datetime) -> None:
+            waits.register(conn, user_id=self.user_id, session_id=self.session_id, match_key=match_key, kind=kind,
+                           deadline=deadline, now=now, task_id=task_id)
+
+        self.effects.append(effect)
+        self.ended_by = self.ended_by or f"wait: {match_key}"
+
+    def follow_up(self, *, task_id: str, at: datetime, note: str) -> None:
+        settings = self._worker.settings
+        with read(self._worker.engine) as conn:  # check the cap now, counting this run's own, so it is heard at once
+            timers.check_followup(conn, user_id=self.user_id, task_id=task_id,
+                                  cap=settings.followup_cap - self.followups)
+        self.followups += 1
+
+        def effect(conn: Connection, now: datetime) -> None:
+            timers.create_followup(conn, user_id=self.user_id, task_id=task_id, due_at=at, note=note, now=now,
+                                   cap=settings.followup_cap)
+
+        self.effects.append(effect)
+
+    def schedule(self, *, task_id: str, note: str, every: timedelta | None = None, cron: str | None = None,
+                 misfire: Misfire = Misfire.SKIP) -> None:
+        min_interval = self._worker.settings.schedule_min_interval
+
+        def effect(conn: Connection, now: datetime) -> None:
+            timers.create_schedule(conn, user_id=self.user_id, task_id=task_id, now=now, note=note, every=every,
+                                   cron=cron, misfire=misfire, min_interval=min_interval)
+
+        self.effects.append(effect)
+
+
+class Worker:
+    def __init__(self, engine: Engine, settings: Settings, clock: Clock, handler: RunHandler, *,
+                 name: str | None = None, on_commit: Callable[[], None] = lambda: None,
+                 tools: Tools | None = None, share: RunShare | None = None) -> None:
+        """`share`: shared by the workers of one process, so that their runs give way to the inbox together."""
+        self.tools = tools
+        self._share = share
+        self.engine = engine
+        self.settings = settings
+        self.clock = clock
+        self.handler = handler
+        self.name = name or new_id("wkr")
+        self._on_commit = on_commit
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def run_forever(self, stop: threading.Event, wakeup: threading.Event) -> None:
+        idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
+        while not stop.is_set():
+            rest = self._share.rest() if self._share is not None else 0.0
+            if rest and stop.wait(rest):
+                return
+            cpu, locked = time.thread_time(), write_lock_time()  # this thread's, not wall time
+            try:
+                worked = self.run_once()
+            except Exception:
+                log.exception("worker %s: unexpected error", self.name)
+                worked = False
+            if not worked:
+                idle.wait(wakeup)
+                continue
+            idle.reset()
+            if self._share is not None:
+                self._share.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
+
+    def run_once(self) -> bool:
+        """Claim one session with due work and run it. Returns False when there was nothing to do."""
+        ctx = self._claim()
+        if ctx is None:
+            return False
+        faults.crash_point("after_claim")
+        outcome, reason = RunOutcome.COMPLETED, None
+        try:
+            self.handler(ctx)
+        except RunInterrupted as stop:
+            outcome, reason = stop.outcome, stop.reason
+        except Exception as exc:
+            log.exception("run %s failed", ctx.run_id)
+            outcome, reason = RunOutcome.FAILED, f"{type(exc).__name__}: {exc}"
+        faults.crash_point("before_run_commit")
+        try:
+            self._commit(ctx, outcome, reason)
+        except StaleToken:
+            log.error("run %s lost session %s to a newer worker; its commit was refused", ctx.run_id, ctx.session_id)
+            return True
+        if outcome is RunOutcome.COMPLETED or outcome is RunOutcome.BUDGET_EXHAUSTED:
+            faults.crash_point("after_outbox_write")
+        self._on_commit()
+        return True
+
+    # -- claim -----------------------------------------------------------------------------------------------------
+
+    def _claim(self) -> RunContext | None:
+        now = self.clock.now()
+        with read(self.engine) as conn:  # look before taking the write lock: most polls find nothing
+            due = sessions.claimable(conn, now=now, limit=20)
+            if not due:
+                return None
+            stop = control.stop_state(conn)
+            may_run = {user_id: not stop.blocks(user_id) and not self._over_daily_budget(conn, user_id, now)
+                       for user_id in {user_id for _, user_id in due}}
+        candidates = [(session_id, user_id) for session_id, user_id in due if may_run[user_id]]
+        # A STOP or a step counted since that look is heard at the run's first step, as one written just after.
+        with write(self.engine) as conn:
+            for session_id, user_id in candidates:
+                token = sessions.claim(conn, session_id=session_id, worker=self.name, now=now,
+                                       lease=self.settings.lease)
+                if token is None:  # taken, or its work done or postponed, since the look
+                    continue
+                fail_poison_events(conn, session_id=session_id, cap=self.settings.event_max_attempts, now=now)
+                pending = sorted(conn.execute(_TAKE_PENDING, {"session": session_id}),  # attempts counted
+                                 key=lambda e: (e.received_at, e.id))
+                if not pending:
+                    sessions.settle_todo(conn, session_id=session_id,
+                                         seen_version=sessions.todo_version(conn, session_id), retry_at=None)
+                    sessions.release(conn, session_id=session_id, token=token)
+                    continue
+                run_id = new_id("run")
+                conn.execute(_START_RUN, {"id": run_id, "session_id": session_id, "user_id": user_id,
+                                          "fencing_token": token, "worker": self.name,
+                                          "outcome": RunOutcome.RUNNING.value, "steps": 0, "started_at": now})
+                views = tuple(
+                    EventView(id=e.id, source=e.source, source_id=e.source_id, kind=e.kind, trust=e.trust,
+                              corr_key=e.corr_key, payload=json.loads(e.payload), received_at=e.received_at)
+                    for e in pending
+                )
+                return RunContext(run_id=run_id, session_id=session_id, user_id=user_id, token=token, events=views,
+                                  todo_version=sessions.todo_version(conn, session_id),
+                                  lease_until=now + self.settings.lease, _worker=self, _started=time.monotonic(),
+                                  prior=_resumable_decisions(conn, session_id, run_id))
+        return None
+
+    def _over_daily_budget(self, conn: Connection, user_id: str, now: datetime) -> bool:
+        return _steps_today(conn, user_id, now) >= self.settings.daily_max_steps
+
+    # -- during the run --------------------------------------------------------------------------------------------
+
+    def check_step(self, ctx: RunContext) -> None:
+        if ctx.steps >= self.settings.run_max_steps:
+            raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED, f"step budget of {self.settings.run_max_steps} used")
+        if time.monotonic() - ctx._started > self.settings.run_max_seconds:
+            raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED,
+                                 f"wall-clock budget of {self.settings.run_max_seconds:.0f} s used")
+        now = self.clock.now()
+        lease = self.settings.lease
+        if now + lease - ctx.lease_until > lease / 10:  # a tenth of the lease has run down: renew it
+            with write(self.engine) as conn:
+                sessions.fence(conn, session_id=ctx.session_id, token=ctx.token, lease_until=now + lease)
+            ctx.lease_until = now + lease
+        with read(self.engine) as conn:  # the rest only looks: no write lock, no fsync
+            sessions.holds(conn, session_id=ctx.session_id, token=ctx.token)
+            if control.stop_state(conn).blocks(ctx.user_id):
+                raise RunInterrupted(RunOutcome.INTERRUPTED, "STOP is in force")
+            if conn.execute(_PREEMPTING, {"session_id": ctx.session_id, "handed": [e.id for e in ctx.events]}).first():
+                raise RunInterrupted(RunOutcome.INTERRUPTED, "the user paused or closed the task")
+            if _steps_today(conn, ctx.user_id, now) + ctx.steps >= self.settings.daily_max_steps:
+                raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED,
+                                     f"daily budget of {self.settings.daily_max_steps} steps used")
+
+    # -- commit ----------------------------------------------------------------------------------------------------
+
+    def _commit(self, ctx: RunContext, outcome: RunOutcome, reason: str | None) -> None:
+        now = self.clock.now()
+        keep = outcome in (RunOutcome.COMPLETED, RunOutcome.BUDGET_EXHAUSTED)
+        with write(self.engine) as conn:
+            # Releasing fences (only the latest token can) and takes effect only if this transaction commits.
+            sessions.release(conn, session_id=ctx.session_id, token=ctx.token)
+            ids = [e.id for e in ctx.events]
+            if keep:
+                for effect in ctx.effects:
+                    effect(conn, now)
+                if outcome is RunOutcome.BUDGET_EXHAUSTED:
+                    outbox.enqueue(conn, user_id=ctx.user_id, session_id=ctx.session_id, run_id=ctx.run_id, now=now,
+                                   body={"text": f"I stopped working on this for now: {reason}. What I did so far "
+                                         "is saved.", "kind": "budget_exhausted"})
+                conn.execute(_PROCESSED, {"ids": ids, "status": EventStatus.PROCESSED.value, "run_id": ctx.run_id,
+                                          "settled_at": now})
+                sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=ctx.todo_version, retry_at=None)
+            elif outcome is RunOutcome.INTERRUPTED:
+                # Not the events' fault: give the attempt back; the todo stays due for after START / resume.
+                conn.execute(_GIVE_ATTEMPT_BACK, {"ids": ids})
+            else:
+                attempts = max((e.attempts for e in conn.execute(select(events.c.attempts)
+                                                                  .where(events.c.id.in_(ids)))), default=1)
+                sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=None,
+                                     retry_at=now + timedelta(seconds=min(300, 2 ** attempts)))
+            if ctx.steps:
+                conn.execute(_count_steps(conn),
+                             {"user_id": ctx.user_id, "day": now.date().isoformat(), "steps": ctx.steps})
+            ended = conn.execute(_END_RUN, {"run": ctx.run_id, "outcome": outcome.value, "ended_at": now,
+                                            "steps": ctx.steps,
+                                            "reason": reason or ctx.ended_by or "silence: the handler sent nothing"})
+            if ended.rowcount != 1:  # the sweeper already wrote this run off (its lease lapsed): commit nothing
+                raise StaleToken(ctx.session_id, ctx.token)
+
+
+# The statements of every run, built once (see `sessions`): a run executes them holding the write lock. An `UPDATE`
+# without `values()` sets the columns its parameters name.
+_TAKE_PENDING = (update(events).where(and_(events.c.session_id == bindparam("session"),
+                                           events.c.status == EventStatus.PENDING.value))
+                 .values(attempts=events.c.attempts + 1)
+                 .returning(*events.c))
+_GIVE_ATTEMPT_BACK = (update(events).where(events.c.id.in_(bindparam("ids", expanding=True)))
+                      .values(attempts=events.c.attempts - 1))
+_START_RUN = runs.insert()
+_PREEMPTING = (select(events.c.id)
+               .where(and_(events.c.session_id == bindparam("session_id"), events.c.preempt.is_(True),
+                           events.c.status == EventStatus.PENDING.value,
+                           events.c.id.not_in(bindparam("handed", expanding=True))))
+               .limit(1))
+_STEPS_TODAY = select(usage_daily.c.steps).where(and_(usage_daily.c.user_id == bindparam("user_id"),
+                                                      usage_daily.c.day == bindparam("day")))
+_PROCESSED = update(events).where(and_(events.c.id.in_(bindparam("ids", expanding=True)),
+                                       events.c.status == EventStatus.PENDING.value))
+_END_RUN = update(runs).where(and_(runs.c.id == bindparam("run"), runs.c.outcome == RunOutcome.RUNNING.value))
+
+
+_COUNT_STEPS: dict[str, Insert] = {}  # by dialect
+
+
+def _count_steps(conn: Connection) -> Insert:
+    stmt = _COUNT_STEPS.get(conn.dialect.name)
+    if stmt is None:
+        upserting = upsert(conn, usage_daily)
+        stmt = _COUNT_STEPS[conn.dialect.name] = upserting.on_conflict_do_update(
+            index_elements=[usage_daily.c.user_id, usage_daily.c.day],
+            set_={"steps": usage_daily.c.steps + upserting.excluded.steps})
+    return stmt
+
+
+def _steps_today(conn: Connection, user_id: str, now: datetime) -> int:
+    steps = conn.execute(_STEPS_TODAY, {"user_id": user_id, "day": now.date().isoformat()}).scalar()
+    return int(steps or 0)
+
+
+def _resumable_decisions(conn: Connection, session_id: str, run_id: str) -> dict[int, tuple[str, Any]]:
+    """When the session's previous run died mid-way, its decisions, to be replayed by the run that picks up."""
+    previous = conn.execute(_PREVIOUS_RUN, {"session_id": session_id, "run_id": run_id}).first()
+    if previous is None or previous.outcome not in (RunOutcome.ABANDONED.value, RunOutcome.RUNNING.value):
+        return {}
+    rows = conn.execute(select(decisions_table).where(decisions_table.c.run_id == previous.id))
+    return {r.step: (r.id, json.loads(r.proposal)) for r in rows}
+
+
+_PREVIOUS_RUN = (select(runs.c.id, runs.c.outcome)
+                 .where(and_(runs.c.session_id == bindparam("session_id"), runs.c.id != bindparam("run_id")))
+                 .order_by(runs.c.started_at.desc(), runs.c.id.desc())
+                 .limit(1))
+
+
+def fail_poison_events(conn: Connection, *, session_id: str | None, cap: int, now: datetime) -> int:
+    """Events picked up `cap` times without success are failed, and the user is told (liveness)."""
+    if session_id is not None:
+        found = conn.execute(_POISON_IN_SESSION, {"cap": cap, "session_id": session_id})
+    else:  # a session a live run holds is left to that run's claim-time check: it may be handling these now
+        found = conn.execute(_POISON_UNHELD, {"cap": cap, "now": now})
+    failed = 0
+    for e in found.all():
+        moved = conn.execute(update(events).where(and_(events.c.id == e.id,
+                                                       events.c.status == EventStatus.PENDING.value))
+                             .values(status=EventStatus.FAILED.value, settled_at=now)).rowcount
+        if moved == 1:
+            failed += 1
+            outbox.enqueue(conn, user_id=e.user_id, session_id=e.session_id, now=now, message_id=f"fail_{e.id}",
+                           body={"kind": "event_failed", "event_id": e.id,
+                                 "text": f"I could not process the {e.source} event {e.source_id} after {cap} "
+                                         "attempts and have set it aside. Nothing from it was acted on."})
+    return failed
+
+
+_POISON = select(events.c.id, events.c.user_id, events.c.session_id, events.c.source, events.c.source_id).where(
+    and_(events.c.status == EventStatus.PENDING.value, events.c.attempts >= bindparam("cap")))
+_POISON_IN_SESSION = _POISON.where(events.c.session_id == bindparam("session_id"))
+_POISON_UNHELD = _POISON.where(events.c.session_id.not_in(
+    select(sessions_table.c.id).where(sessions_table.c.lease_expires_at > bindparam("now"))))
+_ANY_POISON_UNHELD = _POISON_UNHELD.limit(1)
+
+
+def any_poison_unheld(conn: Connection, *, cap: int, now: datetime) -> bool:
+    """Whether `fail_poison_events(session_id=None)` would find anything."""
+    return conn.execute(_ANY_POISON_UNHELD, {"cap": cap, "now": now}).first() is not None

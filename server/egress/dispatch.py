@@ -1,0 +1,536 @@
+"""The action dispatcher and the reconciler: where an admitted action meets the outside world.
+
+Dispatch, per intent:
+    lock the task; re-check STOP, pause, revocation, close and the task version  → held or voided, never sent
+    persist the attempt (request, idempotency key)                                → committed BEFORE the send
+    send; normalise the outcome to accepted | blocked | unknown; record it once, with evidence
+    unknown → a reconcile wait; never a blind retry
+An attempt found without an outcome (the process died between persisting and recording) is unknown by
+definition: it is reconciled, not re-sent. Reconciliation queries the remote (by idempotency key or by reading the
+object) and adds evidence rows; only when the remote says the effect did not happen and the operation carries an
+idempotency key may the same request, with the same key, be sent again. Past the reconcile window the user is
+told exactly what is and is not known.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy import Connection, Engine, and_, func, or_, select, update
+
+from wakeful.proxy.contract import RefusalCode
+from wakeful.proxy.wire import REQUEST_TOO_LARGE
+from wakeful.server.acting.actions import Action, content_hash, load_action
+from wakeful.server.acting.connectors import DoneWhen, done_when_holds
+from wakeful.server.acting.policy import Policy
+from wakeful.server.acting.verdicts import lock_task, objects_problem
+from wakeful.server.computers.pool import ACT_TOOL, Computers, act_from_args
+from wakeful.server.computers.pool import execute as execute_act
+from wakeful.server.core import control, faults, inbox, outbox, waits
+from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.errors import WakefulError
+from wakeful.server.store.clock import Clock
+from wakeful.server.store.db import read, upsert, write
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import (
+    EventKind,
+    GrantPurpose,
+    OutboxKind,
+    OutboxState,
+    Outcome,
+    TaskState,
+    VerdictKind,
+    WaitState,
+    attempts,
+    evidence,
+    task_versions,
+    verdicts,
+)
+from wakeful.server.store.tables import actions as actions_table
+from wakeful.server.store.tables import outbox as outbox_table
+from wakeful.server.store.tables import tasks as tasks_table
+from wakeful.server.store.tables import waits as waits_table
+from wakeful.vm.observe import Refused as ActRefused
+
+__all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
+
+HELD, SETTLED = "held", "settled"
+REFUSAL_HEADER = "X-Wakeful-Refusal"
+_PROXY_REFUSALS = frozenset(code.value for code in RefusalCode) | {REQUEST_TOO_LARGE}
+"""What the egress proxy answers before dialling anything; not upstream_failed / upstream_timeout (it had dialled)."""
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+log = logging.getLogger(__name__)
+
+_REF_FIELDS = ("id", "cancellation_id", "order_id", "booking_id", "reference")
+
+
+def reconcile_key(action_id: str) -> str:
+    return f"reconcile:{action_id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    outcome: Outcome
+    status_code: int | None
+    external_ref: str | None
+    detail: str
+    body: Any = None
+
+
+def classify(response: httpx.Response | None, error: Exception | None) -> Result:
+    """Normalise what came back to exactly one of accepted, blocked, unknown."""
+    if error is not None:
+        if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout):
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail=f"no connection was made ({type(error).__name__}); the request did not leave")
+        return Result(outcome=Outcome.UNKNOWN, status_code=None, external_ref=None,
+                      detail=f"{type(error).__name__} after the request was sent; it may have been applied")
+    assert response is not None
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = None
+    status = response.status_code
+    refusal = response.headers.get(REFUSAL_HEADER)
+    if refusal in _PROXY_REFUSALS:
+        # The egress proxy refused before dialling anything (it strips this header from upstream answers).
+        reason = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+        return Result(outcome=Outcome.BLOCKED, status_code=status, external_ref=None, body=body,
+                      detail=f"refused by the egress proxy ({refusal}): {reason}".strip())
+    if 200 <= status < 300:
+        ref = next((str(body[k]) for k in _REF_FIELDS if isinstance(body, dict) and body.get(k)), None)
+        return Result(outcome=Outcome.ACCEPTED, status_code=status, external_ref=ref, body=body,
+                      detail="processing" if status == 202 else "accepted")
+    if 400 <= status < 500 and status not in (408, 429):
+        return Result(outcome=Outcome.BLOCKED, status_code=status, external_ref=None, body=body,
+                      detail=f"refused by the remote: HTTP {status} {json.dumps(body)[:200] if body else ''}".strip())
+    return Result(outcome=Outcome.UNKNOWN, status_code=status, external_ref=None, body=body,
+                  detail=f"HTTP {status}: the remote may or may not have applied it")
+
+
+class ActionDispatcher:
+    def __init__(self, engine: Engine, clock: Clock, *, policy: Policy, timeout: float = 10.0,
+                 resend_after: timedelta = timedelta(seconds=10), http: ConnectorHTTP | None = None,
+                 computers: Computers | None = None, on_event: Any = lambda: None) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._policy = policy
+        self._resend_after = resend_after
+        self._http = http or ConnectorHTTP(timeout=timeout)
+        self._computers = computers
+        self._on_event = on_event
+        self._sending: dict[str, threading.Lock] = {}
+        self._sending_lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- dispatch ----------------------------------------------------------------------------------------------
+
+    def drain(self, limit: int = 50) -> int:
+        now = self._clock.now()
+        with read(self._engine) as conn:
+            stop = control.stop_state(conn)
+            if stop.everything:
+                return 0
+            # Intents held by a pause or a user's STOP are left out here, so they never crowd out the others.
+            paused = select(tasks_table.c.session_id).where(tasks_table.c.state == TaskState.PAUSED.value)
+            due = conn.execute(select(outbox_table.c.id, outbox_table.c.body).where(and_(
+                outbox_table.c.kind == OutboxKind.DISPATCH.value, outbox_table.c.state == OutboxState.PENDING.value,
+                outbox_table.c.next_attempt_at <= now, outbox_table.c.user_id.not_in(stop.users),
+                or_(outbox_table.c.session_id.is_(None), outbox_table.c.session_id.not_in(paused))))
+                .order_by(outbox_table.c.created_at).limit(limit)).all()
+        done = 0
+        for row in due:
+            try:
+                done += self.dispatch(row.id, json.loads(row.body)["action_id"])
+            except Exception:
+                log.exception("dispatch of %s failed unexpectedly; it stays pending", row.id)
+        return done
+
+    def dispatch(self, intent_id: str, action_id: str) -> int:
+        """Returns 1 when the intent was settled (sent, voided or handed to reconciliation), 0 when held.
+
+        One action is dispatched by one caller at a time in this process (the loop, or a tool call executing an
+        act it just admitted): a second caller waits and then finds the intent settled."""
+        with self._sending_lock:
+            lock = self._sending.setdefault(action_id, threading.Lock())
+        with lock:
+            try:
+                return self._dispatch(intent_id, action_id)
+            finally:
+                with self._sending_lock:
+                    self._sending.pop(action_id, None)
+
+    def _dispatch(self, intent_id: str, action_id: str) -> int:
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            pending = conn.execute(select(outbox_table.c.state).where(outbox_table.c.id == intent_id)).scalar()
+            if pending != OutboxState.PENDING.value:
+                return 1  # settled by another caller meanwhile
+            action = load_action(conn, action_id)
+            prepared = self._prepare(conn, intent_id, action, now)
+        if isinstance(prepared, str):
+            return 0 if prepared == HELD else 1
+        attempt_id, grant = prepared
+        faults.crash_point("after_attempt_persisted")
+        if action.tool == ACT_TOOL:
+            result = self._act(action)
+        else:
+            response, error = self._send(action.content["request"], grant)
+            result = classify(response, error)
+        faults.crash_point("after_send")
+        self._record(attempt_id, action, result, intent_id=intent_id)
+        return 1
+
+    def _act(self, action: Action) -> Result:
+        """Run a tool-computer act. The tool computer checks it against the latest observation first: a stale or
+        refused act runs nothing (blocked); an act that failed before touching the page is blocked; one whose
+        effect is unclear (a timeout, a lost connection) is unknown, to be settled by observing, never repeated."""
+        if self._computers is None:
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail="tool computers are not enabled on this server; nothing was done")
+        act = act_from_args(action.content["act"])
+        try:
+            done = execute_act(self._computers, action.user_id, act)
+        except WakefulError as exc:
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail=f"{exc.code}: {exc.message}")
+        if isinstance(done, ActRefused):  # refused by the tool computer: nothing ran
+            return Result(outcome=Outcome.BLOCKED, status_code=None, external_ref=None,
+                          detail=f"{done.code}: {done.message}")
+        outcome = {"done": Outcome.ACCEPTED, "failed": Outcome.BLOCKED}.get(done.outcome, Outcome.UNKNOWN)
+        detail = done.detail or done.outcome
+        return Result(outcome=outcome, status_code=None, external_ref=None, detail=detail if not done.code else
+                      f"{done.code}: {detail}", body={"navigated": done.navigated, "observation": done.observation,
+                                                       "epoch": done.epoch})
+
+    def _prepare(self, conn: Connection, intent_id: str, action: Action,
+                 now: datetime) -> str | tuple[str, dict[str, str]]:
+        """Re-check everything and persist the attempt with its egress grant. Returns the attempt's ID and the
+        grant's headers, or HELD (nothing may be sent now; it will be once the hold lifts) or SETTLED (the intent
+        needs no send: voided, recovered or done)."""
+        task = lock_task(conn, action.task_id)
+        if content_hash(action.content) != action.content_hash:
+            self._void(conn, intent_id, action, "content_tampered", "the stored content no longer matches its hash",
+                       now)
+            return SETTLED
+        previous = conn.execute(select(attempts).where(attempts.c.action_id == action.id)
+                                .order_by(attempts.c.seq.desc())).all()
+        open_attempt = next((a for a in previous if a.outcome is None), None)
+        if open_attempt is not None:
+            # The process died between persisting this attempt and recording its outcome: it may have left. This
+            # comes before every hold or void: whatever the task's state now, that request must be reconciled.
+            self._settle_attempt(conn, open_attempt.id, action, Result(
+                outcome=Outcome.UNKNOWN, status_code=None, external_ref=None,
+                detail="the dispatcher stopped after persisting the attempt; the request may or may not have left"),
+                now=now, intent_id=intent_id, source="recovery")
+            return SETTLED
+        if control.stop_state(conn).blocks(action.user_id) or task.state == TaskState.PAUSED.value:
+            return HELD  # released again by START / resume, never sent while held
+        if task.state in (TaskState.REVOKED.value, TaskState.CLOSED.value):
+            self._void(conn, intent_id, action, task.state, f"the task was {task.state} before this was sent", now)
+            return SETTLED
+        if task.current_version != action.task_version:
+            self._void(conn, intent_id, action, "task_version_changed",
+                       f"the task moved to version {task.current_version}", now)
+            return SETTLED
+        stale = objects_problem(conn, action, now)  # an expired quote is not sent, even if approved in time
+        if stale is not None:
+            self._void(conn, intent_id, action, *stale, now)
+            return SETTLED
+        if any(a.outcome == Outcome.ACCEPTED.value for a in previous):
+            self._finish_intent(conn, intent_id, now)
+            return SETTLED
+        attempt_id = new_id("att")
+        if action.tool == ACT_TOOL:  # an act on the tool computer: no HTTP request, no egress grant
+            conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,
+                                                  request=json.dumps({"act": action.content["act"]}, sort_keys=True),
+                                                  created_at=now))
+            return attempt_id, {}
+        request = dict(action.content["request"])
+        request["idempotency_key"] = action.content.get("idempotency_key")
+        conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,
+                                              request=json.dumps(request, sort_keys=True), created_at=now))
+        grant = self._grant(conn, action, GrantPurpose.WRITE, request, now=now, attempt_id=attempt_id)
+        return attempt_id, grant
+
+    def _grant(self, conn: Connection, action: Action, purpose: GrantPurpose, request: Mapping[str, Any], *,
+               now: datetime, attempt_id: str | None = None) -> dict[str, str]:
+        return self._http.grant(conn, purpose=purpose, user_id=action.user_id, task_id=action.task_id,
+                                tool=action.tool, method=request["method"], url=request["url"],
+                                body_sha256=request.get("body_sha256") or _EMPTY_SHA256,
+                                credential=action.content.get("credential"), now=now, action_id=action.id,
+                                attempt_id=attempt_id)
+
+    def _send(self, request: Mapping[str, Any],
+              grant: dict[str, str]) -> tuple[httpx.Response | None, Exception | None]:
+        headers = {**request.get("headers", {}), **grant}  # the idempotency key is among them; no credential is
+        body = request.get("body")
+        try:
+            return self._http.request(request["method"], request["url"], headers=headers,
+                                      content=body.encode() if isinstance(body, str) else None), None
+        except httpx.HTTPError as exc:
+            return None, exc
+
+    def _query(self, action: Action, purpose: GrantPurpose, request: Mapping[str, Any]) -> httpx.Response:
+        """A read that settles or checks an action (reconcile, verify), granted like any other egress."""
+        with write(self._engine) as conn:
+            grant = self._grant(conn, action, purpose, request, now=self._clock.now())
+        return self._http.request(request["method"], request["url"], headers=grant, content=None)
+
+    def _record(self, attempt_id: str, action: Action, result: Result, *, intent_id: str) -> None:
+        with write(self._engine) as conn:
+            self._settle_attempt(conn, attempt_id, action, result, now=self._clock.now(), intent_id=intent_id)
+        self._on_event()
+
+    def _settle_attempt(self, conn: Connection, attempt_id: str, action: Action, result: Result, *,
+                        now: datetime, intent_id: str, source: str = "response") -> None:
+        written = conn.execute(update(attempts).where(and_(attempts.c.id == attempt_id, attempts.c.outcome.is_(None)))
+                               .values(outcome=result.outcome.value, outcome_at=now, status_code=result.status_code,
+                                       external_ref=result.external_ref, detail=result.detail)).rowcount
+        if written != 1:
+            return  # someone recorded it first; history is written once
+        add_evidence(conn, action=action, attempt_id=attempt_id, source=source, verdict=result.outcome,
+                     observed={"status_code": result.status_code, "detail": result.detail,
+                               "external_ref": result.external_ref, "body": result.body}, now=now)
+        self._finish_intent(conn, intent_id, now)
+        task = lock_task(conn, action.task_id)
+        if result.outcome is not Outcome.UNKNOWN:
+            # A definite answer (to a resend, say) settles what reconciliation was asking.
+            waits.settle(conn, user_id=action.user_id, match_key=reconcile_key(action.id), now=now)
+        else:
+            exists = conn.execute(select(waits_table.c.id).where(and_(
+                waits_table.c.user_id == action.user_id,
+                waits_table.c.match_key == reconcile_key(action.id)))).first()
+            if exists is None:
+                waits.register(conn, user_id=action.user_id, session_id=task.session_id,
+                               match_key=reconcile_key(action.id), kind="reconcile", task_id=action.task_id,
+                               deadline=now + self._policy.reconcile_window, now=now)
+        inbox.record(conn, inbox.Delivery(
+            user_id=action.user_id, source="dispatch", source_id=attempt_id, kind=EventKind.WEBHOOK, trust="system",
+            session_id=task.session_id,
+            payload={"action_id": action.id, "tool": action.tool, "outcome": result.outcome.value,
+                     "detail": result.detail, "external_ref": result.external_ref},
+        ), now=now)
+
+    def _finish_intent(self, conn: Connection, intent_id: str, now: datetime) -> None:
+        conn.execute(update(outbox_table).where(and_(outbox_table.c.id == intent_id,
+                                                     outbox_table.c.state == OutboxState.PENDING.value))
+                     .values(state=OutboxState.SENT.value, sent_at=now, attempts=outbox_table.c.attempts + 1))
+
+    def _void(self, conn: Connection, intent_id: str, action: Action, code: str, detail: str, now: datetime) -> None:
+        conn.execute(verdicts.insert().values(
+            id=new_id("vrd"), action_id=action.id, verdict=VerdictKind.REFUSED.value, code=code,
+            reasons=json.dumps([{"check": "dispatch_recheck", "ok": False, "detail": detail}]), created_at=now))
+        conn.execute(update(outbox_table).where(and_(outbox_table.c.id == intent_id,
+                                                     outbox_table.c.state == OutboxState.PENDING.value))
+                     .values(state=OutboxState.FAILED.value, last_error=code))
+        task = lock_task(conn, action.task_id)
+        earlier = conn.execute(select(func.count()).select_from(attempts).where(attempts.c.action_id == action.id)
+                               ).scalar_one()
+        said = ("Nothing was sent for it." if not earlier else
+                "An earlier request for it did leave; I am still checking with the provider whether it took effect.")
+        outbox.enqueue(conn, user_id=action.user_id, session_id=task.session_id, now=now,
+                       message_id=f"void_{action.id}_{earlier}",
+                       body={"kind": "action_voided", "action_id": action.id, "code": code,
+                             "text": f"I did not send {action.tool} again: {detail}. {said}" if earlier else
+                                     f"I did not send {action.tool}: {detail}. {said}"})
+
+    # -- reconcile ---------------------------------------------------------------------------------------------
+
+    def reconcile_due(self, limit: int = 50) -> int:
+        """Query the remote for every action whose outcome is still unknown; returns how many were checked."""
+        with read(self._engine) as conn:
+            pending = conn.execute(select(waits_table.c.match_key).where(and_(
+                waits_table.c.kind == "reconcile", waits_table.c.state == WaitState.PENDING.value)).limit(limit)
+            ).scalars().all()
+        for key in pending:
+            try:
+                self.reconcile(key.removeprefix("reconcile:"))
+            except Exception:  # one action's trouble must not stop the others' reconciliation
+                log.exception("reconciling %s failed; it is tried again next round", key)
+        self._tell_timed_out()
+        return len(pending)
+
+    def reconcile(self, action_id: str) -> Outcome:
+        with read(self._engine) as conn:
+            action = load_action(conn, action_id)
+            last = conn.execute(select(attempts).where(attempts.c.action_id == action_id)
+                                .order_by(attempts.c.seq.desc()).limit(1)).one()
+        spec = action.content.get("reconcile")
+        if spec is None:
+            return Outcome.UNKNOWN
+        try:
+            response = self._query(action, GrantPurpose.RECONCILE, spec["request"])
+            body = response.json() if response.is_success else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.info("reconcile of %s could not reach the remote: %s", action_id, exc)
+            return Outcome.UNKNOWN
+        found = body is not None and done_when_holds(DoneWhen.model_validate(spec["done_when"]), body)
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            add_evidence(conn, action=action, attempt_id=last.id, source="reconcile",
+                         verdict=Outcome.ACCEPTED if found else Outcome.UNKNOWN,
+                         observed={"query": spec["request"], "status_code": response.status_code, "body": body,
+                                   "found": found}, now=now)
+            if found:
+                inbox.record(conn, inbox.Delivery(
+                    user_id=action.user_id, source="reconcile", source_id=f"{action.id}:found", trust="system",
+                    corr_key=reconcile_key(action.id),
+                    payload={"action_id": action.id, "outcome": Outcome.ACCEPTED.value,
+                             "detail": "the remote shows the effect"},
+                ), now=now)
+            elif action.content.get("idempotency_key") and now - last.created_at >= self._resend_after and \
+                    response.is_success:
+                # The remote says it did not happen and deduplicates by key: the same request may go again.
+                session_id = lock_task(conn, action.task_id).session_id
+                intent = upsert(conn, outbox_table).values(
+                    id=f"dsp_{action.id}_{last.seq + 1}", user_id=action.user_id, kind=OutboxKind.DISPATCH.value,
+                    session_id=session_id,
+                    state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now, created_at=now,
+                    body=json.dumps({"action_id": action.id}))
+                conn.execute(intent.on_conflict_do_nothing())  # one resend per attempt, however often we look
+        self._on_event()
+        return Outcome.ACCEPTED if found else Outcome.UNKNOWN
+
+    # -- verify and complete -------------------------------------------------------------------------------------
+
+    def verify_due(self, limit: int = 50) -> int:
+        """Re-read the world for accepted actions whose task version asks for it; then check completion."""
+        with read(self._engine) as conn:
+            accepted = _accepted_actions(conn)
+            verified = select(evidence.c.action_id).where(and_(
+                evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))
+            # Canonical JSON escapes quotes inside strings, so this matches only a top-level "verify" member.
+            ids = conn.execute(select(actions_table.c.id).where(and_(
+                actions_table.c.id.in_(accepted), actions_table.c.id.not_in(verified),
+                actions_table.c.content.like('%"verify":{%'))).order_by(actions_table.c.created_at).limit(limit)
+            ).scalars().all()
+            candidates = [load_action(conn, a) for a in ids]
+        checked = 0
+        for action in candidates:
+            spec = action.content.get("verify")
+            if spec is None:
+                continue
+            checked += 1
+            try:
+                response = self._query(action, GrantPurpose.VERIFY, spec["request"])
+                body = response.json() if response.is_success else None
+            except (httpx.HTTPError, ValueError):
+                continue
+            holds = body is not None and done_when_holds(DoneWhen.model_validate(spec["done_when"]), body)
+            with write(self._engine) as conn:
+                add_evidence(conn, action=action, attempt_id=None, source="verify",
+                             verdict=Outcome.ACCEPTED if holds else Outcome.UNKNOWN,
+                             observed={"query": spec["request"], "status_code": response.status_code, "body": body,
+                                       "holds": holds}, now=self._clock.now())
+        self.complete_due()
+        return checked
+
+    def complete_due(self) -> int:
+        """Tasks whose current version's completion conditions all hold on recorded evidence get their receipt."""
+        done = 0
+        with read(self._engine) as conn:
+            accepted = _accepted_actions(conn)
+            if not accepted:
+                return 0
+            # Only active tasks with conditions, an accepted action in their current version and no receipt yet.
+            with_accepted = select(actions_table.c.task_id).where(and_(
+                actions_table.c.id.in_(accepted), actions_table.c.task_version == tasks_table.c.current_version))
+            candidates = conn.execute(select(tasks_table.c.id).join(
+                task_versions, and_(task_versions.c.task_id == tasks_table.c.id,
+                                    task_versions.c.version == tasks_table.c.current_version)).where(and_(
+                tasks_table.c.state == TaskState.ACTIVE.value, task_versions.c.completion != "[]",
+                tasks_table.c.id.in_(with_accepted)))).scalars().all()
+        if not candidates:
+            return 0
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            verified = set(conn.execute(select(evidence.c.action_id).where(and_(
+                evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))).scalars())
+            rows = conn.execute(select(tasks_table, task_versions.c.completion, task_versions.c.goal).join(
+                task_versions, and_(task_versions.c.task_id == tasks_table.c.id,
+                                    task_versions.c.version == tasks_table.c.current_version)).where(
+                tasks_table.c.id.in_(candidates))).all()
+            for task in rows:
+                conditions = json.loads(task.completion)
+                receipt_id = f"rcpt_{task.id}_v{task.current_version}"
+                if not conditions or conn.execute(select(outbox_table.c.id).where(
+                        outbox_table.c.id == receipt_id)).first() is not None:
+                    continue
+                proof = _completion_proof(conn, task, conditions, accepted, verified)
+                if proof is None:
+                    continue
+                done += 1
+                add_evidence(conn, action=None, task_id=task.id, attempt_id=None, source="completion",
+                             verdict=Outcome.ACCEPTED, observed={"version": task.current_version, "proof": proof},
+                             now=now)
+                outbox.enqueue(conn, user_id=task.user_id, session_id=task.session_id, now=now, message_id=receipt_id,
+                               body={"kind": "receipt", "task_id": task.id, "proof": proof,
+                                     "text": f"Done: {task.goal}. Verified against the provider's own records "
+                                             f"({', '.join(p['action_id'] for p in proof)})."})
+        return done
+
+    def _tell_timed_out(self) -> None:
+        now = self._clock.now()
+        with write(self._engine) as conn:
+            expired = conn.execute(select(waits_table.c.match_key, waits_table.c.user_id, waits_table.c.session_id)
+                                   .where(and_(waits_table.c.kind == "reconcile",
+                                               waits_table.c.state == WaitState.TIMED_OUT.value))).all()
+            for w in expired:
+                action_id = w.match_key.removeprefix("reconcile:")
+                sent = conn.execute(select(func.count()).select_from(attempts)
+                                    .where(attempts.c.action_id == action_id)).scalar_one()
+                resent = ("I have not sent it again." if sent <= 1 else
+                          f"I sent it {sent - 1} more time(s) with the same idempotency key after the provider showed "
+                          "no trace of it; none of those was confirmed either.")
+                stmt = upsert(conn, outbox_table).values(
+                    id=f"unk_{action_id}", user_id=w.user_id, kind=OutboxKind.USER_MESSAGE.value,
+                    session_id=w.session_id, state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now,
+                    created_at=now, body=json.dumps({"kind": "outcome_unknown", "action_id": action_id, "text": (
+                        f"I cannot confirm whether {action_id} took effect. The request was sent, the reply was "
+                        f"lost, and the remote has not shown the effect since. {resent} Please check with the "
+                        "provider.")}))
+                conn.execute(stmt.on_conflict_do_nothing())
+
+
+def add_evidence(conn: Connection, *, action: Action | None, task_id: str | None = None, attempt_id: str | None,
+                 source: str, verdict: Outcome, observed: Mapping[str, Any], now: datetime) -> str:
+    evidence_id = new_id("evd")
+    conn.execute(evidence.insert().values(
+        id=evidence_id, action_id=action.id if action else None, attempt_id=attempt_id,
+        task_id=action.task_id if action else task_id, source=source, verdict=verdict.value,
+        observed=json.dumps(observed, sort_keys=True, default=str), checked_at=now))
+    return evidence_id
+
+
+def _accepted_actions(conn: Connection) -> set[str]:
+    """Actions the remote accepted, by its answer or by reconciliation."""
+    by_answer = select(attempts.c.action_id).where(attempts.c.outcome == Outcome.ACCEPTED.value)
+    by_reconcile = select(evidence.c.action_id).where(and_(evidence.c.source == "reconcile",
+                                                           evidence.c.verdict == Outcome.ACCEPTED.value))
+    return set(conn.execute(by_answer.union(by_reconcile)).scalars()) - {None}
+
+
+def _completion_proof(conn: Connection, task: Any, conditions: list[dict[str, Any]], accepted: set[str],
+                      verified: set[str]) -> list[dict[str, Any]] | None:
+    proof = []
+    for condition in conditions:
+        candidates = conn.execute(select(actions_table.c.id).where(and_(
+            actions_table.c.task_id == task.id, actions_table.c.task_version == task.current_version,
+            actions_table.c.tool == condition["effect"]))).scalars().all()
+        met = [a for a in candidates if a in accepted and (condition.get("verify") is None or a in verified)]
+        if not met:
+            return None
+        proof.append({"effect": condition["effect"], "action_id": met[0], "verified": met[0] in verified})
+    return proof

@@ -1,0 +1,210 @@
+"""The user's control channel over HTTP (bearer token): tasks, approvals, STOP, the ledger, the message feed.
+
+    POST /v1/control/stop|start                 STOP / START for the caller
+    GET  /v1/control
+    POST /v1/tasks                              delegate: title, goal, constraints, completion conditions
+    POST /v1/tasks/{id}/steer                   a new task version
+    POST /v1/tasks/{id}/pause|resume|revoke|close|reopen
+    GET  /v1/tasks/{id}                         status: the four facts, waits, actions with verdicts and outcomes
+    GET  /v1/tasks/{id}/ledger                  the whole history in order
+    GET  /v1/actions/{id}                       the action and its approval card
+    POST /v1/actions/{id}/approve|deny
+    GET  /v1/events/{id}, /v1/messages
+    GET  /v1/egress                             the egress proxy's audit of the caller's requests
+
+Every query is filtered by the token's user: another user's records answer 404, never their contents. Nothing
+here is reachable by a model: MCP tools and run handlers have no route to control state.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
+from sqlalchemy import and_, select
+
+from wakeful.server.acting import approvals, ledger
+from wakeful.server.acting.actions import load_action
+from wakeful.server.acting.connectors import Registry
+from wakeful.server.acting.verdicts import gather_facts, render_card
+from wakeful.server.core import control, sessions
+from wakeful.server.egress import grants as egress
+from wakeful.server.errors import BadRequest, NotFound
+from wakeful.server.faces.auth import User
+from wakeful.server.runtime import Runtime
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import ControlKind, events, outbox
+from wakeful.server.tools.layer import Completion
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+def _runtime(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+Rt = Annotated[Runtime, Depends(_runtime)]
+
+
+class TaskIn(BaseModel):
+    model_config = {"extra": "forbid"}
+    title: str = Field(min_length=1, max_length=2000)
+    goal: str | None = Field(default=None, max_length=4000)
+    constraints: dict[str, Any] = Field(default_factory=dict)
+    completion: list[Completion] = Field(default_factory=list)
+
+
+class SteerIn(BaseModel):
+    model_config = {"extra": "forbid"}
+    goal: str = Field(min_length=1, max_length=4000)
+    constraints: dict[str, Any] = Field(default_factory=dict)
+    completion: list[Completion] = Field(default_factory=list)
+
+
+class ControlIn(BaseModel):
+    reason: str = Field(default="", max_length=2000)
+
+
+def check_completion(registry: Registry, completion: list[Completion]) -> list[dict[str, Any]]:
+    """Completion conditions must name declared tools: a write as the effect, a read to verify it."""
+    for condition in completion:
+        if registry.operation(condition.effect).effect != "write":
+            raise BadRequest("invalid_completion", f"{condition.effect} is not a write tool")
+        if condition.verify is not None and registry.operation(condition.verify.read).effect != "read":
+            raise BadRequest("invalid_completion", f"{condition.verify.read} is not a read tool")
+    return [c.model_dump(by_alias=True, exclude_none=True) for c in completion]
+
+
+@router.post("/v1/control/stop")
+def stop(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
+    with write(rt.engine) as conn:
+        record = control.set_stop(conn, stopped=True, user_id=user, actor=f"user:{user}",
+                                  reason=body.reason if body else "", now=rt.clock.now())
+    return {"stopped": True, "record_id": record}
+
+
+@router.post("/v1/control/start")
+def start(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
+    with write(rt.engine) as conn:
+        record = control.set_stop(conn, stopped=False, user_id=user, actor=f"user:{user}",
+                                  reason=body.reason if body else "", now=rt.clock.now())
+    rt.signals.work.set()
+    rt.signals.dispatch.set()
+    return {"stopped": False, "record_id": record}
+
+
+@router.get("/v1/control")
+def control_state(user: User, rt: Rt) -> dict[str, Any]:
+    with read(rt.engine) as conn:
+        state = control.stop_state(conn)
+    return {"stopped": state.blocks(user), "global_stop": state.everything}
+
+
+@router.post("/v1/tasks", status_code=201)
+def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
+    completion = check_completion(rt.registry, body.completion)
+    now = rt.clock.now()
+    with write(rt.engine) as conn:
+        session_id = sessions.create_session(conn, user_id=user, now=now)
+        task_id = control.create_task(conn, user_id=user, session_id=session_id, title=body.title, now=now,
+                                      goal=body.goal, constraints=body.constraints, completion=completion,
+                                      actor=f"user:{user}")
+    return {"task_id": task_id, "session_id": session_id, "version": 1}
+
+
+@router.post("/v1/tasks/{task_id}/steer")
+def steer(user: User, rt: Rt, task_id: str, body: SteerIn) -> dict[str, Any]:
+    completion = check_completion(rt.registry, body.completion)
+    with write(rt.engine) as conn:
+        version = control.steer(conn, user_id=user, task_id=task_id, goal=body.goal, constraints=body.constraints,
+                                completion=completion, actor=f"user:{user}", now=rt.clock.now())
+    rt.signals.work.set()
+    return {"task_id": task_id, "version": version}
+
+
+def transition(rt: Runtime, user: str, task_id: str, kind: ControlKind, reason: str) -> dict[str, Any]:
+    with write(rt.engine) as conn:
+        state = control.set_task_state(conn, user_id=user, task_id=task_id, kind=kind, actor=f"user:{user}",
+                                       reason=reason, now=rt.clock.now())
+    rt.signals.work.set()
+    rt.signals.dispatch.set()
+    return {"task_id": task_id, "state": state.value}
+
+
+@router.post("/v1/tasks/{task_id}/{operation}")
+def task_control(user: User, rt: Rt, task_id: str, operation: str, body: ControlIn | None = None) -> dict[str, Any]:
+    kinds = {k.value: k for k in (ControlKind.PAUSE, ControlKind.RESUME, ControlKind.REVOKE, ControlKind.CLOSE,
+                                  ControlKind.REOPEN)}
+    if operation not in kinds:
+        raise NotFound("unknown_operation", f"tasks have no operation {operation!r}; one of: {', '.join(kinds)}")
+    return transition(rt, user, task_id, kinds[operation], body.reason if body else "")
+
+
+@router.get("/v1/tasks/{task_id}")
+def task_status(user: User, rt: Rt, task_id: str) -> dict[str, Any]:
+    with read(rt.engine) as conn:
+        return ledger.task_status(conn, user_id=user, task_id=task_id)
+
+
+@router.get("/v1/tasks/{task_id}/ledger")
+def task_ledger(user: User, rt: Rt, task_id: str) -> dict[str, Any]:
+    with read(rt.engine) as conn:
+        return {"task_id": task_id, "entries": ledger.entries(conn, task_id=task_id, user_id=user)}
+
+
+@router.get("/v1/actions/{action_id}")
+def get_action(user: User, rt: Rt, action_id: str) -> dict[str, Any]:
+    with write(rt.engine) as conn:  # gathering facts locks the task, as admission does
+        action = load_action(conn, action_id, user_id=user)
+        facts = gather_facts(conn, action, policy=rt.policy, now=rt.clock.now())
+    return {"action_id": action.id, "tool": action.tool, "content_hash": action.content_hash,
+            "content": action.content, "card": render_card(action, facts, policy=rt.policy)}
+
+
+@router.post("/v1/actions/{action_id}/{decision}")
+def decide(user: User, rt: Rt, action_id: str, decision: str, body: ControlIn | None = None) -> dict[str, Any]:
+    if decision not in ("approve", "deny"):
+        raise NotFound("unknown_operation", f"actions have no operation {decision!r}; approve or deny")
+    with write(rt.engine) as conn:
+        decided = approvals.decide(conn, user_id=user, action_id=action_id, approve=decision == "approve",
+                                   actor=f"user:{user}", policy=rt.policy, now=rt.clock.now(),
+                                   reason=body.reason if body else "")
+    rt.signals.work.set()
+    rt.signals.dispatch.set()
+    return {"action_id": action_id, "approval_id": decided.approval_id, "verdict": decided.verdict.kind.value,
+            "code": decided.verdict.code, "reason": decided.verdict.reason}
+
+
+@router.get("/v1/events/{event_id}")
+def get_event(user: User, rt: Rt, event_id: str) -> dict[str, Any]:
+    with read(rt.engine) as conn:
+        row = conn.execute(select(events).where(and_(events.c.id == event_id, events.c.user_id == user))).first()
+    if row is None:
+        raise NotFound("unknown_event", f"no event {event_id} for this user", event_id=event_id)
+    return {"event_id": row.id, "source": row.source, "source_id": row.source_id, "session_id": row.session_id,
+            "status": row.status, "attempts": row.attempts, "run_id": row.run_id,
+            "received_at": row.received_at.isoformat()}
+
+
+@router.get("/v1/messages")
+def messages(user: User, rt: Rt, limit: int = 100) -> dict[str, Any]:
+    with read(rt.engine) as conn:
+        rows = conn.execute(select(outbox).where(and_(outbox.c.user_id == user, outbox.c.kind == "user_message"))
+                            .order_by(outbox.c.created_at.desc()).limit(min(limit, 1000))).all()
+    return {"messages": [{"id": r.id, "state": r.state, "created_at": r.created_at.isoformat(),
+                          "body": json.loads(r.body)} for r in rows]}
+
+
+@router.get("/v1/egress")
+def egress_audit(user: User, rt: Rt, limit: int = 100, verdict: str | None = None) -> dict[str, Any]:
+    """What the egress proxy did with this user's requests, newest first (never headers, bodies or queries)."""
+    if verdict not in (None, "allow", "refuse"):
+        raise BadRequest("bad_verdict", "verdict must be allow or refuse")
+    with read(rt.engine) as conn:
+        rows = egress.audit_rows(conn, user_id=user, limit=max(1, min(limit, 1000)), verdict=verdict)
+    return {"requests": list(rows)}

@@ -1,0 +1,117 @@
+"""The always-on harness: one wake of the model, from records to exactly one ending.
+
+    assemble the context from records (stable prefix, this wake's tail) and record it
+    loop: step budget → the model proposes (persisted as a decision before anything acts on it; a resumed run
+          replays the stored one) → each tool call goes through the same tool layer and admission as MCP calls,
+          and its result is recorded
+    end in exactly one of: a message through the outbox, an explicit silence with a reason, or a wait
+Plain model text is stored with its decision and never reaches the user.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, Table
+
+from wakeful.server.acting.connectors import Registry
+from wakeful.server.core.worker import RunContext, RunInterrupted
+from wakeful.server.errors import WakefulError
+from wakeful.server.harness.context import assemble, render_tail
+from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
+from wakeful.server.store.db import read
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import RunOutcome, run_contexts, tool_results
+
+__all__ = ["HARNESS_VERSION", "Harness"]
+
+HARNESS_VERSION = "1"
+
+
+class Harness:
+    def __init__(self, model: ModelAdapter, *, registry: Registry, instructions: Path | None,
+                 max_tokens_per_run: int, computers: bool = False) -> None:
+        self.model = model
+        self.computers = computers
+        self.registry = registry
+        self.instructions = instructions
+        self.max_tokens = max_tokens_per_run
+
+    def __call__(self, ctx: RunContext) -> None:
+        engine = ctx.engine
+        with read(engine) as conn:
+            context = assemble(conn, registry=self.registry, instructions=self.instructions, user_id=ctx.user_id,
+                               session_id=ctx.session_id, events=ctx.events, now=ctx.now(),
+                               computers=self.computers)
+        ctx.persist(lambda conn: conn.execute(run_contexts.insert().values(
+            run_id=ctx.run_id, prefix_sha256=context.prefix_sha256, prefix=context.prefix,
+            tail=json.dumps(context.tail, sort_keys=True, default=str), model=self.model.name,
+            harness_version=HARNESS_VERSION, created_at=ctx.now())))
+        task_id = context.tail["task"]["task_id"] if context.tail["task"] else None
+        messages: list[dict[str, Any]] = [{"role": "user", "content": render_tail(context.tail)}]
+        tokens = 0
+        while True:
+            ctx.step()
+            request = ModelRequest(prefix=context.prefix, tools=context.tools, messages=tuple(messages))
+            decision_id, proposal = ctx.propose(partial(self._ask, request))
+            reply = ModelReply.from_json(proposal)
+            tokens += reply.input_tokens + reply.output_tokens
+            if not reply.tool_calls:
+                if ctx.ended_by is None:
+                    ctx.silence(f"the model ended without a message ({reply.text[:80]!r} is not shown to anyone)")
+                return
+            messages.append({"role": "assistant", "content": [
+                {"type": "tool_use", "id": c.id, "name": c.name, "input": c.args} for c in reply.tool_calls]})
+            results = []
+            for index, call in enumerate(reply.tool_calls):
+                result = self._execute(ctx, task_id, call, f"{decision_id}:{index}")
+                row = {"id": new_id("tr"), "run_id": ctx.run_id, "step": ctx.decisions - 1, "call_id": call.id,
+                       "tool": call.name, "args": json.dumps(call.args, sort_keys=True),
+                       "result": json.dumps(result, sort_keys=True, default=str), "created_at": ctx.now()}
+                ctx.persist(partial(_insert, tool_results, row))
+                results.append({"type": "tool_result", "tool_use_id": call.id,
+                                "content": json.dumps(result, sort_keys=True, default=str),
+                                "is_error": "error" in result})
+                if call.name == "stay_quiet":
+                    return
+            messages.append({"role": "user", "content": results})
+            if tokens > self.max_tokens:
+                raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED, f"token budget of {self.max_tokens} used")
+
+    def _ask(self, request: ModelRequest) -> dict[str, Any]:
+        return self.model.complete(request).to_json()
+
+    def _execute(self, ctx: RunContext, task_id: str | None, call: ToolCall, decision_id: str) -> dict[str, Any]:
+        try:
+            if call.name == "send_to_user":
+                ctx.send_to_user(str(call.args.get("text", "")))
+                return {"sent": True}
+            if call.name == "stay_quiet":
+                ctx.silence(str(call.args.get("reason", "no reason given")))
+                return {"quiet": True}
+            if task_id is None:
+                raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
+            if call.name == "schedule_followup":
+                at = ctx.now() + timedelta(seconds=int(call.args["in_seconds"]))
+                ctx.follow_up(task_id=task_id, at=at, note=str(call.args.get("note", "")))
+                return {"scheduled_for": at.isoformat()}
+            result: dict[str, Any] = ctx.call_tool(task_id=task_id, tool=call.name, args=dict(call.args),
+                                                   decision_id=decision_id)
+            if result.pop("screenshot_png_base64", None) is not None:
+                # The model reads the observation's text (roles, names, refs); the picture stays out of the records.
+                result["screenshot"] = "omitted: the element list above is what to act on"
+            if result.get("status") == "needs_approval" and ctx.ended_by is None:
+                ctx.ended_by = f"wait: approval of {result['action_id']}"
+            return result
+        except WakefulError as exc:
+            return {"error": {"code": exc.code, "message": exc.message}}
+        except (KeyError, ValueError, TypeError) as exc:
+            return {"error": {"code": "invalid_arguments", "message": f"{call.name}: {exc}"}}
+
+
+def _insert(table: Table, row: dict[str, Any], conn: Connection) -> None:
+    conn.execute(table.insert().values(**row))

@@ -1,0 +1,47 @@
+"""Users and their API tokens. Only a token's SHA-256 digest is stored; the token itself is shown once."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Connection, select, update
+
+from wakeful.server.errors import NotFound, Unauthorized
+from wakeful.server.store.ids import new_id, new_token, token_digest
+from wakeful.server.store.tables import users
+
+__all__ = ["authenticate", "ensure_user", "issue_token", "user_id_by_name"]
+
+
+def ensure_user(conn: Connection, *, name: str, now: datetime) -> tuple[str, str | None]:
+    """(user_id, token): the token is new (shown once) only when the user was just created."""
+    existing = conn.execute(select(users.c.id).where(users.c.name == name)).scalar_one_or_none()
+    if existing is not None:
+        return existing, None
+    user_id = new_id("usr")
+    conn.execute(users.insert().values(id=user_id, name=name, created_at=now))
+    return user_id, issue_token(conn, user_id=user_id)
+
+
+def issue_token(conn: Connection, *, user_id: str) -> str:
+    """A fresh token for the user; the old one stops working."""
+    token = new_token()
+    if conn.execute(update(users).where(users.c.id == user_id).values(token_digest=token_digest(token))).rowcount != 1:
+        raise NotFound("unknown_user", f"no user {user_id}")
+    return token
+
+
+def user_id_by_name(conn: Connection, name: str) -> str:
+    user_id = conn.execute(select(users.c.id).where(users.c.name == name)).scalar_one_or_none()
+    if user_id is None:
+        raise NotFound("unknown_user", f"no user named {name!r}; create it with `wakeful user add {name}`")
+    return str(user_id)
+
+
+def authenticate(conn: Connection, token: str | None) -> str:
+    if not token:
+        raise Unauthorized("missing_token", "send `Authorization: Bearer <token>`; `wakeful token` issues one")
+    user_id = conn.execute(select(users.c.id).where(users.c.token_digest == token_digest(token))).scalar_one_or_none()
+    if user_id is None:
+        raise Unauthorized("bad_token", "that token is not valid (it may have been re-issued)")
+    return str(user_id)

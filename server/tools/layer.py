@@ -1,0 +1,239 @@
+"""The tool layer: one tool per declared connector operation, and the only way a proposal reaches the world.
+
+Reads go out at once (through the same HTTP client the egress proxy will sit behind) and come back as
+server-issued object IDs bound to this task version. Writes never go out here: they become immutable actions,
+are admitted (or not) against recorded facts, and leave only through the dispatcher. Arguments naming objects
+accept only IDs this server issued for this task version and kind; anything else is refused as
+`unknown_object` and the refusal is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, Field
+from sqlalchemy import Connection, Engine, and_, select
+
+from wakeful.server.acting import objects
+from wakeful.server.acting.actions import create_action
+from wakeful.server.acting.connectors import (
+    OBJECT_ID_PATTERN,
+    DoneWhen,
+    ObjectParam,
+    Operation,
+    PreparedRequest,
+    Registry,
+    build_request,
+    extract_objects,
+    reconcile_arguments,
+    validate_arguments,
+)
+from wakeful.server.acting.policy import Policy
+from wakeful.server.acting.verdicts import admit_and_record, lock_task, verdict_status
+from wakeful.server.computers.pool import COMPUTER_TOOLS, Computers
+from wakeful.server.core import sessions
+from wakeful.server.core.worker import Binding
+from wakeful.server.egress.dispatch import add_evidence
+from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.errors import BadRequest, Refused, WakefulError
+from wakeful.server.store.clock import Clock
+from wakeful.server.store.db import write
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import GrantPurpose, Outcome, Risk, TaskState, actions, task_versions
+from wakeful.server.tools.computer import ComputerToolLayer
+
+__all__ = ["Completion", "ToolLayer"]
+
+_OBJECT_ID = re.compile(OBJECT_ID_PATTERN)
+
+
+class Verify(BaseModel):
+    model_config = {"extra": "forbid", "frozen": True}
+    read: str
+    """A read tool whose fresh answer shows the goal reached."""
+    with_: dict[str, str] = Field(default_factory=dict, alias="with")
+    """The read's params, filled from the effect's params of the same object."""
+    done_when: DoneWhen
+
+
+class Completion(BaseModel):
+    """One completion condition of a task version: an effect accepted by the remote, optionally verified by a
+    fresh read — external evidence, never the model's word."""
+
+    model_config = {"extra": "forbid", "frozen": True}
+    effect: str
+    verify: Verify | None = None
+
+
+def _request_json(prepared: PreparedRequest) -> dict[str, Any]:
+    return {"method": prepared.method, "url": prepared.url, "headers": dict(prepared.headers),
+            "body": prepared.body.decode() if prepared.body is not None else None,
+            "body_sha256": prepared.body_sha256}
+
+
+class ToolLayer:
+    def __init__(self, engine: Engine, clock: Clock, *, registry: Registry, policy: Policy,
+                 http: ConnectorHTTP | None = None, timeout: float = 10.0) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.registry = registry
+        self.policy = policy
+        self._http = http or ConnectorHTTP(timeout=timeout)
+        self.computers: ComputerToolLayer | None = None
+        """Set when the server runs tool computers (`attach_computers`)."""
+
+    def attach_computers(self, computers: Computers, *, dispatch_now: Callable[[str], None],
+                         notify: Callable[[Binding, str], None]) -> None:
+        self.computers = ComputerToolLayer(self.engine, self.clock, computers=computers, policy=self.policy,
+                                           fence=self._fence, dispatch_now=dispatch_now, notify=notify)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def call(self, binding: Binding, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        if tool in COMPUTER_TOOLS:
+            if self.computers is None:
+                raise WakefulError("tool_computer_unavailable", "this server runs no tool computers")
+            return self.computers.call(binding, tool, dict(args))
+        op = self.registry.operation(tool)
+        if op.internal:
+            raise WakefulError("unknown_tool", f"there is no tool named {tool!r}")
+        try:
+            for name, param in op.params.items():
+                value = args.get(name) if isinstance(args, Mapping) else None
+                if isinstance(param, ObjectParam) and value is not None and (
+                        not isinstance(value, str) or not _OBJECT_ID.fullmatch(value)):
+                    raise objects.UnknownObject(repr(value)[:80], "not an ID this server issues")
+            if op.effect == "read":
+                return self._read(binding, op, args)
+            return self._write(binding, op, args)
+        except (objects.UnknownObject, BadRequest) as refused:
+            with write(self.engine) as conn:
+                objects.record_refusal(conn, user_id=binding.user_id, task_id=binding.task_id, run_id=binding.run_id,
+                                       tool=tool, code=refused.code, detail=refused.message, now=self.clock.now())
+            raise
+
+    # -- shared --------------------------------------------------------------------------------------------------
+
+    def _fence(self, conn: Connection, binding: Binding) -> Any:
+        if binding.token is not None and binding.session_id is not None:
+            sessions.fence(conn, session_id=binding.session_id, token=binding.token)
+        task = lock_task(conn, binding.task_id)
+        if task.user_id != binding.user_id:
+            raise WakefulError("unknown_task", f"no task {binding.task_id} for this user")
+        if task.state != TaskState.ACTIVE.value:
+            raise Refused(task.state, f"the task is {task.state}; nothing is done for it until the user resumes it")
+        return task
+
+    def _resolve(self, conn: Connection, binding: Binding, op: Operation, args: Mapping[str, Any],
+                 version: int) -> dict[str, objects.IssuedObject]:
+        now = self.clock.now()
+        return {name: objects.resolve(conn, args[name], user_id=binding.user_id, task_id=binding.task_id,
+                                      task_version=version, kind=param.kind, now=now)
+                for name, param in op.params.items() if isinstance(param, ObjectParam) and name in args}
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    def _read(self, binding: Binding, op: Operation, args: Mapping[str, Any]) -> dict[str, Any]:
+        valid = validate_arguments(op, args)
+        with write(self.engine) as conn:
+            task = self._fence(conn, binding)
+            resolved = self._resolve(conn, binding, op, valid, task.current_version)
+            prepared = build_request(op, args=valid, resolved={k: o.ref for k, o in resolved.items()},
+                                     idempotency_key=None)
+            grant = self._http.grant(conn, purpose=GrantPurpose.READ, user_id=binding.user_id, task_id=task.id,
+                                     tool=op.tool_name, method=prepared.method, url=prepared.url,
+                                     body_sha256=prepared.body_sha256,
+                                     credential=self.registry.connectors[op.connector].credential,
+                                     now=self.clock.now())
+        try:
+            response = self._http.request(prepared.method, prepared.url, headers={**dict(prepared.headers), **grant},
+                                          content=prepared.body)
+        except httpx.HTTPError as exc:
+            raise WakefulError("remote_unreachable", f"{op.tool_name}: {type(exc).__name__}: {exc}") from None
+        if not response.is_success:
+            raise WakefulError("remote_error", f"{op.tool_name}: the remote answered HTTP {response.status_code}",
+                               status_code=response.status_code)
+        body = response.json()
+        now = self.clock.now()
+        with write(self.engine) as conn:
+            task = self._fence(conn, binding)
+            issued = []
+            for found in extract_objects(op, body):
+                object_id = objects.mint(conn, user_id=binding.user_id, task_id=binding.task_id,
+                                         task_version=task.current_version, kind=found.kind, connector=op.connector,
+                                         ref=found.ref, operation=op.tool_name, snapshot=found.snapshot, now=now,
+                                         ttl=self.policy.object_ttl)
+                issued.append({"id": object_id, "kind": found.kind, **found.snapshot})
+            add_evidence(conn, action=None, task_id=binding.task_id, attempt_id=None, source="read",
+                         verdict=Outcome.ACCEPTED, now=now,
+                         observed={"tool": op.tool_name, "request": _request_json(prepared),
+                                   "status_code": response.status_code, "objects": issued})
+        return {"objects": issued}
+
+    # -- writes ----------------------------------------------------------------------------------------------
+
+    def _write(self, binding: Binding, op: Operation, args: Mapping[str, Any]) -> dict[str, Any]:
+        valid = validate_arguments(op, args)
+        now = self.clock.now()
+        with write(self.engine) as conn:
+            task = self._fence(conn, binding)
+            if binding.decision_id is not None:
+                existing = conn.execute(select(actions.c.id).where(and_(
+                    actions.c.decision_id == binding.decision_id, actions.c.user_id == binding.user_id,
+                    actions.c.task_id == binding.task_id))).scalar_one_or_none()
+                if existing is not None:  # a replayed decision: the action exists already, never a second one
+                    return self._status(conn, existing)
+            resolved = self._resolve(conn, binding, op, valid, task.current_version)
+            version = conn.execute(select(task_versions).where(and_(
+                task_versions.c.task_id == task.id, task_versions.c.version == task.current_version))).one()
+            content, amount, currency = self._content(op, valid, resolved, version)
+            action = create_action(conn, user_id=binding.user_id, task_id=task.id, task_version=task.current_version,
+                                   run_id=binding.run_id, tool=op.tool_name, content=content,
+                                   risk=op.risk or Risk.ASK.value, amount_cents=amount, currency=currency, now=now,
+                                   decision_id=binding.decision_id)
+            admit_and_record(conn, action, policy=self.policy, now=now, session_id=task.session_id)
+            return self._status(conn, action.id)
+
+    def _content(self, op: Operation, args: dict[str, Any], resolved: dict[str, objects.IssuedObject],
+                 version: Any) -> tuple[dict[str, Any], int | None, str | None]:
+        key = new_id("idem")
+        refs = {name: obj.ref for name, obj in resolved.items()}
+        prepared = build_request(op, args=args, resolved=refs, idempotency_key=key)
+        amount = currency = None
+        if op.amount is not None and op.amount.from_object in resolved:
+            snapshot = resolved[op.amount.from_object].snapshot
+            raw_amount, raw_currency = snapshot.get(op.amount.field), snapshot.get(op.amount.currency_field)
+            amount = raw_amount if isinstance(raw_amount, int) else None
+            currency = raw_currency if isinstance(raw_currency, str) else None
+        reconciler = self.registry.reconciler(op)
+        r_args = reconcile_arguments(op, args=args, idempotency_key=key)
+        r_request = build_request(reconciler, args=r_args, idempotency_key=None,
+                                  resolved={n: refs[n] for n, v in r_args.items() if n in refs})
+        content: dict[str, Any] = {
+            "tool": op.tool_name, "connector": op.connector, "description": op.description,
+            "credential": self.registry.connectors[op.connector].credential,
+            "task_version": version.version, "args": args,
+            "objects": {name: obj.id for name, obj in resolved.items()}, "refs": refs,
+            "snapshots": {name: obj.snapshot for name, obj in resolved.items()},
+            "request": _request_json(prepared), "idempotency_key": key, "idempotency_header": op.idempotency_header,
+            "reconcile": {"request": _request_json(r_request),
+                          "done_when": op.reconcile.done_when.model_dump() if op.reconcile else None},
+            "constraints": json.loads(version.constraints),
+        }
+        for condition in (Completion.model_validate(c) for c in json.loads(version.completion)):
+            if condition.effect == op.tool_name and condition.verify is not None:
+                read_op = self.registry.operation(condition.verify.read)
+                v_args = {theirs: args[ours] for theirs, ours in condition.verify.with_.items() if ours in args}
+                v_request = build_request(read_op, args=v_args, idempotency_key=None,
+                                          resolved={n: refs[n] for n in v_args if n in refs})
+                content["verify"] = {"request": _request_json(v_request),
+                                     "done_when": condition.verify.done_when.model_dump()}
+        return content, amount, currency
+
+    def _status(self, conn: Connection, action_id: str) -> dict[str, Any]:
+        return verdict_status(conn, action_id)

@@ -1,0 +1,81 @@
+"""The rooms of `wakeful.server` import only from the rooms below them, and `vm`/`proxy` never import the server.
+
+The table is the one in `server/__init__.py`'s docstring; imports under `if TYPE_CHECKING:` count too (a type
+that crosses a layer upward is a design smell even when it costs nothing at run time).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SHARED = {"errors", "settings"}
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "settings": set(),
+    "store": set(),
+    "core": {"store"},
+    "acting": {"store", "core"},
+    "computers": {"store", "vm"},
+    "egress": {"store", "core", "acting", "computers", "vm", "proxy"},
+    "tools": {"store", "core", "acting", "computers", "egress", "vm"},
+    "harness": {"store", "core", "acting", "computers", "egress", "tools", "vm"},
+    "runtime": {"store", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
+    "faces": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy"},
+}
+
+
+def _room(module: str) -> str:
+    """`wakeful.server.core.worker` → `core`; `wakeful.vm.x` → `vm`; the server's front door is `server`."""
+    parts = module.split(".")
+    if parts[1] != "server":
+        return parts[1]
+    return parts[2] if len(parts) > 2 else "server"
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("wakeful."):
+            if node.module == "wakeful.server":  # the front door, or a room named as a module
+                found |= {f"wakeful.server.{alias.name}" for alias in node.names}
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("wakeful.")}
+    return found
+
+
+def _modules(top: str) -> list[Path]:
+    return sorted(p for p in (ROOT / top).rglob("*.py") if "migrations" not in p.parts)
+
+
+def _room_of(path: Path) -> str:
+    rel = path.relative_to(ROOT / "server").parts
+    return rel[0] if len(rel) > 1 else rel[0].removesuffix(".py")
+
+
+@pytest.mark.parametrize("path", _modules("server"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_server_module_imports_only_from_the_rooms_below_its_own(path: Path) -> None:
+    room = _room_of(path)
+    if room in {"__init__", "__main__"}:
+        return
+    allowed = ALLOWED[room] | SHARED | {room}
+    upward = sorted(m for m in _imports(path) if _room(m) not in allowed)
+    assert not upward, f"{path.relative_to(ROOT)} ({room}) imports from a room above it: {upward}"
+
+
+@pytest.mark.parametrize("top", ["vm", "proxy"])
+def test_the_vm_and_proxy_layers_never_import_the_server(top: str) -> None:
+    offending = {str(p.relative_to(ROOT)): sorted(m for m in _imports(p) if _room(m) in ALLOWED or m.startswith(
+        "wakeful.server")) for p in _modules(top)}
+    assert not {k: v for k, v in offending.items() if v}
+
+
+def test_every_room_of_the_server_is_in_the_table() -> None:
+    rooms = {_room_of(p) for p in _modules("server")} - {"__init__", "__main__"}
+    assert rooms == set(ALLOWED)
