@@ -1,13 +1,17 @@
 """Handoff state: one-time links to a user's tool computer, the live sessions they become, and when each ends.
 
-A token is good once; the session id that replaces it is random, held only in memory, and dies with the lease (or
-when the view-only link expires). The page and the websocket bridge that use it are `server.faces.liveview`.
+A token is good once. Redeeming it makes a live session with two secrets, both random and held only in memory (as
+digests): the session id, which names it in URLs, and a binder, which only the browser that redeemed the link holds
+(in a cookie). Every later request must show both, so a leaked link or page URL is worthless after its first use.
+A session dies with the lease (or when the view-only link expires). The page and the websocket bridge that use it
+are `server.faces.liveview`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import secrets
 import threading
 from dataclasses import dataclass
@@ -35,6 +39,8 @@ class LiveSession:
     """When a view-only link (and the session it became) expires; None for a handoff, which its lease bounds."""
     lease_id: str | None = None
     """The handoff lease this session holds the screen under (known once the link is redeemed)."""
+    binder_sha256: str | None = None
+    """The digest of the binder given to the browser that redeemed the link (known once it is redeemed)."""
 
     @property
     def view_only(self) -> bool:
@@ -67,8 +73,9 @@ class LiveViews:
             self._tokens[_digest(token)] = LiveSession(user_id=user_id, view_until=now + ttl)
         return token, now + ttl
 
-    def redeem(self, token: str) -> str | None:
-        """A session id for a valid, unused token; None otherwise (unknown, used, expired, control returned)."""
+    def redeem(self, token: str) -> tuple[str, str] | None:
+        """A session id and its binder for a valid, unused token; None otherwise (unknown, used, expired, control
+        returned). The binder goes to the redeeming browser alone."""
         from wakeful.vm.observe import Accepted
 
         with self._lock:
@@ -84,17 +91,17 @@ class LiveViews:
             if not isinstance(tc.redeem_handoff(token), Accepted) or tc.lease is None:
                 return None
             found = dataclasses.replace(offered, lease_id=tc.lease.lease_id)
-        session = secrets.token_urlsafe(32)
+        session, binder = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         with self._lock:
-            self._sessions[session] = found
-        return session
+            self._sessions[session] = dataclasses.replace(found, binder_sha256=_digest(binder))
+        return session, binder
 
-    def live(self, session: str) -> LiveSession | None:
-        """The session while it lasts: a handoff's while its lease is the one in force, a view-only one until its
-        link expires. One that ended is forgotten."""
+    def live(self, session: str, binder: str | None) -> LiveSession | None:
+        """The session while it lasts, to the browser holding its binder: a handoff's while its lease is the one in
+        force, a view-only one until its link expires. One that ended is forgotten."""
         with self._lock:
             found = self._sessions.get(session)
-        if found is None:
+        if found is None or binder is None or not hmac.compare_digest(found.binder_sha256 or "", _digest(binder)):
             return None
         if found.view_until is not None:
             ended = self._clock.now() >= found.view_until
@@ -107,9 +114,9 @@ class LiveViews:
             return None
         return found
 
-    def give_back(self, session: str) -> int | None:
+    def give_back(self, session: str, binder: str | None) -> int | None:
         """Ends a handoff session and returns control (the new epoch); None if there is no control to return."""
-        found = self.live(session)
+        found = self.live(session, binder)
         if found is None or found.view_only:
             return None
         with self._lock:

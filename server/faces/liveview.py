@@ -8,14 +8,15 @@
   input; the page does not even send it.
 
     POST /v1/live/view                a view-only link (bearer token; body {"minutes": 1..120}, default 15)
-    GET  /v1/live/{token}             redeems a one-time token → redirect to the session
+    GET  /v1/live/{token}             redeems a one-time token → redirect to the session, with its binder cookie
     GET  /v1/live/s/{session}         the page: the guest's screen (and, with control, a "Return control" button)
     WS   /v1/live/s/{session}/ws      RFB bytes both ways (noVNC's "binary" websocket)
     POST /v1/live/s/{session}/return  hands the screen back: the lease ends, the epoch moves, the agent re-observes
 
-A token is good once; the session id that replaces it is random, held only in memory, and dies with the lease (or
-when the view-only link expires): an open websocket is closed within a second of that. While a page is connected
-the VM counts as busy (`live_view`), so the idle reaper leaves it running.
+A token is good once; the session it becomes answers only the browser that redeemed it (its binder cookie, see
+`server.computers.handoff`), and dies with the lease (or when the view-only link expires): an open websocket is
+closed within a second of that. The websocket and the return form must come from this server's own page (`Origin`).
+While a page is connected the VM counts as busy (`live_view`), so the idle reaper leaves it running.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, Body, Depends, HTTPException, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import HTMLResponse, RedirectResponse
+from starlette.datastructures import URL
 
 from wakeful.server.computers.handoff import CONTROL_VNC_PORT, VIEW_MINUTES, VIEW_VNC_PORT, LiveViews
 from wakeful.server.errors import WakefulError
 from wakeful.server.faces.auth import current_user
 
-__all__ = ["live_router"]
+__all__ = ["COOKIE", "live_router"]
+
+COOKIE = "wakeful_live"
+"""Holds a live session's binder: only the browser that redeemed the link has it."""
 
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>wakeful: your tool computer</title>
@@ -54,6 +59,15 @@ rfb.addEventListener("disconnect", () => document.getElementById("status").textC
 </script></body></html>
 """
 _RETURN = ('<form method="post" action="/v1/live/s/{session}/return"><button>Return control</button></form>')
+
+
+def _same_origin(origin: str | None, url: URL, *, required: bool) -> bool:
+    """Whether a browser request came from a page of this server: its `Origin` is this URL's scheme and host.
+    Browsers always send it on websockets; on a form POST an older browser may leave it out."""
+    if origin is None:
+        return not required
+    scheme = {"ws": "http", "wss": "https"}.get(url.scheme, url.scheme)
+    return origin == f"{scheme}://{url.netloc}"
 
 
 def _page(session: str, view_only: bool) -> str:
@@ -77,23 +91,32 @@ def live_router(views: LiveViews) -> APIRouter:
                 "expires_at": expires_at.isoformat()}
 
     @router.get("/v1/live/{token}")
-    async def redeem(token: str) -> RedirectResponse:
-        session = await anyio.to_thread.run_sync(views.redeem, token)
-        if session is None:
+    async def redeem(request: Request, token: str) -> RedirectResponse:
+        redeemed = await anyio.to_thread.run_sync(views.redeem, token)
+        if redeemed is None:
             raise HTTPException(410, "this link was used already, or it expired, or the handoff ended")
-        return RedirectResponse(f"/v1/live/s/{session}", status_code=303)
+        session, binder = redeemed
+        response = RedirectResponse(f"/v1/live/s/{session}", status_code=303)
+        # Lax, not Strict: the link is opened from a mail or chat (another site), and the redirect that follows
+        # must carry the cookie; a cross-site POST or websocket does not get it.
+        response.set_cookie(COOKIE, binder, path=f"/v1/live/s/{session}", httponly=True, samesite="lax",
+                            secure=request.url.scheme == "https")
+        return response
 
     @router.get("/v1/live/s/{session}")
-    async def page(session: str) -> HTMLResponse:
-        found = await anyio.to_thread.run_sync(views.live, session)
+    async def page(request: Request, session: str) -> HTMLResponse:
+        found = await anyio.to_thread.run_sync(views.live, session, request.cookies.get(COOKIE))
         if found is None:
-            raise HTTPException(410, "this live view ended (control is back with the agent, or the link expired)")
+            raise HTTPException(410, "this live view ended (control is back with the agent, or the link expired), "
+                                     "or it was opened in another browser than the one that used the link")
         return HTMLResponse(_page(session, found.view_only),
                             headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
     @router.post("/v1/live/s/{session}/return")
-    async def give_back(session: str) -> HTMLResponse:
-        epoch = await anyio.to_thread.run_sync(views.give_back, session)
+    async def give_back(request: Request, session: str) -> HTMLResponse:
+        if not _same_origin(request.headers.get("origin"), request.url, required=False):
+            raise HTTPException(403, "control is returned from the live view's own page")
+        epoch = await anyio.to_thread.run_sync(views.give_back, session, request.cookies.get(COOKIE))
         if epoch is None:
             raise HTTPException(410, "there is no control to return: the handoff had ended, or this view is "
                                      "view only")
@@ -101,7 +124,11 @@ def live_router(views: LiveViews) -> APIRouter:
 
     @router.websocket("/v1/live/s/{session}/ws")
     async def bridge(websocket: WebSocket, session: str) -> None:
-        found = await anyio.to_thread.run_sync(views.live, session)
+        if not _same_origin(websocket.headers.get("origin"), websocket.url, required=True):
+            await websocket.close(code=4403)  # a page on another site (or no browser at all) opened this socket
+            return
+        binder = websocket.cookies.get(COOKIE)
+        found = await anyio.to_thread.run_sync(views.live, session, binder)
         if found is None:
             await websocket.close(code=4410)
             return
@@ -115,7 +142,7 @@ def live_router(views: LiveViews) -> APIRouter:
         wanted = websocket.headers.get("sec-websocket-protocol", "")
         await websocket.accept(subprotocol="binary" if "binary" in wanted else None)
         with views.computers.activity(found.user_id, "live_view"):
-            await _pump(websocket, port, lambda: views.live(session) is not None)
+            await _pump(websocket, port, lambda: views.live(session, binder) is not None)
 
     return router
 

@@ -296,7 +296,7 @@ def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_
         assert page.status_code == 200 and "Return control" in page.text and "/novnc/core/rfb.js" in page.text
         assert "rfb.viewOnly = false" in page.text
         assert client.get("/novnc/core/rfb.js").status_code == 200
-        with client.websocket_connect(f"{session_path}/ws", subprotocols=["binary"]) as ws:
+        with client.websocket_connect(f"{session_path}/ws", subprotocols=["binary"], headers=ORIGIN) as ws:
             assert ws.receive_bytes() == b"RFB 003.008\n"
             ws.send_bytes(b"RFB 003.008\n")
             with pytest.raises(Refused) as refused:
@@ -311,6 +311,52 @@ def test_the_live_view_link_works_once_bridges_the_screen_and_returning_control_
     assert computers.tc.lease is None
     seen = runtime.tools.call(binding, "computer__observe", {})
     assert seen["epoch"] > before  # control came back: a new epoch, observed afresh
+
+
+ORIGIN = {"origin": "http://testserver"}
+"""What a browser showing the live view's page on this server sends with its websocket."""
+
+
+def test_a_leaked_live_view_url_is_worthless_in_any_browser_but_the_one_that_used_the_link(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings, vnc: dict[int, FakeVnc]) -> None:
+    runtime, computers, task_id = setup
+    runtime.tools.call(Binding(user_id=_owner(runtime), task_id=task_id), "computer__request_handoff",
+                       {"reason": "a login"})
+    (link,) = [m["link"] for m in messages(runtime.engine) if m.get("kind") == "handoff"]
+    with TestClient(create_app(runtime, manage_runtime=False)) as client:
+        session_path = client.get(link.split(str(settings.port), 1)[1], follow_redirects=False).headers["location"]
+        users_cookies = dict(client.cookies)
+        client.cookies.clear()  # from here on, another browser that got hold of the URL
+        assert client.get(session_path).status_code == 410
+        assert client.post(f"{session_path}/return").status_code == 410
+        with pytest.raises(WebSocketDisconnect) as closed, \
+                client.websocket_connect(f"{session_path}/ws", headers=ORIGIN) as ws:
+            ws.receive_bytes()
+        assert closed.value.code == 4410
+        assert computers.tc.lease is not None, "the stranger took nothing from the user"
+        assert vnc[CONTROL_VNC_PORT].connections == 0
+        client.cookies.update(users_cookies)
+        assert client.get(session_path).status_code == 200
+
+
+@pytest.mark.parametrize("origin", [{"origin": "http://evil.example"}, {"origin": "null"}, {}],
+                         ids=["another site", "an opaque origin", "no browser"])
+def test_the_live_view_websocket_refuses_a_page_that_is_not_the_servers_own(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings, vnc: dict[int, FakeVnc],
+        origin: dict[str, str]) -> None:
+    runtime, _, task_id = setup
+    runtime.tools.call(Binding(user_id=_owner(runtime), task_id=task_id), "computer__request_handoff",
+                       {"reason": "a login"})
+    (link,) = [m["link"] for m in messages(runtime.engine) if m.get("kind") == "handoff"]
+    with TestClient(create_app(runtime, manage_runtime=False)) as client:
+        session_path = client.get(link.split(str(settings.port), 1)[1], follow_redirects=False).headers["location"]
+        with pytest.raises(WebSocketDisconnect) as closed, \
+                client.websocket_connect(f"{session_path}/ws", headers=origin) as ws:
+            ws.receive_bytes()
+        assert closed.value.code == 4403
+        assert client.post(f"{session_path}/return", headers={"origin": "http://evil.example"}).status_code == 403
+        assert client.get(session_path).status_code == 200, "the refusals ended nothing"
+    assert vnc[CONTROL_VNC_PORT].connections == 0
 
 
 def _token(runtime: Runtime) -> str:
@@ -337,7 +383,7 @@ def test_a_view_only_link_shows_the_screen_from_the_view_only_server_and_takes_n
         page = client.get(session_path)
         assert page.status_code == 200 and "view only" in page.text and "rfb.viewOnly = true" in page.text
         assert "Return control" not in page.text
-        with client.websocket_connect(f"{session_path}/ws", subprotocols=["binary"]) as ws:
+        with client.websocket_connect(f"{session_path}/ws", subprotocols=["binary"], headers=ORIGIN) as ws:
             assert ws.receive_bytes() == b"RFB 003.008\n"
             ws.send_bytes(b"RFB 003.008\n")
             # Watching takes nothing from the agent: no lease, and its acts go on.
