@@ -1,0 +1,88 @@
+"""JSON from outside, parsed within bounds: depth, number length and duplicate keys are checked as the text is read,
+so a hostile body (50,000 levels of nesting, a 5,000-digit integer, `NaN`, two values for one key) is a 400 with a
+stable code instead of a `RecursionError` or a `ValueError` deep in the parser.
+
+The size is bounded before this is called (the caller reads at most `max_body_bytes`). The depth is measured on the
+raw text with one regular expression (strings skipped), before `json.loads` could recurse on it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+from wakeful.server.errors import BadRequest
+
+__all__ = ["JsonLimits", "loads"]
+
+# A JSON string (with its escapes), or one bracket. Everything else cannot change the depth.
+_TOKENS: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonLimits:
+    max_depth: int = 64
+    """Arrays and objects nested deeper than this are refused (`json_too_deep`)."""
+    max_number_chars: int = 64
+    """A number written with more characters than this is refused (`number_too_long`)."""
+
+
+def loads(raw: bytes, limits: JsonLimits = JsonLimits()) -> Any:
+    """The JSON value in `raw` (UTF-8), or BadRequest with one of: `malformed_body`, `json_too_deep`,
+    `number_too_long`, `duplicate_key`."""
+    _check_depth(raw, limits.max_depth)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("malformed_body", "the body is not UTF-8") from None
+    try:
+        return json.loads(text, parse_int=_number(int, limits), parse_float=_number(float, limits),
+                          parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+    except _Refused as exc:
+        raise BadRequest(exc.code, exc.message) from None
+    except (json.JSONDecodeError, ValueError, RecursionError):
+        raise BadRequest("malformed_body", "the body is not valid JSON") from None
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _check_depth(raw: bytes, max_depth: int) -> None:
+    depth = 0
+    for token in _TOKENS.finditer(raw):
+        first = token.group()[:1]
+        if first in (b"[", b"{"):
+            depth += 1
+            if depth > max_depth:
+                raise BadRequest("json_too_deep", f"the body nests arrays and objects deeper than {max_depth} levels")
+        elif first in (b"]", b"}"):
+            depth -= 1
+
+
+def _number(kind: type, limits: JsonLimits) -> Any:
+    def parse(text: str) -> Any:
+        if len(text) > limits.max_number_chars:
+            raise _Refused("number_too_long", f"a number in the body is longer than {limits.max_number_chars} "
+                                              "characters")
+        return kind(text)
+
+    return parse
+
+
+def _no_constant(name: str) -> Any:
+    raise _Refused("malformed_body", f"{name} is not JSON")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:  # which one wins differs between parsers: the sender's meaning is unclear, so refuse
+            raise _Refused("duplicate_key", f"the key {key!r} appears twice in one object")
+        result[key] = value
+    return result
