@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +20,8 @@ from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
 
 
 def test_every_setting_is_documented_with_its_environment_variable() -> None:
@@ -80,3 +83,31 @@ def test_the_http_api_doc_lists_every_route_the_app_serves_and_no_other(tmp_path
     documented = _documented_routes()
     assert not served - documented, f"served but not in docs/http-api.md: {sorted(served - documented)}"
     assert not documented - served, f"in docs/http-api.md but not served: {sorted(documented - served)}"
+
+
+USER_DOCS = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), ROOT / "infra" / "README.md",
+             ROOT / "policies" / "README.md", ROOT / "images" / "README.md"]
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_in_the_docs_leads_to_a_file_inside_the_repository(doc: Path) -> None:
+    """The docs are read in a clone or from the package's README: a link that leaves the repository (a sibling
+    folder, a web page) is one a reader cannot follow or that can change under them."""
+    for target in MARKDOWN_LINK.findall(doc.read_text()):
+        assert not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I), f"{doc.name}: {target} leaves the repository"
+        path = (doc.parent / target.split("#", 1)[0]).resolve()
+        assert path.is_relative_to(ROOT), f"{doc.name}: {target} points outside the repository"
+        assert path.exists(), f"{doc.name}: {target} does not exist"
+
+
+def test_the_acceleration_probe_command_in_the_infra_notes_runs(tmp_path: Path) -> None:
+    shown = re.search(r"`python -m (wakeful\.vm\.accel) --kernel <vmlinux>`", (ROOT / "infra" / "README.md")
+                      .read_text())
+    assert shown, "infra/README.md no longer shows the probe command"
+    kernel = tmp_path / "vmlinux"
+    kernel.write_bytes(b"not a kernel: --force skips the boot")
+    result = subprocess.run([sys.executable, "-m", shown.group(1), "--kernel", str(kernel), "--force", "tcg",
+                             "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "tcg (forced by setting)"
