@@ -148,12 +148,14 @@ def error_response(exc: BaseException) -> JSONResponse:
         except ValueError:
             phrase = "error"
         code = re.sub(r"[^a-z0-9]+", "_", phrase.lower()).strip("_")
-        if status == 404:
+        if exc.detail != phrase:  # someone said why
+            message = str(exc.detail)
+        elif status == 404:
             message = "nothing is served at this path (docs/http-api.md lists the routes)"
         elif status == 405:
             message = f"this path does not take that method; it takes {(headers or {}).get('Allow', 'others')}"
         else:
-            message = str(exc.detail)
+            message = phrase
         error = WakefulError(code, message)
     else:
         error, status = WakefulError("internal_error", "the server failed to answer; the error is in its log"), 500
