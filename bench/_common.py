@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
-ROOT = BENCH_DIR.parent  # the repository root (bench/admission.py imports the test simulators from it)
+ROOT = BENCH_DIR.parent  # the repository root
 RESULTS_DIR = BENCH_DIR / "results"
 PYTHON = Path(sys.executable)
 WAKEFUL = PYTHON.parent / "wakeful"  # the console script beside the interpreter: run the scripts with .venv/bin/python

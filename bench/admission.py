@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,9 +20,6 @@ from pathlib import Path
 from _common import ROOT, Row, Table, bench_args, fmt_ms, percentile, print_and_save, reproduce
 from sqlalchemy import select, text
 
-sys.path.insert(0, str(ROOT))  # the hotel simulator lives with the tests
-
-from tests.sims import create_hotel, serve
 from wakeful.server.acting.connectors import load_connectors
 from wakeful.server.acting.policy import AutoRule, Policy
 from wakeful.server.core import control, sessions
@@ -32,6 +28,7 @@ from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel
 from wakeful.server.harness.wake import Harness
 from wakeful.server.runtime import Runtime, load_registry
 from wakeful.server.settings import Settings
+from wakeful.server.sims import create_hotel, serve
 from wakeful.server.store import users
 from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import make_engine, migrate, read, write

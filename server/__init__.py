@@ -8,7 +8,9 @@
     tools      the agent's tools (implements core's `Tools`)                     + egress
     harness    context, model, the run (implements core's `RunHandler`), replay  + tools
     runtime    the one place that wires them into a running server               + harness
-    faces      HTTP, MCP, the command line, the demo                             + runtime
+    faces      HTTP, MCP, the command line, the demo                             + runtime, sims
+
+    sims       simulated merchant, airline, hotel: the demo's and tests' outside world  imports nothing of the server
 
 A room imports only from the rooms above it (`tests/unit/test_layers.py` holds it to this table); `errors` and
 `settings` are shared by all. The front door below is what an embedding program needs.

@@ -5,8 +5,8 @@ and a stock kernel never reaches userspace under it. So the probe boots the give
 no root device: a working KVM panics with "VFS: Cannot open root device" within seconds; otherwise we use TCG.
 The answer is cached per (kernel, host) in the data directory; `force` skips the probe.
 
-    python -m vm.accel --kernel /path/to/vmlinux [--data-dir DIR] [--force kvm|tcg]
-    python -m vm.accel --cached-only            # print a cached answer for this host, if there is one
+    python -m wakeful.vm.accel --kernel /path/to/vmlinux [--data-dir DIR] [--force kvm|tcg]
+    python -m wakeful.vm.accel --cached-only            # print a cached answer for this host, if there is one
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def _default_data_dir() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vm.accel", description="Probe KVM vs TCG for tool computers.")
+    parser = argparse.ArgumentParser(prog="python -m wakeful.vm.accel",
+                                     description="Probe KVM vs TCG for tool computers.")
     parser.add_argument("--kernel", type=Path)
     parser.add_argument("--data-dir", type=Path, default=_default_data_dir())
     parser.add_argument("--force", choices=[a.value for a in Accel])

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from importlib.resources import files
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,7 +58,8 @@ __all__ = [
     "make_manifest",
 ]
 
-DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "images" / "guest"
+# The recipe ships as package data (`images/guest` in a checkout): an installed package is a folder on disk.
+DEFAULT_RECIPE = Path(str(files("wakeful.images") / "guest"))
 MANIFEST_FORMAT = 1
 OUTPUT_FILES = {"base.qcow2": 0o444, "vmlinuz": 0o644, "vmlinux": 0o644, "initrd.img": 0o644}
 

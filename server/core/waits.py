@@ -2,6 +2,10 @@
 
     pending ──► satisfied | timed_out | cancelled        (terminal states are final)
 
+`resolve` is the one guarded transition (`UPDATE … WHERE id = :id AND state = 'pending'`): it raises
+`wait_terminal` when the wait had already ended, and changes nothing then. `cancel`, `settle` and `expire_due` go
+through the same guarded UPDATE; the inbox satisfies a wait with its own (it sits below this module).
+
 An event whose correlation key equals a pending wait's match key satisfies it and wakes its session (see
 `server.inbox`); one matching only a terminal wait is recorded as late and wakes nothing. Registration locks the
 session first and looks for an answer that arrived before the wait existed, so an early answer is not lost.
@@ -11,14 +15,16 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Connection, and_, select, update
+from sqlalchemy import ColumnElement, Connection, and_, select, update
 
 from wakeful.server.core import inbox, sessions
 from wakeful.server.errors import Conflict
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import EventKind, EventStatus, WaitState, events, waits
 
-__all__ = ["cancel", "expire_due", "register", "settle"]
+__all__ = ["TERMINAL", "cancel", "expire_due", "register", "resolve", "settle"]
+
+TERMINAL = frozenset({WaitState.SATISFIED, WaitState.TIMED_OUT, WaitState.CANCELLED})
 
 
 def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str,
@@ -54,20 +60,30 @@ def register(conn: Connection, *, user_id: str, session_id: str, match_key: str,
     return wait_id
 
 
-def cancel(conn: Connection, *, wait_id: str, now: datetime) -> bool:
-    return conn.execute(
-        update(waits).where(and_(waits.c.id == wait_id, waits.c.state == WaitState.PENDING.value))
-        .values(state=WaitState.CANCELLED.value, resolved_at=now)
-    ).rowcount == 1
+def _end_pending(conn: Connection, *which: ColumnElement[bool], to: WaitState, now: datetime) -> int:
+    """The guarded UPDATE every transition is: only a pending wait moves, and only to a terminal state."""
+    if to not in TERMINAL:
+        raise ValueError(f"a wait only ever moves to a terminal state, not {to}")
+    return conn.execute(update(waits).where(and_(*which, waits.c.state == WaitState.PENDING.value))
+                        .values(state=to.value, resolved_at=now)).rowcount
+
+
+def resolve(conn: Connection, *, wait_id: str, to: WaitState, now: datetime) -> None:
+    """pending → `to`; raises `wait_terminal` (and changes nothing) if the wait had already ended."""
+    if _end_pending(conn, waits.c.id == wait_id, to=to, now=now) != 1:
+        raise Conflict("wait_terminal", f"wait {wait_id} is not pending: a wait that ended stays ended",
+                       wait_id=wait_id)
+
+
+def cancel(conn: Connection, *, wait_id: str, now: datetime) -> None:
+    """pending → cancelled; raises `wait_terminal` if the wait had already ended."""
+    resolve(conn, wait_id=wait_id, to=WaitState.CANCELLED, now=now)
 
 
 def settle(conn: Connection, *, user_id: str, match_key: str, now: datetime) -> bool:
     """Mark the pending wait with this key satisfied (the answer came by another way); False if none was pending."""
-    return conn.execute(
-        update(waits).where(and_(waits.c.user_id == user_id, waits.c.match_key == match_key,
-                                 waits.c.state == WaitState.PENDING.value))
-        .values(state=WaitState.SATISFIED.value, resolved_at=now)
-    ).rowcount == 1
+    return _end_pending(conn, waits.c.user_id == user_id, waits.c.match_key == match_key,
+                        to=WaitState.SATISFIED, now=now) == 1
 
 
 def expire_due(conn: Connection, *, now: datetime, limit: int = 500) -> int:
@@ -78,11 +94,7 @@ def expire_due(conn: Connection, *, now: datetime, limit: int = 500) -> int:
         .limit(limit)
     ).all()
     for w in due:
-        moved = conn.execute(
-            update(waits).where(and_(waits.c.id == w.id, waits.c.state == WaitState.PENDING.value))
-            .values(state=WaitState.TIMED_OUT.value, resolved_at=now)
-        ).rowcount
-        if moved == 1:
+        if _end_pending(conn, waits.c.id == w.id, to=WaitState.TIMED_OUT, now=now) == 1:
             inbox.record(conn, inbox.Delivery(
                 user_id=w.user_id, source="wait", source_id=f"{w.id}:timed_out", kind=EventKind.WAIT_TIMEOUT,
                 trust="system", session_id=w.session_id, payload={"wait_id": w.id, "match_key": w.match_key},

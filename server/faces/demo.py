@@ -3,17 +3,22 @@
 One process, one SQLite file, the merchant simulator on loopback, and a scripted model in place of a real one.
 The merchant commits the cancellation and then drops the response, so the ledger shows the whole arc: request
 received → approval → attempt persisted → outcome unknown → reconciled → verified by a fresh read → receipt.
+
+The records go to `--data-dir` (or `WAKEFUL_DATA_DIR`) when one is given, so they can be read afterwards with the
+other commands; otherwise to a temporary folder removed at the end. Each run is a new delegation in the same
+database: a directory used before holds the earlier runs' records beside the new one. Everything it needs ships
+with the package (the simulator in `wakeful.server.sims`, the connector declarations in `wakeful.policies`).
 """
 
 from __future__ import annotations
 
-import sys
+import os
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from importlib.resources import files
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import and_, select
 
@@ -22,13 +27,15 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import RunContext
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
+from wakeful.server.sims import Merchant, create_merchant, serve
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import OutboxState, outbox, verdicts
+from wakeful.server.store.tables import OutboxState, actions, outbox, verdicts
 from wakeful.server.store.users import ensure_user
 
 __all__ = ["SubscriptionAgent", "run_demo"]
 
-CHECKOUT = Path(__file__).resolve().parents[2]
+# The example connector declarations ship as package data: an installed package is a folder on disk.
+EXAMPLE_POLICIES = Path(str(files("wakeful.policies")))
 
 COMPLETION = [{"effect": "merchant__cancel_renewal",
                "verify": {"read": "merchant__get_subscription", "with": {"subscription": "subscription"},
@@ -70,22 +77,28 @@ def _wait_for(what: str, predicate: Callable[[], bool], timeout: float = 60.0) -
 
 
 @contextmanager
-def _merchant() -> Iterator[tuple[str, Any]]:
-    if not (CHECKOUT / "tests" / "sims").is_dir():
-        raise SystemExit("wakeful demo needs the source checkout (its merchant simulator lives in tests/sims)")
-    sys.path.insert(0, str(CHECKOUT))
-    from tests.sims import create_merchant, serve
-
+def _merchant() -> Iterator[tuple[str, Merchant]]:
     app, merchant = create_merchant()
     with serve(app) as url:
         yield url, merchant
 
 
+@contextmanager
+def _data_dir(given: Path | None) -> Iterator[Path]:
+    """`--data-dir`, else `WAKEFUL_DATA_DIR`, else a temporary folder that goes when the demo ends."""
+    named = given or (Path(os.environ["WAKEFUL_DATA_DIR"]) if os.environ.get("WAKEFUL_DATA_DIR") else None)
+    if named is not None:
+        yield named
+        return
+    with tempfile.TemporaryDirectory(prefix="wakeful-demo-") as tmp:
+        yield Path(tmp)
+
+
 def run_demo(data_dir: Path | None = None, out: Callable[[str], None] = print) -> int:
     """Run the demo; returns how many cancellations the merchant's own records hold (1 is right)."""
-    with _merchant() as (url, merchant), tempfile.TemporaryDirectory() as tmp:
+    with _merchant() as (url, merchant), _data_dir(data_dir) as directory:
         merchant.faults.update({"commit_then_timeout": 1, "stall_seconds": 3.0})
-        settings = Settings(data_dir=data_dir or Path(tmp), policies_dir=CHECKOUT / "policies",
+        settings = Settings(data_dir=directory, policies_dir=EXAMPLE_POLICIES,
                             connector_urls={"merchant": url}, poll_interval=0.1, reconcile_interval=0.2,
                             connector_timeout=0.5,  # shorter than the merchant's stall: the response is lost
                             sources={}, proxy=False)  # the simulator speaks plain HTTP on loopback, holds no key
@@ -98,7 +111,7 @@ def run_demo(data_dir: Path | None = None, out: Callable[[str], None] = print) -
             runtime.stop()
 
 
-def _script(runtime: Runtime, merchant: Any, out: Callable[[str], None]) -> int:
+def _script(runtime: Runtime, merchant: Merchant, out: Callable[[str], None]) -> int:
     engine, clock = runtime.engine, runtime.clock
     with write(engine) as conn:
         owner, _ = ensure_user(conn, name="owner", now=clock.now())
@@ -110,8 +123,11 @@ def _script(runtime: Runtime, merchant: Any, out: Callable[[str], None]) -> int:
     out(f"delegated: {task_id} (database {runtime.settings.db_url})")
 
     def waiting_action() -> str | None:
+        """This delegation's action awaiting approval (a data directory used before holds earlier runs' too)."""
         with read(engine) as conn:
-            return conn.execute(select(verdicts.c.action_id).where(verdicts.c.verdict == "needs_approval")
+            return conn.execute(select(verdicts.c.action_id)
+                                .join(actions, actions.c.id == verdicts.c.action_id)
+                                .where(and_(actions.c.task_id == task_id, verdicts.c.verdict == "needs_approval"))
                                 .limit(1)).scalar()
 
     _wait_for("the approval request", lambda: waiting_action() is not None)

@@ -1,5 +1,6 @@
 """The HTTP app: the webhook inbox here, the user's control channel in `server.routes`. Errors map to JSON in
-exactly one function.
+exactly one function, `error_response`: every refusal, unknown path, wrong method, invalid body and unexpected
+failure answers `{"error": {"code", "message", ...}}` with a stable code (docs/http-api.md).
 
     POST /v1/hooks/{source}        a signed webhook delivery (no token: the signature authenticates it)
     POST /v1/wake                  another local process wrote work: the loops look now (carries nothing)
@@ -15,11 +16,13 @@ import contextlib
 import gc
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from email.utils import formatdate
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
@@ -30,7 +33,9 @@ from fastapi.staticfiles import StaticFiles
 from mcp.server.auth.settings import AuthSettings
 from pydantic import AnyHttpUrl
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.server import HANDLED_SIGNALS
 
 from wakeful.server.computers.handoff import NOVNC_DIR
@@ -116,9 +121,98 @@ class _Connections(set[Any]):
         self._on_open()
 
 
-def error_response(exc: WakefulError) -> JSONResponse:
-    """The one place a refusal becomes an HTTP response: status from the error class, body with a stable code."""
-    return JSONResponse(exc.to_json(), status_code=exc.http_status)
+def error_response(exc: BaseException) -> JSONResponse:
+    """The one place an error becomes an HTTP response: `{"error": {"code", "message", ...}}` with a stable code.
+
+    Our own refusals carry their code and status; a request FastAPI could not validate is `malformed_body` (the
+    body: not JSON, or not the schema) or `invalid_parameter` (path or query); an HTTP error raised by the
+    framework or a mounted app (unknown path, wrong method, ...) is coded from its status phrase (`not_found`,
+    `method_not_allowed`, `gone`, ...) and keeps its headers (`Allow`, `WWW-Authenticate`); anything else is a
+    500 `internal_error` that says nothing about the inside."""
+    headers: Mapping[str, str] | None = None
+    if isinstance(exc, WakefulError):
+        error, status = exc, exc.http_status
+    elif isinstance(exc, RequestValidationError):
+        problems = json.loads(json.dumps(exc.errors(), default=str))
+        if not all(p.get("loc", ["body"])[0] == "body" for p in problems):
+            error = BadRequest("invalid_parameter", "a path or query parameter is not valid", details=problems)
+        elif any(p.get("type") == "json_invalid" for p in problems):
+            error = BadRequest("malformed_body", "the body is not valid JSON", details=problems)
+        else:
+            error = BadRequest("malformed_body", "the request body does not match the schema", details=problems)
+        status = error.http_status
+    elif isinstance(exc, HTTPException):
+        status, headers = exc.status_code, exc.headers
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "error"
+        code = re.sub(r"[^a-z0-9]+", "_", phrase.lower()).strip("_")
+        if exc.detail != phrase:  # someone said why
+            message = str(exc.detail)
+        elif status == 404:
+            message = "nothing is served at this path (docs/http-api.md lists the routes)"
+        elif status == 405:
+            message = f"this path does not take that method; it takes {(headers or {}).get('Allow', 'others')}"
+        else:
+            message = phrase
+        error = WakefulError(code, message)
+    else:
+        error, status = WakefulError("internal_error", "the server failed to answer; the error is in its log"), 500
+    return JSONResponse(error.to_json(), status_code=status, headers=headers)
+
+
+class JsonErrors:
+    """Around a mounted app that answers its own HTTP errors (the MCP server's bearer check, its host and origin
+    checks, its router's 404): an error answered as plain text or in another JSON shape is answered through
+    `error_response` instead, keeping its status and its `Allow` / `WWW-Authenticate` headers. JSON-RPC error
+    objects pass untouched (they are the MCP protocol's own answers, which clients parse), and so does every
+    answer below 400 (streams included)."""
+
+    KEPT_HEADERS = (b"allow", b"www-authenticate")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held: list[Message] = []
+
+        async def send_or_hold(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held.append(message)
+            elif held and message["type"] == "http.response.body":
+                held.append(message)
+                if not message.get("more_body", False):
+                    await self._answer(held, scope, receive, send)
+            else:
+                await send(message)
+
+        await self.app(scope, receive, send_or_hold)
+
+    async def _answer(self, held: list[Message], scope: Scope, receive: Receive, send: Send) -> None:
+        start, body = held[0], b"".join(m.get("body", b"") for m in held[1:])
+        try:
+            parsed = json.loads(body) if body else None
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            parsed = None
+        if isinstance(parsed, dict) and "jsonrpc" in parsed:
+            for message in held:
+                await send(message)
+            return
+        kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])
+                if k.lower() in self.KEPT_HEADERS}
+        said = parsed.get("error_description") if isinstance(parsed, dict) else body.decode(errors="replace")
+        exc: BaseException = HTTPException(start["status"], detail=said or None, headers=kept or None)
+        if start["status"] == 401:  # the MCP server's bearer check: coded as the rest of the API codes it
+            exc = Unauthorized("bad_token" if Headers(scope=scope).get("authorization") else "missing_token",
+                               said or "send `Authorization: Bearer <token>`; `wakeful token` issues one")
+        response = error_response(exc)
+        if isinstance(exc, Unauthorized):
+            response.headers.update(kept)
+        await response(scope, receive, send)
 
 
 def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
@@ -273,21 +367,20 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
                 if manage_runtime:
                     await asyncio.to_thread(runtime.stop)
 
-    app = FastAPI(title="wakeful", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No OpenAPI document: docs/http-api.md is the reference (a test holds it to the routes), and the generated
+    # one would describe FastAPI's error shape rather than ours.
+    app = FastAPI(title="wakeful", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runtime = runtime
     if runtime.live is not None:
         app.include_router(live_router(runtime.live))
         if NOVNC_DIR.is_dir():
             app.mount("/novnc", StaticFiles(directory=NOVNC_DIR), name="novnc")
 
-    @app.exception_handler(WakefulError)
-    async def _wakeful_error(_request: Request, exc: WakefulError) -> JSONResponse:
+    async def _error(_request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(BadRequest("malformed_body", "the request body does not match the schema",
-                                         details=json.loads(json.dumps(exc.errors(), default=str))))
+    for caught in (WakefulError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(caught, _error)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -305,5 +398,11 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
         return {"ok": True}
 
     app.include_router(router)
-    app.mount("/", mcp_app)  # last: `/mcp`, streamable HTTP, bearer token required
+    # The MCP app answers only its own paths (`/mcp`, streamable HTTP with a bearer token, and the token's resource
+    # metadata): mounted under everything, it would answer every unknown path, and every wrong method on a known
+    # one, with its own plain-text 404.
+    mcp_errors_as_ours = JsonErrors(mcp_app)
+    for route in mcp_app.routes:
+        assert isinstance(route, Route), route
+        app.router.add_route(route.path, mcp_errors_as_ours, methods=route.methods)  # type: ignore[arg-type]
     return WebhookInbox(app, runtime=runtime)

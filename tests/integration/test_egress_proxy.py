@@ -25,7 +25,6 @@ from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import Engine, select
 
 from tests.integration.test_cli import run
-from tests.sims import create_merchant, serve
 from tests.support.acting import CANCEL_VERIFIED, POLICIES, Received, recorder
 from tests.support.egress import EgressStack, egress_stack
 from tests.support.polling import wait_until
@@ -36,6 +35,7 @@ from wakeful.proxy.rewrite import ATTEMPT_HEADER
 from wakeful.server.acting.actions import load_action
 from wakeful.server.core import control
 from wakeful.server.egress import grants as egress
+from wakeful.server.sims import create_merchant, serve
 from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, attempts, egress_grants

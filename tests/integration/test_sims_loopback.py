@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.sims import Merchant, create_merchant, serve
 from tests.support.polling import wait_until
+from wakeful.server.sims import Merchant, create_merchant, serve
 
 SECRET = "whsec_loopback"
 CANCEL = "/v1/subscriptions/sub_1/cancel_renewal"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select
 
 from tests.support.records import event_rows
 from wakeful.server.core import inbox, sessions, waits
@@ -83,22 +83,80 @@ def test_wait_keys_are_single_use(engine: Engine, clock: FakeClock, owner: str) 
     assert refused.value.code == "wait_key_taken"
 
 
+def wait_id_of(engine: Engine, key: str) -> str:
+    with read(engine) as conn:
+        return str(conn.execute(select(waits_table.c.id).where(waits_table.c.match_key == key)).scalar_one())
+
+
+def wait_row(engine: Engine, key: str) -> dict[str, object]:
+    with read(engine) as conn:
+        return dict(conn.execute(select(waits_table).where(waits_table.c.match_key == key)).one()._mapping)
+
+
 def test_cancelled_wait_cannot_be_satisfied(engine: Engine, clock: FakeClock, owner: str) -> None:
     register(engine, clock, owner, "k2")
     with write(engine) as conn:
-        wait_id = conn.execute(select(waits_table.c.id).where(waits_table.c.match_key == "k2")).scalar_one()
-        assert waits.cancel(conn, wait_id=wait_id, now=clock.now())
-        assert not waits.cancel(conn, wait_id=wait_id, now=clock.now())
+        waits.cancel(conn, wait_id=wait_id_of(engine, "k2"), now=clock.now())
     assert reply(engine, clock, owner, "r", "k2").status == EventStatus.LATE
     assert wait_state(engine, "k2") == WaitState.CANCELLED
 
 
-def test_terminal_wait_rows_are_never_moved_back_by_the_guarded_transition(engine: Engine, clock: FakeClock,
-                                                                           owner: str) -> None:
-    register(engine, clock, owner, "k3")
-    reply(engine, clock, owner, "r1", "k3")
+def end_wait(runtime: Runtime, engine: Engine, clock: FakeClock, owner: str, key: str, state: WaitState) -> None:
+    """Bring a wait to `state` the way the server does: an answer, the scheduler past its deadline, a cancel."""
+    register(engine, clock, owner, key, deadline=timedelta(minutes=5))
+    if state is WaitState.SATISFIED:
+        reply(engine, clock, owner, f"answer-{key}", key)
+    elif state is WaitState.TIMED_OUT:
+        clock.advance(timedelta(minutes=6))
+        runtime.scheduler_tick()
+    else:
+        with write(engine) as conn:
+            waits.cancel(conn, wait_id=wait_id_of(engine, key), now=clock.now())
+    assert wait_state(engine, key) == state
+
+
+@pytest.mark.parametrize("attempted", sorted(waits.TERMINAL))
+@pytest.mark.parametrize("ended", sorted(waits.TERMINAL))
+def test_a_wait_that_ended_refuses_every_transition_and_its_row_stays_as_it_was(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str, ended: WaitState,
+        attempted: WaitState) -> None:
+    end_wait(runtime, engine, clock, owner, "k3", ended)
+    before = wait_row(engine, "k3")
+    clock.advance(timedelta(hours=1))  # a changed row would show a new resolved_at
+    with pytest.raises(Conflict) as refused, write(engine) as conn:
+        waits.resolve(conn, wait_id=str(before["id"]), to=attempted, now=clock.now())
+    assert refused.value.code == "wait_terminal"
+    assert wait_row(engine, "k3") == before
+
+
+@pytest.mark.parametrize("ended", sorted(waits.TERMINAL))
+def test_a_wait_that_ended_is_left_alone_by_cancel_settle_and_the_deadline_sweep(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str, ended: WaitState) -> None:
+    end_wait(runtime, engine, clock, owner, "k4", ended)
+    before = wait_row(engine, "k4")
+    clock.advance(timedelta(hours=1))
+    with pytest.raises(Conflict) as refused, write(engine) as conn:
+        waits.cancel(conn, wait_id=str(before["id"]), now=clock.now())
+    assert refused.value.code == "wait_terminal"
     with write(engine) as conn:
-        moved = conn.execute(update(waits_table).where(waits_table.c.match_key == "k3")
-                             .where(waits_table.c.state == WaitState.PENDING.value)
-                             .values(state=WaitState.TIMED_OUT.value)).rowcount
-    assert moved == 0 and wait_state(engine, "k3") == WaitState.SATISFIED
+        assert waits.settle(conn, user_id=owner, match_key="k4", now=clock.now()) is False
+        waits.expire_due(conn, now=clock.now())
+    assert wait_row(engine, "k4") == before
+
+
+@pytest.mark.parametrize("to", sorted(waits.TERMINAL))
+def test_a_pending_wait_moves_once_to_the_terminal_state_asked_for(engine: Engine, clock: FakeClock, owner: str,
+                                                                    to: WaitState) -> None:
+    register(engine, clock, owner, "k5")
+    with write(engine) as conn:
+        waits.resolve(conn, wait_id=wait_id_of(engine, "k5"), to=to, now=clock.now())
+    assert wait_state(engine, "k5") == to
+    with pytest.raises(Conflict), write(engine) as conn:
+        waits.resolve(conn, wait_id=wait_id_of(engine, "k5"), to=to, now=clock.now())
+
+
+def test_a_wait_is_never_moved_back_to_pending(engine: Engine, clock: FakeClock, owner: str) -> None:
+    register(engine, clock, owner, "k6")
+    with pytest.raises(ValueError), write(engine) as conn:
+        waits.resolve(conn, wait_id=wait_id_of(engine, "k6"), to=WaitState.PENDING, now=clock.now())
+    assert wait_state(engine, "k6") == WaitState.PENDING

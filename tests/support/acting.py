@@ -7,13 +7,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tests.sims import Airline, Hotel, Merchant, SimClock, create_airline, create_hotel, create_merchant, serve
 from wakeful.server.acting import approvals
 from wakeful.server.acting.connectors import load_connectors
 from wakeful.server.acting.policy import Policy
@@ -21,11 +21,12 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.sims import Airline, Hotel, Merchant, SimClock, create_airline, create_hotel, create_merchant, serve
 from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.tools.layer import ToolLayer
 
-POLICIES = Path(__file__).resolve().parents[2] / "policies"
+POLICIES = Path(str(files("wakeful.policies")))  # the example policies, as the package ships them
 
 CANCEL_VERIFIED = [{"effect": "merchant__cancel_renewal",
                     "verify": {"read": "merchant__get_subscription", "with": {"subscription": "subscription"},

@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import httpx
 from sqlalchemy import Connection, Engine, and_, select
 
-from tests.sims import Merchant, create_merchant, serve
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess
 from wakeful.server.acting.connectors import load_connectors
@@ -38,6 +38,7 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.faults import EXIT_CODE
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import reconcile_key
+from wakeful.server.sims import Merchant, create_merchant, serve
 from wakeful.server.store import users
 from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import make_engine, read, write
@@ -46,7 +47,7 @@ from wakeful.server.tools.layer import ToolLayer
 
 __all__ = ["CANCEL_VERIFIED", "CLEAN_EXIT", "POLICIES", "DispatchWorld", "Proposed", "dispatch_world", "holds_for"]
 
-POLICIES = Path(__file__).resolve().parents[2] / "policies"
+POLICIES = Path(str(files("wakeful.policies")))  # the example policies, as the package ships them
 # SIGTERM: uvicorn shuts down gracefully, then re-raises the signal, so a clean stop reads as -SIGTERM.
 CLEAN_EXIT = (0, -15)
 CRASH_TIMEOUT = 30.0

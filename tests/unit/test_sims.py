@@ -20,8 +20,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tests.sims import Sim, SimClock, create_airline, create_hotel, create_merchant
-from tests.sims.hotel import DEFAULT_NIGHTLY_CENTS
+from wakeful.server.sims import Sim, SimClock, create_airline, create_hotel, create_merchant
+from wakeful.server.sims.hotel import DEFAULT_NIGHTLY_CENTS
 
 SECRET = "whsec_sim_test"
 

@@ -30,7 +30,7 @@ from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from tests.sims._base import Faults, Reply, Sim, SimClock, error, iso, sim_app
+from wakeful.server.sims._base import Faults, Reply, Sim, SimClock, error, iso, sim_app
 
 __all__ = ["DEFAULT_NIGHTLY_CENTS", "QUOTE_TTL", "Hotel", "HotelFaults", "create_hotel"]
 

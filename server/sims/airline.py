@@ -36,7 +36,7 @@ from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from tests.sims._base import Faults, Reply, Sim, SimClock, error, iso, sim_app
+from wakeful.server.sims._base import Faults, Reply, Sim, SimClock, error, iso, sim_app
 
 __all__ = ["FLIGHTS", "Airline", "AirlineFaults", "create_airline"]
 

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from tests.sims._base import Faults, Reply, Sim, SimClock, error, iso, sim_app
+from wakeful.server.sims._base import Faults, Reply, Sim, SimClock, error, iso, sim_app
 
 __all__ = ["Merchant", "MerchantFaults", "create_merchant"]
 

@@ -1,0 +1,164 @@
+"""Every error the HTTP server answers has the documented shape, `{"error": {"code", "message", ...}}`, with a
+stable code: unknown paths, wrong methods, bodies that are not JSON or not the schema, missing or bad tokens — in
+the API, in the live view and in the MCP server's plain-HTTP answers. Real requests to a server on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from tests.support.polling import wait_until
+from wakeful.server.computers.handoff import NOVNC_DIR
+from wakeful.server.errors import Conflict
+from wakeful.server.faces.http import QuietServer, create_app, error_response
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store.db import write
+from wakeful.server.store.users import ensure_user
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "http-api.md").read_text()
+
+
+class Server:
+    def __init__(self, url: str, token: str) -> None:
+        self.url, self.token = url, token
+
+    def request(self, method: str, path: str, *, token: str | None = None, **kwargs: Any) -> httpx.Response:
+        headers = kwargs.pop("headers", {}) | ({"Authorization": f"Bearer {token}"} if token else {})
+        return httpx.request(method, self.url + path, headers=headers, timeout=10, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    settings = Settings(data_dir=tmp_path_factory.mktemp("errors"), proxy=False, computers=True, sources={})
+    runtime = Runtime(settings, handler=EchoHandler())
+    runtime.prepare()
+    with write(runtime.engine) as conn:
+        _, token = ensure_user(conn, name="someone", now=runtime.clock.now())
+    assert token is not None
+    app = create_app(runtime, manage_runtime=False)  # the loops are not needed to answer errors
+    uv = QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: uv.started, 30, "the server to start")
+        yield Server(f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}", token)
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        runtime.engine.dispose()
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    """The documented shape, or the assertion says what came instead."""
+    assert response.headers["content-type"] == "application/json", (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error["code"], str) and error["code"] and isinstance(error["message"], str), body
+    assert "detail" not in body
+    return dict(error)
+
+
+CASES = [
+    # (what, method, path, authenticated, extra request arguments, status, code)
+    ("an unknown path", "GET", "/nowhere", False, {}, 404, "not_found"),
+    ("an unknown path under the API", "GET", "/v1/nothing/here", True, {}, 404, "not_found"),
+    ("an unknown path that only resembles MCP's", "POST", "/mcp/extra", True, {}, 404, "not_found"),
+    ("the wrong method on a route", "DELETE", "/v1/control", True, {}, 405, "method_not_allowed"),
+    ("the wrong method on the inbox", "GET", "/v1/hooks/github", False, {}, 405, "method_not_allowed"),
+    ("the wrong method on MCP's resource metadata", "POST", "/.well-known/oauth-protected-resource/mcp", False,
+     {}, 405, "method_not_allowed"),
+    ("a body that is not JSON", "POST", "/v1/tasks", True,
+     {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "malformed_body"),
+    ("a body that is not the schema", "POST", "/v1/tasks", True, {"json": {"title": "", "colour": 1}}, 400,
+     "malformed_body"),
+    ("a query parameter of the wrong type", "GET", "/v1/egress?limit=many", True, {}, 400, "invalid_parameter"),
+    ("no token", "POST", "/v1/tasks", False, {"json": {"title": "x"}}, 401, "missing_token"),
+    ("a token nobody was issued", "GET", "/v1/control", "wk_forged", {}, 401, "bad_token"),
+    ("no token, over MCP", "POST", "/mcp", False, {"json": {}}, 401, "missing_token"),
+    ("a token nobody was issued, over MCP", "POST", "/mcp", "wk_forged", {"json": {}}, 401, "bad_token"),
+    ("a foreign Host header, over MCP", "POST", "/mcp", True,
+     {"json": {}, "headers": {"host": "evil.example"}}, 421, "misdirected_request"),
+    ("a foreign Origin, over MCP", "POST", "/mcp", True,
+     {"json": {}, "headers": {"origin": "http://evil.example"}}, 403, "forbidden"),
+    ("a live-view link nobody offered", "GET", "/v1/live/not-a-token", False, {}, 410, "gone"),
+    ("a live-view session that does not exist", "GET", "/v1/live/s/not-a-session", False, {}, 410, "gone"),
+    ("a webhook source that is not configured", "POST", "/v1/hooks/nobody", False, {"content": b"{}"}, 404,
+     "unknown_source"),
+]
+
+
+@pytest.mark.parametrize(("what", "method", "path", "auth", "extra", "status", "code"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_each_error_answers_the_documented_shape_with_a_stable_code(
+        server: Server, what: str, method: str, path: str, auth: bool | str, extra: dict[str, Any], status: int,
+        code: str) -> None:
+    token = auth if isinstance(auth, str) else (server.token if auth else None)
+    response = server.request(method, path, token=token, **extra)
+    assert response.status_code == status, (what, response.text)
+    assert error_of(response)["code"] == code, what
+    assert f"`{code}`" in DOC, f"docs/http-api.md does not name the code {code}"
+
+
+def test_a_wrong_method_says_which_methods_the_path_takes(server: Server) -> None:
+    response = server.request("DELETE", "/v1/control", token=server.token)
+    assert response.headers["allow"] == "GET"
+    assert "GET" in error_of(response)["message"]
+
+
+def test_a_schema_invalid_body_names_each_field_that_is_wrong(server: Server) -> None:
+    error = error_of(server.request("POST", "/v1/tasks", token=server.token, json={"title": "", "colour": 1}))
+    assert {tuple(p["loc"]) for p in error["details"]} == {("body", "title"), ("body", "colour")}
+
+
+def test_mcp_s_refusal_of_a_missing_token_keeps_the_header_mcp_clients_read(server: Server) -> None:
+    response = server.request("POST", "/mcp", json={})
+    assert response.headers["www-authenticate"].startswith("Bearer ")
+    assert "resource_metadata=" in response.headers["www-authenticate"]
+
+
+def test_mcp_s_own_protocol_errors_stay_json_rpc_for_its_clients(server: Server) -> None:
+    """The MCP transport answers a broken message with a JSON-RPC error object, which clients parse: that is the
+    protocol's shape, not an HTTP error, and passes untouched."""
+    response = server.request("POST", "/mcp", token=server.token, content=b"{not json",
+                              headers={"content-type": "application/json",
+                                       "accept": "application/json, text/event-stream"})
+    assert response.status_code == 400
+    assert response.json()["jsonrpc"] == "2.0" and "error" in response.json()
+
+
+@pytest.mark.skipif(not NOVNC_DIR.is_dir(), reason="noVNC is not installed (scripts/install installs it)")
+def test_a_file_the_live_view_does_not_have_is_a_json_404(server: Server) -> None:
+    response = server.request("GET", "/novnc/no-such-file.js")
+    assert response.status_code == 404 and error_of(response)["code"] == "not_found"
+
+
+def test_the_one_mapping_function_hides_the_inside_of_an_unexpected_failure() -> None:
+    response = error_response(RuntimeError("secret path /etc/wakeful and a stack"))
+    body = json.loads(bytes(response.body))
+    assert response.status_code == 500 and body == {"error": {
+        "code": "internal_error", "message": "the server failed to answer; the error is in its log"}}
+
+
+def test_the_one_mapping_function_keeps_our_codes_and_fields() -> None:
+    response = error_response(Conflict("invalid_transition", "the task is closed", task_id="task_1"))
+    assert response.status_code == 409 and json.loads(bytes(response.body)) == {"error": {
+        "code": "invalid_transition", "message": "the task is closed", "task_id": "task_1"}}
+
+
+def test_the_one_mapping_function_codes_framework_errors_by_their_status() -> None:
+    assert json.loads(bytes(error_response(HTTPException(410, "link used")).body))["error"] == {
+        "code": "gone", "message": "link used"}
+    invalid = RequestValidationError([{"type": "int_parsing", "loc": ("path", "n"), "msg": "not an int"}])
+    assert json.loads(bytes(error_response(invalid).body))["error"]["code"] == "invalid_parameter"
