@@ -4,10 +4,10 @@
   query) it persists a grant naming exactly that request, and sends a one-time token with it. Only a digest of the
   token is stored.
 - Decisions: the proxy asks, per request, over the decider channel; `decide` answers from the records. A connector
-  request is allowed only if its grant exists, has not expired, still fits the task's state (STOP, pause, revoke,
-  task version, an attempt that already has an outcome) and matches the request byte for byte (method, scheme,
-  host, port, path, query, body digest). Tool-computer traffic is matched against the egress allowlist
-  (`policies/egress.toml`), deny by default, after the tool computer's proxy credential is checked.
+  request is allowed only if its grant exists, has not expired, may still leave (`leave_check`: STOP, pause,
+  revoke, an attempt that already has an outcome, task version, stale objects) and matches the request byte for
+  byte (method, scheme, host, port, path, query, body digest). Tool-computer traffic is matched against the egress
+  allowlist (`policies/egress.toml`), deny by default, after the tool computer's proxy credential is checked.
 - Audit: one append-only row per request the proxy saw, queryable by user.
 """
 
@@ -30,7 +30,8 @@ from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict,
 from wakeful.proxy.decide import AllowRule, decide_by_allowlist
 from wakeful.proxy.hosts import default_port, normalize_host
 from wakeful.server.acting.actions import load_action
-from wakeful.server.acting.verdicts import objects_problem
+from wakeful.server.acting.leave import Leave, LeaveFacts, leave_check
+from wakeful.server.acting.verdicts import leave_facts
 from wakeful.server.core import control
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.store.db import upsert
@@ -128,6 +129,18 @@ def _mismatch(grant: Any, req: DecisionRequest) -> str | None:
     return None
 
 
+def _leave_facts(conn: Connection, grant: Any, now: datetime) -> LeaveFacts:
+    """What `leave_check` needs about the granted request now. Reconcile and verify only read what already
+    happened: they go on through a pause, a revoke or a STOP, because an unknown outcome must still be settled."""
+    task = conn.execute(select(tasks.c.state, tasks.c.current_version).where(tasks.c.id == grant.task_id)).one()
+    if grant.purpose == GrantPurpose.WRITE.value:
+        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.id == grant.attempt_id)).scalar_one()
+        return leave_facts(conn, load_action(conn, grant.action_id), task=task, now=now,
+                           attempt=(grant.attempt_id, outcome))
+    return LeaveFacts(stopped=control.stop_state(conn).blocks(grant.user_id), task_state=TaskState(task.state),
+                      current_version=task.current_version, settling=grant.purpose != GrantPurpose.READ.value)
+
+
 def _decide_connector(conn: Connection, req: DecisionRequest, now: datetime) -> Verdict:
     if not req.attempt_token:
         return _not_admitted("a connector request carries the attempt token the server issued for it")
@@ -137,26 +150,9 @@ def _decide_connector(conn: Connection, req: DecisionRequest, now: datetime) -> 
         return _not_admitted("no request was granted under this attempt token")
     if now >= grant.expires_at:
         return _not_admitted(f"the grant for this {grant.tool} request expired at {grant.expires_at.isoformat()}")
-    acting = grant.purpose in (GrantPurpose.READ.value, GrantPurpose.WRITE.value)
-    # Reconcile and verify only read what already happened: they go on through a pause, a revoke or a STOP,
-    # because an unknown outcome must still be settled.
-    if acting:
-        if control.stop_state(conn).blocks(grant.user_id):
-            return _not_admitted("STOP is in force; nothing new goes out until the user lifts it")
-        task = conn.execute(select(tasks.c.state, tasks.c.current_version)
-                            .where(tasks.c.id == grant.task_id)).one()
-        if task.state != TaskState.ACTIVE.value:
-            return _not_admitted(f"the task is {task.state}; nothing is sent for it")
-    if grant.purpose == GrantPurpose.WRITE.value:
-        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.id == grant.attempt_id)).scalar_one()
-        if outcome is not None:
-            return _not_admitted(f"attempt {grant.attempt_id} already has an outcome ({outcome}); it is not sent again")
-        action = load_action(conn, grant.action_id)
-        if action.task_version != task.current_version:
-            return _not_admitted(f"the task moved to version {task.current_version} after this action was admitted")
-        stale = objects_problem(conn, action, now)
-        if stale is not None:
-            return _not_admitted(stale[1])
+    leaving = leave_check(_leave_facts(conn, grant, now))
+    if leaving.kind is not Leave.GO:
+        return _not_admitted(leaving.detail)
     part = _mismatch(grant, req)
     if part is not None:
         return refuse(RefusalCode.CONTENT_MISMATCH, f"the request's {part} differs from what was granted for "
