@@ -17,6 +17,7 @@ from wakeful.proxy.hosts import normalize_host
 
 __all__ = [
     "REASONS",
+    "REFUSAL_HEADER",
     "Allow",
     "Client",
     "ContractError",
@@ -41,6 +42,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 Client: TypeAlias = Literal["connector", "tool_computer"]
 _CLIENTS: Final = frozenset(get_args(Client))
+
+
+REFUSAL_HEADER: Final = "X-Wakeful-Refusal"
+"""The response header in which the proxy names its refusal or error code: its own word that nothing was sent (or
+that the upstream failed). The proxy strips it from upstream answers; the server's dispatcher reads it."""
 
 
 class RefusalCode(StrEnum):

@@ -60,6 +60,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidato
 from pydantic import ValidationError as _PydanticError
 
 from wakeful.server.errors import BadRequest, NotFound
+from wakeful.server.store.tables import Risk
 from wakeful.server.store.toml_lines import Key, TomlLines
 
 __all__ = [
@@ -204,7 +205,7 @@ class _OperationDecl(_Frozen):
     internal: StrictBool = False
     params: dict[Name, Param] = Field(default_factory=dict)
     returns: tuple[Returns, ...] = ()
-    risk: Literal["auto", "ask", "deny"] | None = None
+    risk: Risk | None = None
     idempotency_header: HeaderName | None = None
     amount: Amount | None = None
     reconcile: Reconcile | None = None
@@ -238,7 +239,7 @@ class Operation:
     """No tool is generated; the operation exists to reconcile writes."""
     params: Mapping[str, ObjectParam | StringParam | IntegerParam | BooleanParam]
     returns: tuple[Returns, ...]
-    risk: Literal["auto", "ask", "deny"] | None
+    risk: Risk | None
     idempotency_header: str | None
     amount: Amount | None
     reconcile: Reconcile | None

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
 
-from wakeful.proxy.contract import RefusalCode
+from wakeful.proxy.contract import REFUSAL_HEADER, RefusalCode
 from wakeful.proxy.wire import REQUEST_TOO_LARGE
 from wakeful.server.acting.actions import Action, content_hash, load_action
 from wakeful.server.acting.connectors import DoneWhen, done_when_holds
@@ -65,7 +65,6 @@ from wakeful.vm.observe import Refused as ActRefused
 __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 
 HELD, SETTLED = "held", "settled"
-REFUSAL_HEADER = "X-Wakeful-Refusal"
 _PROXY_REFUSALS = frozenset(code.value for code in RefusalCode) | {REQUEST_TOO_LARGE}
 """What the egress proxy answers before dialling anything; not upstream_failed / upstream_timeout (it had dialled)."""
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
