@@ -14,7 +14,6 @@ told exactly what is and is not known.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -26,7 +25,7 @@ from typing import Any
 import httpx
 from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
 
-from wakeful.proxy.contract import REFUSAL_HEADER, RefusalCode
+from wakeful.proxy.contract import REFUSAL_HEADER, EgressRequest, RefusalCode
 from wakeful.proxy.wire import REQUEST_TOO_LARGE
 from wakeful.server.acting.actions import Action, content_hash, load_action
 from wakeful.server.acting.connectors import DoneWhen, done_when_holds
@@ -67,7 +66,6 @@ __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 HELD, SETTLED = "held", "settled"
 _PROXY_REFUSALS = frozenset(code.value for code in RefusalCode) | {REQUEST_TOO_LARGE}
 """What the egress proxy answers before dialling anything; not upstream_failed / upstream_timeout (it had dialled)."""
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +187,7 @@ class ActionDispatcher:
         if action.tool == ACT_TOOL:
             result = self._act(action)
         else:
-            response, error = self._send(action.content["request"], grant)
+            response, error = self._send(EgressRequest.from_json(action.content["request"]), grant)
             result = classify(response, error)
         faults.crash_point("after_send")
         self._record(attempt_id, action, result, intent_id=intent_id)
@@ -253,36 +251,34 @@ class ActionDispatcher:
                                                   request=json.dumps({"act": action.content["act"]}, sort_keys=True),
                                                   created_at=now))
             return attempt_id, {}
-        request = dict(action.content["request"])
-        request["idempotency_key"] = action.content.get("idempotency_key")
+        request = EgressRequest.from_json(action.content["request"])
+        # The attempt records the request in its one stored form; the idempotency key rides beside it (it is also
+        # in the headers under the operation's own name) because attempts have always carried it there.
+        recorded = {**request.to_json(), "idempotency_key": action.content.get("idempotency_key")}
         conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,
-                                              request=json.dumps(request, sort_keys=True), created_at=now))
+                                              request=json.dumps(recorded, sort_keys=True), created_at=now))
         grant = self._grant(conn, action, GrantPurpose.WRITE, request, now=now, attempt_id=attempt_id)
         return attempt_id, grant
 
-    def _grant(self, conn: Connection, action: Action, purpose: GrantPurpose, request: Mapping[str, Any], *,
+    def _grant(self, conn: Connection, action: Action, purpose: GrantPurpose, request: EgressRequest, *,
                now: datetime, attempt_id: str | None = None) -> dict[str, str]:
         return self._http.grant(conn, purpose=purpose, user_id=action.user_id, task_id=action.task_id,
-                                tool=action.tool, method=request["method"], url=request["url"],
-                                body_sha256=request.get("body_sha256") or _EMPTY_SHA256,
-                                credential=action.content.get("credential"), now=now, action_id=action.id,
-                                attempt_id=attempt_id)
+                                tool=action.tool, request=request, credential=action.content.get("credential"),
+                                now=now, action_id=action.id, attempt_id=attempt_id)
 
-    def _send(self, request: Mapping[str, Any],
+    def _send(self, request: EgressRequest,
               grant: dict[str, str]) -> tuple[httpx.Response | None, Exception | None]:
-        headers = {**request.get("headers", {}), **grant}  # the idempotency key is among them; no credential is
-        body = request.get("body")
-        try:
-            return self._http.request(request["method"], request["url"], headers=headers,
-                                      content=body.encode() if isinstance(body, str) else None), None
+        try:  # the idempotency key is among the request's headers; no credential is: the proxy adds it
+            return self._http.send(request, grant), None
         except httpx.HTTPError as exc:
             return None, exc
 
-    def _query(self, action: Action, purpose: GrantPurpose, request: Mapping[str, Any]) -> httpx.Response:
+    def _query(self, action: Action, purpose: GrantPurpose, stored: Mapping[str, Any]) -> httpx.Response:
         """A read that settles or checks an action (reconcile, verify), granted like any other egress."""
+        request = EgressRequest.from_json(stored)
         with write(self._engine) as conn:
             grant = self._grant(conn, action, purpose, request, now=self._clock.now())
-        return self._http.request(request["method"], request["url"], headers=grant, content=None)
+        return self._http.send(request, grant)
 
     def _record(self, attempt_id: str, action: Action, result: Result, *, intent_id: str) -> None:
         with write(self._engine) as conn:
