@@ -1,26 +1,34 @@
 """The typed contract between the proxy and the policy decider, and its strict JSON wire form.
 
-The proxy sends a `DecisionRequest` and forwards only on an `Allow`. `parse_verdict` fails closed: anything that is
-not a well-formed verdict becomes `Refuse(malformed_verdict)`, it never raises and never allows.
+`EgressRequest` is the one shape of an outbound request: the server builds it once from a connector operation,
+stores it with the action, grants exactly it, sends it, and the decider compares what the proxy saw
+(`DecisionRequest.request`) with it. The proxy sends a `DecisionRequest` and forwards only on an `Allow`.
+`parse_verdict` fails closed: anything that is not a well-formed verdict becomes `Refuse(malformed_verdict)`, it
+never raises and never allows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final, Literal, TypeAlias, get_args
+from typing import Any, Final, Literal, TypeAlias, get_args
+from urllib.parse import urlsplit
 
-from wakeful.proxy.hosts import normalize_host
+from wakeful.proxy.hosts import default_port, normalize_host
 
 __all__ = [
     "REASONS",
+    "REFUSAL_HEADER",
     "Allow",
     "Client",
     "ContractError",
     "DecisionRequest",
+    "EgressRequest",
     "ProxyRefusal",
     "RefusalCode",
     "Refuse",
@@ -41,6 +49,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 Client: TypeAlias = Literal["connector", "tool_computer"]
 _CLIENTS: Final = frozenset(get_args(Client))
+
+
+REFUSAL_HEADER: Final = "X-Wakeful-Refusal"
+"""The response header in which the proxy names its refusal or error code: its own word that nothing was sent (or
+that the upstream failed). The proxy strips it from upstream answers; the server's dispatcher reads it."""
 
 
 class RefusalCode(StrEnum):
@@ -111,6 +124,99 @@ def check_destination(scheme: str, host: str, port: int) -> None:
         raise ContractError("port must be an integer in 1..65535")
 
 
+def _check_request_line(method: object, scheme: str, host: str, port: int, path: object, query: object,
+                        body_sha256: object) -> None:
+    if not isinstance(method, str) or not _TOKEN.fullmatch(method) or method != method.upper():
+        raise ContractError("method must be an upper-case token")
+    check_destination(scheme, host, port)
+    _text(path, "path", limit=8192, empty=True)
+    assert isinstance(path, str)
+    path_ok = path.startswith("/") or (method == "CONNECT" and path == "")
+    if not path_ok or "?" in path or "#" in path:
+        raise ContractError("path must start with / and carry no query or fragment")
+    _text(query, "query", limit=8192, empty=True)
+    if not isinstance(body_sha256, str) or not _SHA256.fullmatch(body_sha256):
+        raise ContractError("body_sha256 must be 64 lower-case hex digits")
+
+
+_EMPTY_SHA256: Final = hashlib.sha256(b"").hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class EgressRequest:
+    """One outbound HTTP request, exactly as it may leave: built once by the server (`EgressRequest.of`), stored
+    with the action (`to_json`), granted part by part, sent as it is (minus the credential the proxy adds), and
+    compared by the decider with what the proxy saw (`differs`). Validated on construction.
+
+    `headers` and `body` are what the server sends; the proxy's view of a request (`DecisionRequest.request`) has
+    neither, only the body's digest, which is what a grant pins."""
+
+    method: str
+    scheme: Literal["http", "https"]
+    host: str
+    """Normalised (see `proxy.hosts.normalize_host`)."""
+    port: int
+    path: str
+    """Starts with `/`, without the query."""
+    query: str
+    """Without the leading `?`; "" when there is none."""
+    body_sha256: str
+    """Lower-case hex SHA-256 of the body (of b"" when there is none)."""
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes | None = field(default=None, repr=False)
+    """None when there is no body, or when only its digest is known (a grant, the proxy's view)."""
+
+    def __post_init__(self) -> None:
+        _check_request_line(self.method, self.scheme, self.host, self.port, self.path, self.query, self.body_sha256)
+        if not isinstance(self.headers, tuple) or not all(
+                isinstance(h, tuple) and len(h) == 2 and all(isinstance(x, str) for x in h) for h in self.headers):
+            raise ContractError("headers must be a tuple of (name, value) string pairs")
+        if self.body is not None and hashlib.sha256(self.body).hexdigest() != self.body_sha256:
+            raise ContractError("body_sha256 must be the digest of the body")
+
+    @classmethod
+    def of(cls, method: str, url: str, *, headers: tuple[tuple[str, str], ...] = (), body: bytes | None = None,
+           body_sha256: str | None = None) -> EgressRequest:
+        """The request for an absolute http(s) URL; the digest is the body's (of b"" without one) unless only the
+        digest is known. Raises `ContractError` for anything else."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username is not None:
+            raise ContractError(f"not an http(s) URL without userinfo: {url!r}")
+        try:
+            host, port = normalize_host(parts.hostname), parts.port or default_port(parts.scheme)
+        except ValueError as exc:
+            raise ContractError(f"{url!r}: {exc}") from None
+        digest = body_sha256 or (hashlib.sha256(body).hexdigest() if body is not None else _EMPTY_SHA256)
+        return cls(method=method.upper(), scheme=parts.scheme, host=host, port=port,  # type: ignore[arg-type]
+                   path=parts.path or "/", query=parts.query, body_sha256=digest, headers=headers, body=body)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        port = "" if self.port == default_port(self.scheme) else f":{self.port}"
+        return f"{self.scheme}://{host}{port}{self.path}" + (f"?{self.query}" if self.query else "")
+
+    def differs(self, other: EgressRequest) -> str | None:
+        """The first part in which `other` is not this request (method, scheme, host, port, path, query, body by
+        its digest), named, never shown: a query can hold secrets. Headers are not compared."""
+        for part in ("method", "scheme", "host", "port", "path", "query", "body_sha256"):
+            if getattr(self, part) != getattr(other, part):
+                return "body" if part == "body_sha256" else part
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form (in an action's content, which its hash covers, and in its attempts). It is the form
+        actions were stored in before this type existed, so every stored action reads back with `from_json`."""
+        return {"method": self.method, "url": self.url, "headers": dict(self.headers),
+                "body": self.body.decode() if self.body is not None else None, "body_sha256": self.body_sha256}
+
+    @classmethod
+    def from_json(cls, stored: Mapping[str, Any]) -> EgressRequest:
+        body = stored.get("body")
+        return cls.of(stored["method"], stored["url"], headers=tuple((stored.get("headers") or {}).items()),
+                      body=body.encode() if isinstance(body, str) else None, body_sha256=stored.get("body_sha256"))
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecisionRequest:
     """One request the proxy would forward, described to the decider. Validated on construction."""
@@ -143,16 +249,7 @@ class DecisionRequest:
         _optional_text(self.user_id, "user_id")
         _optional_text(self.attempt_token, "attempt_token")
         _optional_text(self.client_token, "client_token")
-        if not isinstance(self.method, str) or not _TOKEN.fullmatch(self.method) or self.method != self.method.upper():
-            raise ContractError("method must be an upper-case token")
-        check_destination(self.scheme, self.host, self.port)
-        _text(self.path, "path", limit=8192, empty=True)
-        path_ok = self.path.startswith("/") or (self.method == "CONNECT" and self.path == "")
-        if not path_ok or "?" in self.path or "#" in self.path:
-            raise ContractError("path must start with / and carry no query or fragment")
-        _text(self.query, "query", limit=8192, empty=True)
-        if not isinstance(self.body_sha256, str) or not _SHA256.fullmatch(self.body_sha256):
-            raise ContractError("body_sha256 must be 64 lower-case hex digits")
+        _check_request_line(self.method, self.scheme, self.host, self.port, self.path, self.query, self.body_sha256)
         if not isinstance(self.resolved_ips, tuple):
             raise ContractError("resolved_ips must be a tuple")
         for ip in self.resolved_ips:
@@ -162,6 +259,12 @@ class DecisionRequest:
                 raise ContractError(f"resolved_ips: not an IP address: {ip!r}") from None
         if self.client not in _CLIENTS:
             raise ContractError("client must be connector or tool_computer")
+
+    @property
+    def request(self) -> EgressRequest:
+        """The request as the proxy saw it (the body by its digest only), to compare with what was granted."""
+        return EgressRequest(method=self.method, scheme=self.scheme, host=self.host, port=self.port, path=self.path,
+                             query=self.query, body_sha256=self.body_sha256)
 
 
 @dataclass(frozen=True, kw_only=True)

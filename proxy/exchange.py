@@ -21,7 +21,16 @@ import h11
 from wakeful.proxy.audit import EgressRecord
 from wakeful.proxy.channel import DeciderClient
 from wakeful.proxy.config import ProxyConfig
-from wakeful.proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyRefusal, RefusalCode, Refuse
+from wakeful.proxy.contract import (
+    REFUSAL_HEADER,
+    Allow,
+    Client,
+    ContractError,
+    DecisionRequest,
+    ProxyRefusal,
+    RefusalCode,
+    Refuse,
+)
 from wakeful.proxy.credential import Credential
 from wakeful.proxy.decide import agree, check_addresses, check_method, check_verdict
 from wakeful.proxy.rewrite import HeaderRejected, inject, refuse_placeholders, strip_credentials
@@ -185,13 +194,16 @@ class Exchange:
         decider.audit(record)
 
 
+_REFUSAL: Final = REFUSAL_HEADER.lower().encode("ascii")
+
+
 async def answer_error(client: H11Stream, code: str, message: str, *, close: bool) -> bool:
     """Send a refusal or error response if the client still expects one; whether the connection can go on."""
     if client.answered or client.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
         return False
     body = error_body(code, message)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode("ascii")),
-               (b"x-wakeful-refusal", code.encode("ascii"))]
+               (_REFUSAL, code.encode("ascii"))]
     if close:
         headers.append((b"connection", b"close"))
     try:

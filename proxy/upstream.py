@@ -15,6 +15,7 @@ from typing import Final, Literal
 import h11
 import httptools
 
+from wakeful.proxy.contract import REFUSAL_HEADER
 from wakeful.proxy.hosts import is_ip
 from wakeful.proxy.rewrite import HOP_BY_HOP
 
@@ -94,8 +95,8 @@ class H11Stream:
         self.writer.close()
 
 
-# X-Wakeful-Refusal is the proxy's own word that nothing was sent; an upstream must not be able to say it.
-_ALWAYS_DROPPED: Final = frozenset({h.encode("ascii") for h in HOP_BY_HOP} | {b"x-wakeful-refusal"})
+# The refusal header is the proxy's own word that nothing was sent; an upstream must not be able to say it.
+_ALWAYS_DROPPED: Final = frozenset({h.encode("ascii") for h in HOP_BY_HOP} | {REFUSAL_HEADER.lower().encode("ascii")})
 
 
 def response_headers(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

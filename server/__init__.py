@@ -2,7 +2,7 @@
 
     store      tables, database, migrations, IDs, clock, users                  imports: errors
     core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, settings
-    acting     objects, actions, admission, approvals, policy, connectors, ledger  + core
+    acting     objects, actions, admission, approvals, policy, connectors, ledger  + core, wakeful.proxy.contract
     computers  the tool-computer pool and the handoff state                      + store, wakeful.vm
     egress     dispatch, connector requests through the proxy, grants, the proxy + acting, computers, wakeful.proxy
     tools      the agent's tools (implements core's `Tools`)                     + egress

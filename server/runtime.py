@@ -22,7 +22,7 @@ from wakeful.server.computers.handoff import LiveViews
 from wakeful.server.computers.pool import Computers, LazyVmComputers
 from wakeful.server.core import control, faults, outbox, timers, waits
 from wakeful.server.core.inbox import GroupCommitter
-from wakeful.server.core.outbox import Dispatcher
+from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
 from wakeful.server.core.sweeper import sweep
 from wakeful.server.core.worker import Binding, IdlePoll, InboxRate, RunHandler, RunShare, Worker
 from wakeful.server.egress.dispatch import ActionDispatcher
@@ -112,8 +112,9 @@ class Runtime:
                    share=share)
             for _ in range(settings.workers)
         ]
-        self.dispatcher = Dispatcher(self.engine, self.clock, notify_url=settings.notify_url,
-                                     max_attempts=settings.dispatch_max_attempts, backoff=settings.dispatch_backoff)
+        self.messages = MessageDelivery(self.engine, self.clock, notify_url=settings.notify_url,
+                                        max_attempts=settings.dispatch_max_attempts,
+                                        backoff=settings.dispatch_backoff)
         if computers is None and settings.computers:
             computers = LazyVmComputers(settings, self.clock, self._computer_credential)
         self.computers = computers
@@ -121,6 +122,7 @@ class Runtime:
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
                                         on_event=self.signals.outcome_recorded, http=self.egress,
                                         resend_after=settings.resend_after, computers=computers)
+        self.outbox = OutboxDrain(self.engine, self.clock, [self.messages, self.actions])
         if computers is not None:
             self.tools.attach_computers(computers, dispatch_now=self._dispatch_now, notify=self._send_live_view)
         self.source_users: dict[str, str] = {}
@@ -187,7 +189,7 @@ class Runtime:
         for thread in self._threads:
             thread.join(timeout=30)
         self.committer.stop()
-        self.dispatcher.close()
+        self.messages.close()
         self.egress.close()
 
     # -- loops -----------------------------------------------------------------------------------------------------
@@ -234,8 +236,7 @@ class Runtime:
     def _dispatcher_loop(self) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not self.signals.stop.is_set():
-            attempted = self._guarded("dispatcher",
-                                      lambda: float(self.dispatcher.drain() + self.actions.drain()))
+            attempted = self._guarded("dispatcher", lambda: float(self.outbox.drain()))
             if attempted:
                 idle.reset()
             else:

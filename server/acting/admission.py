@@ -2,8 +2,8 @@
 
 Checks run in a fixed order and every one is reported, so the recorded verdict explains itself:
 
-    STOP → revoked → paused → closed → current task version → objects valid → per-action ceiling
-    → task total → daily cap → risk tier and approval
+    STOP → revoked → paused → closed → current task version → objects valid   (`leave.leave_check`, the rule the
+    → per-action ceiling → task total → daily cap → risk tier and approval      dispatcher and egress ask too)
 
 Limits are checked against the facts at admission time (which may be long after the proposal: an approval
 re-admits the action with fresh facts). The caller gathers the facts and records the verdict.
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from wakeful.server.acting.leave import Check, Leave, LeaveFacts, leave_check
 from wakeful.server.store.tables import ApprovalDecision, Risk, TaskState, VerdictKind
 
 __all__ = ["ApprovalFacts", "Budgets", "Check", "Facts", "Verdict", "admit"]
@@ -55,12 +56,11 @@ class Facts:
     spent_today_cents: int         # admitted, not blocked, for this user today
     approval: ApprovalFacts | None
 
-
-@dataclass(frozen=True, kw_only=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
+    @property
+    def leave(self) -> LeaveFacts:
+        """The facts `leave_check` decides on: an action that may not leave now is not admitted either."""
+        return LeaveFacts(stopped=self.stopped, task_state=self.task_state, current_version=self.current_version,
+                          action_version=self.action_version, objects_problem=self.objects_problem)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,17 +104,13 @@ def admit(f: Facts) -> Verdict:
     def refused(code: str) -> Verdict:
         return Verdict(kind=VerdictKind.REFUSED, code=code, checks=tuple(checks))
 
+    leaving = leave_check(f.leave)
+    checks.extend(leaving.checks)
+    if leaving.kind is not Leave.GO:  # held or void alike: nothing is admitted that may not leave now
+        return refused(leaving.code)
     amount = f.amount_cents or 0
     b = f.budgets
     steps: list[tuple[str, str, bool, str]] = [
-        ("stop", "stopped", not f.stopped, "STOP is in force" if f.stopped else "no STOP"),
-        ("revoked", "revoked", f.task_state is not TaskState.REVOKED, f"task is {f.task_state.value}"),
-        ("paused", "paused", f.task_state is not TaskState.PAUSED, f"task is {f.task_state.value}"),
-        ("closed", "task_closed", f.task_state is not TaskState.CLOSED, f"task is {f.task_state.value}"),
-        ("task_version", "task_version_changed", f.action_version == f.current_version,
-         f"action is for version {f.action_version}, the task is at version {f.current_version}"),
-        ("objects", f.objects_problem[0] if f.objects_problem else "", f.objects_problem is None,
-         f.objects_problem[1] if f.objects_problem else "all objects valid"),
         ("per_action_ceiling", "budget_exceeded",
          b.per_action_cents is None or amount <= b.per_action_cents,
          f"{amount} cents against a per-action ceiling of {b.per_action_cents}"),

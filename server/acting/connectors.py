@@ -45,7 +45,6 @@ Claude allow only `[A-Za-z0-9_-]{1,64}`); names never contain `__` themselves, s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import tomllib
@@ -59,12 +58,14 @@ from urllib.parse import quote, urlencode, urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StrictBool, StrictInt, StrictStr
 from pydantic import ValidationError as _PydanticError
 
+from wakeful.proxy.contract import EgressRequest
 from wakeful.server.errors import BadRequest, NotFound
+from wakeful.server.store.tables import Risk
 from wakeful.server.store.toml_lines import Key, TomlLines
 
 __all__ = [
     "OBJECT_ID_PATTERN", "Amount", "BooleanParam", "Connector", "ConnectorError", "ConnectorProblem", "DoneWhen",
-    "ExtractedObject", "IntegerParam", "ObjectParam", "Operation", "Param", "PreparedRequest", "Reconcile",
+    "ExtractedObject", "IntegerParam", "ObjectParam", "Operation", "Param", "Reconcile",
     "Registry", "Returns", "StringParam", "build_request", "extract_objects", "load_connectors",
     "done_when_holds", "reconcile_arguments", "reconcile_done", "validate_arguments",
 ]
@@ -204,7 +205,7 @@ class _OperationDecl(_Frozen):
     internal: StrictBool = False
     params: dict[Name, Param] = Field(default_factory=dict)
     returns: tuple[Returns, ...] = ()
-    risk: Literal["auto", "ask", "deny"] | None = None
+    risk: Risk | None = None
     idempotency_header: HeaderName | None = None
     amount: Amount | None = None
     reconcile: Reconcile | None = None
@@ -238,7 +239,7 @@ class Operation:
     """No tool is generated; the operation exists to reconcile writes."""
     params: Mapping[str, ObjectParam | StringParam | IntegerParam | BooleanParam]
     returns: tuple[Returns, ...]
-    risk: Literal["auto", "ask", "deny"] | None
+    risk: Risk | None
     idempotency_header: str | None
     amount: Amount | None
     reconcile: Reconcile | None
@@ -298,18 +299,6 @@ class Registry:
         if op.reconcile is None:
             raise ValueError(f"{op.tool_name} declares no reconcile")
         return self.connectors[op.connector].operations[op.reconcile.operation]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PreparedRequest:
-    """Exactly what will be sent, minus the credential the egress proxy adds after the policy approved it."""
-
-    method: str
-    url: str
-    headers: tuple[tuple[str, str], ...]
-    body: bytes | None
-    body_sha256: str
-    """Hex SHA-256 of the body (of b"" when there is none)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -692,7 +681,7 @@ def _short(value: object) -> str:
 
 
 def build_request(op: Operation, *, args: Mapping[str, object], resolved: Mapping[str, str],
-                  idempotency_key: str | None) -> PreparedRequest:
+                  idempotency_key: str | None) -> EgressRequest:
     """The request for `op`: `resolved` maps each object argument to its external ref (resolved by the caller).
 
     Path values are quoted whole (`/` and `.` too), so a value can never add, leave or collapse a segment. Body
@@ -721,8 +710,9 @@ def build_request(op: Operation, *, args: Mapping[str, object], resolved: Mappin
         if idempotency_key is None or not _HEADER_VALUE.fullmatch(idempotency_key):
             raise ValueError(f"{op.tool_name} needs an idempotency key of visible ASCII, not {idempotency_key!r}")
         headers.append((op.idempotency_header, idempotency_key))
-    return PreparedRequest(method=op.method, url=url, headers=tuple(headers), body=body,
-                           body_sha256=hashlib.sha256(body or b"").hexdigest())
+    # The one shape of this request from here to the proxy's decision: exactly what will be sent, minus the
+    # credential the egress proxy adds after the policy approved it.
+    return EgressRequest.of(op.method, url, headers=tuple(headers), body=body)
 
 
 def _text(value: object) -> str:

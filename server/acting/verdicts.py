@@ -16,6 +16,7 @@ from sqlalchemy import Connection, and_, func, select
 
 from wakeful.server.acting.actions import Action
 from wakeful.server.acting.admission import ApprovalFacts, Facts, Verdict, admit
+from wakeful.server.acting.leave import LeaveFacts
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import control, outbox, waits
 from wakeful.server.store.ids import new_id
@@ -38,8 +39,8 @@ from wakeful.server.store.tables import (
     waits as waits_table,
 )
 
-__all__ = ["admit_and_record", "approval_key", "gather_facts", "lock_task", "objects_problem", "render_card",
-           "verdict_status"]
+__all__ = ["admit_and_record", "approval_key", "gather_facts", "leave_facts", "lock_task", "objects_problem",
+           "render_card", "verdict_status"]
 
 
 def approval_key(action_id: str) -> str:
@@ -62,6 +63,15 @@ def objects_problem(conn: Connection, action: Action, now: datetime) -> tuple[st
         if isinstance(quote_expiry, str) and datetime.fromisoformat(quote_expiry) <= now:
             return "quote_expired", f"{name}: the quote expired at {quote_expiry}"
     return None
+
+
+def leave_facts(conn: Connection, action: Action, *, task: Any, now: datetime,
+                attempt: tuple[str, str | None] | None = None) -> LeaveFacts:
+    """What `leave_check` needs to know about sending `action` now; `task` is its task's row (locked by the
+    dispatcher, read by the egress decider)."""
+    return LeaveFacts(stopped=control.stop_state(conn).blocks(action.user_id), task_state=TaskState(task.state),
+                      current_version=task.current_version, action_version=action.task_version,
+                      objects_problem=objects_problem(conn, action, now), attempt=attempt)
 
 
 def _spent(conn: Connection, *, where: Any) -> int:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.settings import Settings
 from wakeful.server.store.clock import Clock
+from wakeful.server.store.tables import Risk
 
 if TYPE_CHECKING:
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
@@ -99,14 +100,14 @@ def act_json(act: Act) -> dict[str, Any]:
     return {"kind": act_kind(act), **{k: v for k, v in dataclasses.asdict(act).items() if v is not None}}
 
 
-def act_risk(act: Act, name: str | None) -> str:
+def act_risk(act: Act, name: str | None) -> Risk:
     """`ask` when the act may commit something (its element's name reads like it, or it types into the desktop
     blind), else `auto`. Risk tiers in the policy override this for `computer__act`."""
     from wakeful.vm.observe import DesktopClick, DesktopKey, DesktopType
 
     if isinstance(act, DesktopClick | DesktopKey | DesktopType):
-        return "ask"  # coordinates name nothing: a blind click could be "Pay"
-    return "ask" if name and SENSITIVE.search(name) else "auto"
+        return Risk.ASK  # coordinates name nothing: a blind click could be "Pay"
+    return Risk.ASK if name and SENSITIVE.search(name) else Risk.AUTO
 
 
 class Computers(Protocol):

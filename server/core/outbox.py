@@ -1,21 +1,30 @@
-"""The transactional outbox and its dispatcher.
+"""The transactional outbox, its one drain, and the delivery of messages to the user.
 
-`enqueue` writes a message in the caller's transaction, beside the state change that caused it. The `Dispatcher`
-drains pending rows: it re-checks STOP, delivers each message with its ID as the `Idempotency-Key` (so a delivery
-repeated after a crash is applied once by the receiver), and marks it sent with a guarded update. Failed deliveries
-back off exponentially and are marked failed past the attempt cap. Without a `notify_url` messages go to the local
-feed (`GET /v1/messages`) and are sent the moment they are dispatched.
+`enqueue` writes a row in the caller's transaction, beside the state change that caused it. One `OutboxDrain`
+empties the table for every kind of row: it claims the due rows of each kind (a guarded `UPDATE … WHERE state =
+'pending' AND attempts = :seen` that counts the handover; a row another drain claimed first is skipped) and hands
+them to the `OutboxHandler` registered for that kind. STOP holds every kind: a user's rows (or everyone's) stay
+pending, untouched, until START. A claimed row stays due: a drain that died mid-handling leaves it to the next one,
+so handlers must be safe to run again (a message's ID is its idempotency key; an action's open attempt is
+reconciled, never re-sent).
+
+Handlers here: `MessageDelivery` (kind `message`) delivers each message with its ID as the `Idempotency-Key` and
+marks it sent with a guarded update; failures back off exponentially and are marked failed past the attempt cap.
+Without a `notify_url` messages go to the local feed (`GET /v1/messages`) and are sent the moment they are drained.
+The action intents' handler lives with the dispatcher (`egress.dispatch.ActionDispatcher`): the core never imports
+it, the runtime registers it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
-from sqlalchemy import Connection, Engine, and_, bindparam, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, and_, bindparam, select, true, update
 
 from wakeful.server.core import control, faults
 from wakeful.server.store.clock import Clock
@@ -23,7 +32,7 @@ from wakeful.server.store.db import read, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OutboxKind, OutboxState, outbox
 
-__all__ = ["Dispatcher", "enqueue"]
+__all__ = ["MessageDelivery", "OutboxDrain", "OutboxHandler", "enqueue"]
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +52,82 @@ def enqueue(conn: Connection, *, user_id: str, body: dict[str, Any], now: dateti
     return message_id
 
 
-class Dispatcher:
+class OutboxHandler(Protocol):
+    """What the drain hands one kind of outbox row to."""
+
+    kind: OutboxKind
+
+    def ready(self) -> ColumnElement[bool]:
+        """A condition on outbox rows of this kind, beside due and not STOPped: which the handler can take now
+        (rows it would only hold are left unclaimed, so they never crowd out the others)."""
+        ...
+
+    def handle(self, rows: Sequence[Any]) -> int:
+        """Handle claimed rows (their `attempts` already counts this handover); returns how many were settled or
+        attempted. Settling a row is the handler's own guarded update; an exception leaves the rest pending."""
+        ...
+
+
+_CLAIM = (update(outbox).where(and_(outbox.c.id == bindparam("row"), outbox.c.state == OutboxState.PENDING.value,
+                                    outbox.c.attempts == bindparam("seen")))
+          .values(attempts=outbox.c.attempts + 1).returning(*outbox.c))
+
+
+class OutboxDrain:
+    """The one loop body that empties the outbox, kind by kind, through the registered handlers."""
+
+    def __init__(self, engine: Engine, clock: Clock, handlers: Iterable[OutboxHandler] = ()) -> None:
+        self._engine = engine
+        self._clock = clock
+        self._handlers: dict[OutboxKind, OutboxHandler] = {}
+        for handler in handlers:
+            self.register(handler)
+
+    def register(self, handler: OutboxHandler) -> None:
+        if handler.kind in self._handlers:
+            raise ValueError(f"outbox kind {handler.kind} already has a handler")
+        self._handlers[handler.kind] = handler
+
+    def drain(self, limit: int = 100) -> int:
+        """Claim what is due and hand it over; returns what the handlers report (settled or attempted rows)."""
+        done = 0
+        for kind, handler in self._handlers.items():
+            claimed = self.claim(kind, handler.ready(), limit=limit)
+            if claimed:
+                done += handler.handle(claimed)
+        return done
+
+    def claim(self, kind: OutboxKind, ready: ColumnElement[bool] | None = None, *, limit: int = 100) -> list[Any]:
+        """The due, pending rows of `kind` that STOP does not hold and `ready` admits, oldest first, each claimed
+        by a guarded update; a row another drain claimed (or settled) since it was read is left out."""
+        return self.take(self.due(kind, ready, limit=limit))
+
+    def due(self, kind: OutboxKind, ready: ColumnElement[bool] | None = None, *, limit: int = 100) -> list[Any]:
+        """(id, attempts) of the rows `claim` would take now, read without a write lock (an idle drain takes none)."""
+        now = self._clock.now()
+        with read(self._engine) as conn:
+            stop = control.stop_state(conn)
+            if stop.everything:
+                return []
+            return list(conn.execute(select(outbox.c.id, outbox.c.attempts).where(and_(
+                outbox.c.kind == kind.value, outbox.c.state == OutboxState.PENDING.value,
+                outbox.c.next_attempt_at <= now, outbox.c.user_id.not_in(stop.users),
+                true() if ready is None else ready)).order_by(outbox.c.created_at).limit(limit)).all())
+
+    def take(self, due: Sequence[Any]) -> list[Any]:
+        """Claim each of `due` (rows of `due()`) whose attempts have not moved since; returns the claimed rows."""
+        if not due:
+            return []
+        with write(self._engine) as conn:
+            claimed = [conn.execute(_CLAIM, {"row": row.id, "seen": row.attempts}).first() for row in due]
+        return [row for row in claimed if row is not None]
+
+
+class MessageDelivery:
+    """The handler for messages to the user: to `notify_url`, or to the local feed when there is none."""
+
+    kind = OutboxKind.USER_MESSAGE
+
     def __init__(self, engine: Engine, clock: Clock, *, notify_url: str | None, max_attempts: int,
                  backoff: timedelta, transport: httpx.BaseTransport | None = None) -> None:
         self._engine = engine
@@ -56,30 +140,21 @@ class Dispatcher:
     def close(self) -> None:
         self._http.close()
 
-    def drain(self, limit: int = 100) -> int:
-        """Deliver what is due; returns how many messages were attempted."""
-        now = self._clock.now()
-        with read(self._engine) as conn:
-            stop = control.stop_state(conn)
-            due = conn.execute(
-                select(outbox).where(and_(outbox.c.kind == OutboxKind.USER_MESSAGE.value,
-                                          outbox.c.state == OutboxState.PENDING.value,
-                                          outbox.c.next_attempt_at <= now))
-                .order_by(outbox.c.created_at).limit(limit)
-            ).all()
-        ready = [row for row in due if not stop.blocks(row.user_id)]
+    def ready(self) -> ColumnElement[bool]:
+        return true()  # only STOP holds a message
+
+    def handle(self, rows: Sequence[Any]) -> int:
+        """Deliver claimed messages; returns how many were attempted."""
         if self._notify_url is None:  # the local feed: nothing leaves, so the lot is marked sent in one transaction
-            if not ready:
-                return 0
             with write(self._engine) as conn:
-                conn.execute(_SETTLE, [self._settled(row, None) for row in ready])
-            return len(ready)
-        for row in ready:  # each marked sent as soon as it is delivered: a crash re-delivers one message at most
+                conn.execute(_SETTLE, [self._settled(row, None) for row in rows])
+            return len(rows)
+        for row in rows:  # each marked sent as soon as it is delivered: a crash re-delivers one message at most
             error = self._deliver(row)
             settled = self._settled(row, error)
             with write(self._engine) as conn:
                 conn.execute(_SETTLE, settled)
-        return len(ready)
+        return len(rows)
 
     def _deliver(self, row: Any) -> str | None:
         assert self._notify_url is not None
@@ -97,7 +172,7 @@ class Dispatcher:
     def _settled(self, row: Any, error: str | None) -> dict[str, Any]:
         """The parameters of `_SETTLE` for a delivery of `row` that succeeded, or failed with `error`."""
         now = self._clock.now()
-        attempts = row.attempts + 1
+        attempts = row.attempts  # the claim counted this attempt
         if error is None:
             return {"message": row.id, "state": OutboxState.SENT.value, "sent_at": now, "attempts": attempts,
                     "last_error": None, "next_attempt_at": row.next_attempt_at}

@@ -1,7 +1,7 @@
 """The action dispatcher and the reconciler: where an admitted action meets the outside world.
 
 Dispatch, per intent:
-    lock the task; re-check STOP, pause, revocation, close and the task version  → held or voided, never sent
+    lock the task; ask `leave_check` (STOP, pause, revocation, close, task version, objects) → held or voided
     persist the attempt (request, idempotency key)                                → committed BEFORE the send
     send; normalise the outcome to accepted | blocked | unknown; record it once, with evidence
     unknown → a reconcile wait; never a blind retry
@@ -14,27 +14,28 @@ told exactly what is and is not known.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import Connection, Engine, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
 
-from wakeful.proxy.contract import RefusalCode
+from wakeful.proxy.contract import REFUSAL_HEADER, EgressRequest, RefusalCode
 from wakeful.proxy.wire import REQUEST_TOO_LARGE
 from wakeful.server.acting.actions import Action, content_hash, load_action
 from wakeful.server.acting.connectors import DoneWhen, done_when_holds
+from wakeful.server.acting.leave import Leave, leave_check
 from wakeful.server.acting.policy import Policy
-from wakeful.server.acting.verdicts import lock_task, objects_problem
+from wakeful.server.acting.verdicts import leave_facts, lock_task
 from wakeful.server.computers.pool import ACT_TOOL, Computers, act_from_args
 from wakeful.server.computers.pool import execute as execute_act
-from wakeful.server.core import control, faults, inbox, outbox, waits
+from wakeful.server.core import faults, inbox, outbox, waits
+from wakeful.server.core.outbox import OutboxDrain
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.errors import WakefulError
 from wakeful.server.store.clock import Clock
@@ -63,10 +64,8 @@ from wakeful.vm.observe import Refused as ActRefused
 __all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
 
 HELD, SETTLED = "held", "settled"
-REFUSAL_HEADER = "X-Wakeful-Refusal"
 _PROXY_REFUSALS = frozenset(code.value for code in RefusalCode) | {REQUEST_TOO_LARGE}
 """What the egress proxy answers before dialling anything; not upstream_failed / upstream_timeout (it had dialled)."""
-_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 log = logging.getLogger(__name__)
 
@@ -136,26 +135,28 @@ class ActionDispatcher:
 
     # -- dispatch ----------------------------------------------------------------------------------------------
 
-    def drain(self, limit: int = 50) -> int:
-        now = self._clock.now()
-        with read(self._engine) as conn:
-            stop = control.stop_state(conn)
-            if stop.everything:
-                return 0
-            # Intents held by a pause or a user's STOP are left out here, so they never crowd out the others.
-            paused = select(tasks_table.c.session_id).where(tasks_table.c.state == TaskState.PAUSED.value)
-            due = conn.execute(select(outbox_table.c.id, outbox_table.c.body).where(and_(
-                outbox_table.c.kind == OutboxKind.DISPATCH.value, outbox_table.c.state == OutboxState.PENDING.value,
-                outbox_table.c.next_attempt_at <= now, outbox_table.c.user_id.not_in(stop.users),
-                or_(outbox_table.c.session_id.is_(None), outbox_table.c.session_id.not_in(paused))))
-                .order_by(outbox_table.c.created_at).limit(limit)).all()
+    # The outbox handler for action intents (see `core.outbox.OutboxHandler`); the runtime registers it with the
+    # one `OutboxDrain` beside the message delivery.
+    kind = OutboxKind.DISPATCH
+
+    def ready(self) -> ColumnElement[bool]:
+        # Intents held by a pause are left unclaimed (STOP the drain leaves out itself), so they never crowd out
+        # the others.
+        paused = select(tasks_table.c.session_id).where(tasks_table.c.state == TaskState.PAUSED.value)
+        return or_(outbox_table.c.session_id.is_(None), outbox_table.c.session_id.not_in(paused))
+
+    def handle(self, rows: Sequence[Any]) -> int:
         done = 0
-        for row in due:
+        for row in rows:
             try:
                 done += self.dispatch(row.id, json.loads(row.body)["action_id"])
             except Exception:
                 log.exception("dispatch of %s failed unexpectedly; it stays pending", row.id)
         return done
+
+    def drain(self, limit: int = 50) -> int:
+        """Dispatch the due intents alone, through the one outbox drain (the runtime drains every kind at once)."""
+        return OutboxDrain(self._engine, self._clock, [self]).drain(limit)
 
     def dispatch(self, intent_id: str, action_id: str) -> int:
         """Returns 1 when the intent was settled (sent, voided or handed to reconciliation), 0 when held.
@@ -186,7 +187,7 @@ class ActionDispatcher:
         if action.tool == ACT_TOOL:
             result = self._act(action)
         else:
-            response, error = self._send(action.content["request"], grant)
+            response, error = self._send(EgressRequest.from_json(action.content["request"]), grant)
             result = classify(response, error)
         faults.crash_point("after_send")
         self._record(attempt_id, action, result, intent_id=intent_id)
@@ -235,18 +236,11 @@ class ActionDispatcher:
                 detail="the dispatcher stopped after persisting the attempt; the request may or may not have left"),
                 now=now, intent_id=intent_id, source="recovery")
             return SETTLED
-        if control.stop_state(conn).blocks(action.user_id) or task.state == TaskState.PAUSED.value:
+        leaving = leave_check(leave_facts(conn, action, task=task, now=now))
+        if leaving.kind is Leave.HOLD:
             return HELD  # released again by START / resume, never sent while held
-        if task.state in (TaskState.REVOKED.value, TaskState.CLOSED.value):
-            self._void(conn, intent_id, action, task.state, f"the task was {task.state} before this was sent", now)
-            return SETTLED
-        if task.current_version != action.task_version:
-            self._void(conn, intent_id, action, "task_version_changed",
-                       f"the task moved to version {task.current_version}", now)
-            return SETTLED
-        stale = objects_problem(conn, action, now)  # an expired quote is not sent, even if approved in time
-        if stale is not None:
-            self._void(conn, intent_id, action, *stale, now)
+        if leaving.kind is Leave.VOID:  # an expired quote is not sent either, even if it was approved in time
+            self._void(conn, intent_id, action, leaving.code, leaving.detail, now)
             return SETTLED
         if any(a.outcome == Outcome.ACCEPTED.value for a in previous):
             self._finish_intent(conn, intent_id, now)
@@ -257,36 +251,34 @@ class ActionDispatcher:
                                                   request=json.dumps({"act": action.content["act"]}, sort_keys=True),
                                                   created_at=now))
             return attempt_id, {}
-        request = dict(action.content["request"])
-        request["idempotency_key"] = action.content.get("idempotency_key")
+        request = EgressRequest.from_json(action.content["request"])
+        # The attempt records the request in its one stored form; the idempotency key rides beside it (it is also
+        # in the headers under the operation's own name) because attempts have always carried it there.
+        recorded = {**request.to_json(), "idempotency_key": action.content.get("idempotency_key")}
         conn.execute(attempts.insert().values(id=attempt_id, action_id=action.id, seq=len(previous) + 1,
-                                              request=json.dumps(request, sort_keys=True), created_at=now))
+                                              request=json.dumps(recorded, sort_keys=True), created_at=now))
         grant = self._grant(conn, action, GrantPurpose.WRITE, request, now=now, attempt_id=attempt_id)
         return attempt_id, grant
 
-    def _grant(self, conn: Connection, action: Action, purpose: GrantPurpose, request: Mapping[str, Any], *,
+    def _grant(self, conn: Connection, action: Action, purpose: GrantPurpose, request: EgressRequest, *,
                now: datetime, attempt_id: str | None = None) -> dict[str, str]:
         return self._http.grant(conn, purpose=purpose, user_id=action.user_id, task_id=action.task_id,
-                                tool=action.tool, method=request["method"], url=request["url"],
-                                body_sha256=request.get("body_sha256") or _EMPTY_SHA256,
-                                credential=action.content.get("credential"), now=now, action_id=action.id,
-                                attempt_id=attempt_id)
+                                tool=action.tool, request=request, credential=action.content.get("credential"),
+                                now=now, action_id=action.id, attempt_id=attempt_id)
 
-    def _send(self, request: Mapping[str, Any],
+    def _send(self, request: EgressRequest,
               grant: dict[str, str]) -> tuple[httpx.Response | None, Exception | None]:
-        headers = {**request.get("headers", {}), **grant}  # the idempotency key is among them; no credential is
-        body = request.get("body")
-        try:
-            return self._http.request(request["method"], request["url"], headers=headers,
-                                      content=body.encode() if isinstance(body, str) else None), None
+        try:  # the idempotency key is among the request's headers; no credential is: the proxy adds it
+            return self._http.send(request, grant), None
         except httpx.HTTPError as exc:
             return None, exc
 
-    def _query(self, action: Action, purpose: GrantPurpose, request: Mapping[str, Any]) -> httpx.Response:
+    def _query(self, action: Action, purpose: GrantPurpose, stored: Mapping[str, Any]) -> httpx.Response:
         """A read that settles or checks an action (reconcile, verify), granted like any other egress."""
+        request = EgressRequest.from_json(stored)
         with write(self._engine) as conn:
             grant = self._grant(conn, action, purpose, request, now=self._clock.now())
-        return self._http.request(request["method"], request["url"], headers=grant, content=None)
+        return self._http.send(request, grant)
 
     def _record(self, attempt_id: str, action: Action, result: Result, *, intent_id: str) -> None:
         with write(self._engine) as conn:
@@ -326,7 +318,7 @@ class ActionDispatcher:
     def _finish_intent(self, conn: Connection, intent_id: str, now: datetime) -> None:
         conn.execute(update(outbox_table).where(and_(outbox_table.c.id == intent_id,
                                                      outbox_table.c.state == OutboxState.PENDING.value))
-                     .values(state=OutboxState.SENT.value, sent_at=now, attempts=outbox_table.c.attempts + 1))
+                     .values(state=OutboxState.SENT.value, sent_at=now))
 
     def _void(self, conn: Connection, intent_id: str, action: Action, code: str, detail: str, now: datetime) -> None:
         conn.execute(verdicts.insert().values(

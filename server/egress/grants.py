@@ -4,10 +4,10 @@
   query) it persists a grant naming exactly that request, and sends a one-time token with it. Only a digest of the
   token is stored.
 - Decisions: the proxy asks, per request, over the decider channel; `decide` answers from the records. A connector
-  request is allowed only if its grant exists, has not expired, still fits the task's state (STOP, pause, revoke,
-  task version, an attempt that already has an outcome) and matches the request byte for byte (method, scheme,
-  host, port, path, query, body digest). Tool-computer traffic is matched against the egress allowlist
-  (`policies/egress.toml`), deny by default, after the tool computer's proxy credential is checked.
+  request is allowed only if its grant exists, has not expired, may still leave (`leave_check`: STOP, pause,
+  revoke, an attempt that already has an outcome, task version, stale objects) and matches the request byte for
+  byte (method, scheme, host, port, path, query, body digest). Tool-computer traffic is matched against the egress
+  allowlist (`policies/egress.toml`), deny by default, after the tool computer's proxy credential is checked.
 - Audit: one append-only row per request the proxy saw, queryable by user.
 """
 
@@ -21,16 +21,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import Connection, Row, Select, and_, bindparam, insert, select, update
 
-from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Verdict, refuse
+from wakeful.proxy.contract import Allow, DecisionRequest, EgressRequest, RefusalCode, Verdict, refuse
 from wakeful.proxy.decide import AllowRule, decide_by_allowlist
-from wakeful.proxy.hosts import default_port, normalize_host
 from wakeful.server.acting.actions import load_action
-from wakeful.server.acting.verdicts import objects_problem
+from wakeful.server.acting.leave import Leave, LeaveFacts, leave_check
+from wakeful.server.acting.verdicts import leave_facts
 from wakeful.server.core import control
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.store.db import upsert
@@ -56,7 +55,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ClientState",
     "EgressRules",
-    "Target",
     "audit_rows",
     "client_digest",
     "client_state",
@@ -75,57 +73,43 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-@dataclass(frozen=True, kw_only=True)
-class Target:
-    """What a request is, in the terms the proxy reports it: the grant and the request must agree on all of it."""
-
-    method: str
-    scheme: str
-    host: str
-    port: int
-    path: str
-    query: str
-    body_sha256: str
-
-    @classmethod
-    def of(cls, method: str, url: str, body_sha256: str) -> Target:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        return cls(method=method.upper(), scheme=parts.scheme, host=normalize_host(parts.hostname),
-                   port=parts.port or default_port(parts.scheme), path=parts.path or "/", query=parts.query,
-                   body_sha256=body_sha256)
-
-
 # -- grants ------------------------------------------------------------------------------------------------------
 
 
-def issue_grant(conn: Connection, *, user_id: str, task_id: str, purpose: GrantPurpose, tool: str, target: Target,
-                credential: str | None, now: datetime, ttl: timedelta, action_id: str | None = None,
-                attempt_id: str | None = None) -> str:
-    """Persist a grant for one request and return its token (send it in `X-Wakeful-Attempt`; never store it)."""
+def issue_grant(conn: Connection, *, user_id: str, task_id: str, purpose: GrantPurpose, tool: str,
+                request: EgressRequest, credential: str | None, now: datetime, ttl: timedelta,
+                action_id: str | None = None, attempt_id: str | None = None) -> str:
+    """Persist a grant for exactly `request` and return its token (send it in `X-Wakeful-Attempt`; never store it).
+    The grant keeps the request's parts, its body by digest; headers are not part of a grant."""
     token = secrets.token_urlsafe(32)
     conn.execute(insert(egress_grants).values(
         id=new_id("egr"), token_sha256=_digest(token), user_id=user_id, task_id=task_id, purpose=purpose.value,
-        action_id=action_id, attempt_id=attempt_id, tool=tool, method=target.method, scheme=target.scheme,
-        host=target.host, port=target.port, path=target.path, query=target.query, body_sha256=target.body_sha256,
-        credential=credential, created_at=now, expires_at=now + ttl))
+        action_id=action_id, attempt_id=attempt_id, tool=tool, method=request.method, scheme=request.scheme,
+        host=request.host, port=request.port, path=request.path, query=request.query,
+        body_sha256=request.body_sha256, credential=credential, created_at=now, expires_at=now + ttl))
     return token
+
+
+def _granted(grant: Any) -> EgressRequest:
+    """The request a grant row names."""
+    return EgressRequest(method=grant.method, scheme=grant.scheme, host=grant.host, port=grant.port,
+                         path=grant.path, query=grant.query, body_sha256=grant.body_sha256)
 
 
 def _not_admitted(reason: str) -> Verdict:
     return refuse(RefusalCode.NOT_ADMITTED, reason)
 
 
-def _mismatch(grant: Any, req: DecisionRequest) -> str | None:
-    """The first part of the request that differs from its grant (named, never shown: a query can hold secrets)."""
-    for part, granted, asked in (("method", grant.method, req.method), ("scheme", grant.scheme, req.scheme),
-                                 ("host", grant.host, req.host), ("port", grant.port, req.port),
-                                 ("path", grant.path, req.path), ("query", grant.query, req.query),
-                                 ("body", grant.body_sha256, req.body_sha256)):
-        if granted != asked:
-            return part
-    return None
+def _leave_facts(conn: Connection, grant: Any, now: datetime) -> LeaveFacts:
+    """What `leave_check` needs about the granted request now. Reconcile and verify only read what already
+    happened: they go on through a pause, a revoke or a STOP, because an unknown outcome must still be settled."""
+    task = conn.execute(select(tasks.c.state, tasks.c.current_version).where(tasks.c.id == grant.task_id)).one()
+    if grant.purpose == GrantPurpose.WRITE.value:
+        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.id == grant.attempt_id)).scalar_one()
+        return leave_facts(conn, load_action(conn, grant.action_id), task=task, now=now,
+                           attempt=(grant.attempt_id, outcome))
+    return LeaveFacts(stopped=control.stop_state(conn).blocks(grant.user_id), task_state=TaskState(task.state),
+                      current_version=task.current_version, settling=grant.purpose != GrantPurpose.READ.value)
 
 
 def _decide_connector(conn: Connection, req: DecisionRequest, now: datetime) -> Verdict:
@@ -137,27 +121,10 @@ def _decide_connector(conn: Connection, req: DecisionRequest, now: datetime) -> 
         return _not_admitted("no request was granted under this attempt token")
     if now >= grant.expires_at:
         return _not_admitted(f"the grant for this {grant.tool} request expired at {grant.expires_at.isoformat()}")
-    acting = grant.purpose in (GrantPurpose.READ.value, GrantPurpose.WRITE.value)
-    # Reconcile and verify only read what already happened: they go on through a pause, a revoke or a STOP,
-    # because an unknown outcome must still be settled.
-    if acting:
-        if control.stop_state(conn).blocks(grant.user_id):
-            return _not_admitted("STOP is in force; nothing new goes out until the user lifts it")
-        task = conn.execute(select(tasks.c.state, tasks.c.current_version)
-                            .where(tasks.c.id == grant.task_id)).one()
-        if task.state != TaskState.ACTIVE.value:
-            return _not_admitted(f"the task is {task.state}; nothing is sent for it")
-    if grant.purpose == GrantPurpose.WRITE.value:
-        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.id == grant.attempt_id)).scalar_one()
-        if outcome is not None:
-            return _not_admitted(f"attempt {grant.attempt_id} already has an outcome ({outcome}); it is not sent again")
-        action = load_action(conn, grant.action_id)
-        if action.task_version != task.current_version:
-            return _not_admitted(f"the task moved to version {task.current_version} after this action was admitted")
-        stale = objects_problem(conn, action, now)
-        if stale is not None:
-            return _not_admitted(stale[1])
-    part = _mismatch(grant, req)
+    leaving = leave_check(_leave_facts(conn, grant, now))
+    if leaving.kind is not Leave.GO:
+        return _not_admitted(leaving.detail)
+    part = _granted(grant).differs(req.request)
     if part is not None:
         return refuse(RefusalCode.CONTENT_MISMATCH, f"the request's {part} differs from what was granted for "
                                                     f"{grant.tool}")

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import ssl
 import threading
+from collections.abc import Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
 from sqlalchemy import Connection
 
+from wakeful.proxy.contract import EgressRequest
 from wakeful.proxy.rewrite import ATTEMPT_HEADER
-from wakeful.server.egress.grants import Target, issue_grant
+from wakeful.server.egress.grants import issue_grant
 from wakeful.server.settings import Settings
 from wakeful.server.store.tables import GrantPurpose
 
@@ -58,18 +60,20 @@ class ConnectorHTTP:
             return self._client
 
     def grant(self, conn: Connection, *, purpose: GrantPurpose, user_id: str, task_id: str, tool: str,
-              method: str, url: str, body_sha256: str, credential: str | None, now: datetime,
-              action_id: str | None = None, attempt_id: str | None = None) -> dict[str, str]:
-        """The headers that let this exact request through the proxy; none when the proxy is off."""
+              request: EgressRequest, credential: str | None, now: datetime, action_id: str | None = None,
+              attempt_id: str | None = None) -> dict[str, str]:
+        """The headers that let exactly `request` through the proxy; none when the proxy is off."""
         if not self.via_proxy:
             return {}
-        token = issue_grant(conn, user_id=user_id, task_id=task_id, purpose=purpose, tool=tool,
-                            target=Target.of(method, url, body_sha256), credential=credential, now=now,
-                            ttl=self._grant_ttl, action_id=action_id, attempt_id=attempt_id)
+        token = issue_grant(conn, user_id=user_id, task_id=task_id, purpose=purpose, tool=tool, request=request,
+                            credential=credential, now=now, ttl=self._grant_ttl, action_id=action_id,
+                            attempt_id=attempt_id)
         return {ATTEMPT_HEADER: token}
 
-    def request(self, method: str, url: str, *, headers: dict[str, str], content: bytes | None) -> httpx.Response:
-        return self._http().request(method, url, headers=headers, content=content)
+    def send(self, request: EgressRequest, grant: Mapping[str, str]) -> httpx.Response:
+        """Send `request` as it was built and granted, with the grant's headers; raises `httpx.HTTPError`."""
+        return self._http().request(request.method, request.url, headers={**dict(request.headers), **grant},
+                                    content=request.body)
 
     def close(self) -> None:
         with self._lock:

@@ -25,7 +25,6 @@ from wakeful.server.acting.connectors import (
     DoneWhen,
     ObjectParam,
     Operation,
-    PreparedRequest,
     Registry,
     build_request,
     extract_objects,
@@ -67,12 +66,6 @@ class Completion(BaseModel):
     model_config = {"extra": "forbid", "frozen": True}
     effect: str
     verify: Verify | None = None
-
-
-def _request_json(prepared: PreparedRequest) -> dict[str, Any]:
-    return {"method": prepared.method, "url": prepared.url, "headers": dict(prepared.headers),
-            "body": prepared.body.decode() if prepared.body is not None else None,
-            "body_sha256": prepared.body_sha256}
 
 
 class ToolLayer:
@@ -146,13 +139,11 @@ class ToolLayer:
             prepared = build_request(op, args=valid, resolved={k: o.ref for k, o in resolved.items()},
                                      idempotency_key=None)
             grant = self._http.grant(conn, purpose=GrantPurpose.READ, user_id=binding.user_id, task_id=task.id,
-                                     tool=op.tool_name, method=prepared.method, url=prepared.url,
-                                     body_sha256=prepared.body_sha256,
+                                     tool=op.tool_name, request=prepared,
                                      credential=self.registry.connectors[op.connector].credential,
                                      now=self.clock.now())
         try:
-            response = self._http.request(prepared.method, prepared.url, headers={**dict(prepared.headers), **grant},
-                                          content=prepared.body)
+            response = self._http.send(prepared, grant)
         except httpx.HTTPError as exc:
             raise WakefulError("remote_unreachable", f"{op.tool_name}: {type(exc).__name__}: {exc}") from None
         if not response.is_success:
@@ -171,7 +162,7 @@ class ToolLayer:
                 issued.append({"id": object_id, "kind": found.kind, **found.snapshot})
             add_evidence(conn, action=None, task_id=binding.task_id, attempt_id=None, source="read",
                          verdict=Outcome.ACCEPTED, now=now,
-                         observed={"tool": op.tool_name, "request": _request_json(prepared),
+                         observed={"tool": op.tool_name, "request": prepared.to_json(),
                                    "status_code": response.status_code, "objects": issued})
         return {"objects": issued}
 
@@ -220,8 +211,8 @@ class ToolLayer:
             "task_version": version.version, "args": args,
             "objects": {name: obj.id for name, obj in resolved.items()}, "refs": refs,
             "snapshots": {name: obj.snapshot for name, obj in resolved.items()},
-            "request": _request_json(prepared), "idempotency_key": key, "idempotency_header": op.idempotency_header,
-            "reconcile": {"request": _request_json(r_request),
+            "request": prepared.to_json(), "idempotency_key": key, "idempotency_header": op.idempotency_header,
+            "reconcile": {"request": r_request.to_json(),
                           "done_when": op.reconcile.done_when.model_dump() if op.reconcile else None},
             "constraints": json.loads(version.constraints),
         }
@@ -231,7 +222,7 @@ class ToolLayer:
                 v_args = {theirs: args[ours] for theirs, ours in condition.verify.with_.items() if ours in args}
                 v_request = build_request(read_op, args=v_args, idempotency_key=None,
                                           resolved={n: refs[n] for n in v_args if n in refs})
-                content["verify"] = {"request": _request_json(v_request),
+                content["verify"] = {"request": v_request.to_json(),
                                      "done_when": condition.verify.done_when.model_dump()}
         return content, amount, currency
 

@@ -1,16 +1,20 @@
-"""The outbox dispatcher: idempotency keys, retries with backoff, the failure cap, STOP."""
+"""The one outbox drain and the message delivery it hands messages to: idempotency keys, retries with backoff, the
+failure cap, STOP, claims."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import httpx
-from sqlalchemy import Engine
+import pytest
+from sqlalchemy import Engine, true
 
 from tests.support.records import messages
 from wakeful.server.core import control, outbox
-from wakeful.server.core.outbox import Dispatcher
+from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
 from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.store.tables import OutboxKind
@@ -33,10 +37,11 @@ class Receiver:
         return httpx.Response(200)
 
 
-def dispatcher(engine: Engine, clock: FakeClock, receiver: Receiver | None, max_attempts: int = 3) -> Dispatcher:
-    return Dispatcher(engine, clock, notify_url="http://receiver.test/messages" if receiver else None,
-                      max_attempts=max_attempts, backoff=timedelta(seconds=1),
-                      transport=httpx.MockTransport(receiver) if receiver else None)
+def dispatcher(engine: Engine, clock: FakeClock, receiver: Receiver | None, max_attempts: int = 3) -> OutboxDrain:
+    """The drain with the message delivery registered, as the runtime has it (without the action dispatcher)."""
+    return OutboxDrain(engine, clock, [MessageDelivery(
+        engine, clock, notify_url="http://receiver.test/messages" if receiver else None, max_attempts=max_attempts,
+        backoff=timedelta(seconds=1), transport=httpx.MockTransport(receiver) if receiver else None)])
 
 
 def enqueue(engine: Engine, clock: FakeClock, owner: str, text: str = "hello") -> str:
@@ -106,3 +111,68 @@ def test_the_message_dispatcher_never_touches_an_action_dispatch_intent(engine: 
         outbox.enqueue(conn, user_id=owner, body={"action_id": "act_x"}, now=clock.now(), kind=OutboxKind.DISPATCH)
     assert dispatcher(engine, clock, None).drain() == 0
     assert [m["state"] for m in messages(engine)] == ["pending"]
+
+
+class Recording:
+    """A handler for dispatch intents that only notes what it was handed."""
+
+    kind = OutboxKind.DISPATCH
+
+    def __init__(self) -> None:
+        self.handed: list[tuple[str, int]] = []
+
+    def ready(self) -> Any:
+        return true()
+
+    def handle(self, rows: Sequence[Any]) -> int:
+        self.handed.extend((row.id, row.attempts) for row in rows)
+        return len(rows)
+
+
+def test_the_drain_hands_each_kind_to_its_own_handler_and_counts_the_handover(engine: Engine, clock: FakeClock,
+                                                                              owner: str) -> None:
+    enqueue(engine, clock, owner)
+    with write(engine) as conn:
+        intent = outbox.enqueue(conn, user_id=owner, body={"action_id": "act_x"}, now=clock.now(),
+                                kind=OutboxKind.DISPATCH)
+    intents = Recording()
+    drain = dispatcher(engine, clock, None)
+    drain.register(intents)
+    assert drain.drain() == 2
+    assert intents.handed == [(intent, 1)]  # the claim counted the handover before the handler saw the row
+    assert drain.drain() == 1  # the recording handler settles nothing: the intent stays due and is claimed again
+    assert intents.handed[-1] == (intent, 2)
+
+
+def test_a_row_claimed_by_another_drain_since_it_was_read_is_not_handed_over(engine: Engine, clock: FakeClock,
+                                                                              owner: str) -> None:
+    with write(engine) as conn:
+        intent = outbox.enqueue(conn, user_id=owner, body={"action_id": "act_x"}, now=clock.now(),
+                                kind=OutboxKind.DISPATCH)
+    drain, other = OutboxDrain(engine, clock), OutboxDrain(engine, clock, [Recording()])
+    seen = drain.due(OutboxKind.DISPATCH)
+    assert [row.id for row in seen] == [intent]
+    assert other.drain() == 1  # another drain claims it between this one's read and its claim
+    assert drain.take(seen) == []
+    assert [row.id for row in drain.take(drain.due(OutboxKind.DISPATCH))] == [intent]  # a fresh read claims it
+
+
+def test_stop_holds_every_kind_in_the_outbox(engine: Engine, clock: FakeClock, owner: str) -> None:
+    enqueue(engine, clock, owner)
+    with write(engine) as conn:
+        outbox.enqueue(conn, user_id=owner, body={"action_id": "act_x"}, now=clock.now(), kind=OutboxKind.DISPATCH)
+        control.set_stop(conn, stopped=True, user_id=owner, actor="user:test", reason="hold", now=clock.now())
+    intents = Recording()
+    drain = dispatcher(engine, clock, None)
+    drain.register(intents)
+    assert drain.drain() == 0 and intents.handed == []
+    with write(engine) as conn:
+        control.set_stop(conn, stopped=False, user_id=owner, actor="user:test", reason="go",
+                         now=clock.advance(timedelta(seconds=1)))
+    assert drain.drain() == 2
+
+
+def test_a_second_handler_for_one_kind_is_refused(engine: Engine, clock: FakeClock) -> None:
+    drain = OutboxDrain(engine, clock, [Recording()])
+    with pytest.raises(ValueError, match="already has a handler"):
+        drain.register(Recording())

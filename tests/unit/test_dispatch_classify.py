@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from wakeful.server.egress.dispatch import REFUSAL_HEADER, classify
+from wakeful.proxy.contract import REFUSAL_HEADER
+from wakeful.server.egress.dispatch import classify
 from wakeful.server.store.tables import Outcome
 
 REQUEST = httpx.Request("POST", "https://merchant.test/v1/cancel")

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "sims": set(),
     "store": set(),
     "core": {"store"},
-    "acting": {"store", "core"},
+    "acting": {"store", "core", "proxy"},  # the proxy's contract only: a connector request is an `EgressRequest`
     "computers": {"store", "vm"},
     "egress": {"store", "core", "acting", "computers", "vm", "proxy"},
     "tools": {"store", "core", "acting", "computers", "egress", "vm"},
@@ -81,3 +81,9 @@ def test_the_vm_and_proxy_layers_never_import_the_server(top: str) -> None:
 def test_every_room_of_the_server_is_in_the_table() -> None:
     rooms = {_room_of(p) for p in _modules("server")} - {"__init__", "__main__"}
     assert rooms == set(ALLOWED)
+
+
+def test_acting_meets_the_proxy_only_through_its_contract() -> None:
+    # The proxy is a leaf below the server; acting builds requests in its typed contract and uses nothing else of it.
+    reached = {m for p in (ROOT / "server" / "acting").glob("*.py") for m in _imports(p) if _room(m) == "proxy"}
+    assert reached <= {"wakeful.proxy.contract"}, reached
