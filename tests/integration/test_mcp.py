@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,15 +15,16 @@ import httpx2
 import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
-from tests.support.acting import World, world
+from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.records import messages
 from tests.support.serve import ServeProcess
 from wakeful.server.acting.policy import Policy
 from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.store.clock import FakeClock
-from wakeful.server.store.db import write
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import task_versions
 from wakeful.server.store.users import ensure_user
 
 pytestmark = pytest.mark.anyio
@@ -159,3 +161,32 @@ async def test_send_to_user_goes_through_the_outbox_to_the_user_only(w: World, s
     assert sent.structured_content["state"] == "queued"
     assert [m["text"] for m in messages(w.engine) if m.get("via") == "mcp"] == ["All done."]
     assert to_someone.is_error and to_someone.content[0].text.startswith("invalid_arguments")
+
+
+async def test_a_completion_with_a_verify_read_is_accepted_not_a_dangling_schema_reference(
+        w: World, settings: Any) -> None:
+    """Regression: the nested `Verify` model's `$defs` were lost when the completion schema was embedded, so a
+    schema-valid `verify` failed with `PointerToNowhere: '/$defs/Verify'` instead of being recorded."""
+    async with Client(mcp_for(w, settings).server) as client:
+        created = await client.call_tool("create_responsibility", {"title": "cancel", "completion": CANCEL_VERIFIED})
+        task_id = created.structured_content["task_id"]
+        steered = await client.call_tool("steer_responsibility", {"task_id": task_id, "goal": "cancel it now",
+                                                                  "completion": CANCEL_VERIFIED})
+    assert not created.is_error, created.content
+    assert not steered.is_error and steered.structured_content["version"] == 2, steered.content
+    with read(w.engine) as conn:
+        recorded = conn.execute(select(task_versions.c.completion).where(task_versions.c.task_id == task_id)
+                                .order_by(task_versions.c.version)).scalars().all()
+    assert [json.loads(c) for c in recorded] == [CANCEL_VERIFIED, CANCEL_VERIFIED]
+
+
+@pytest.mark.parametrize("tool", ["merchant__list_subscriptions", "merchant__cancel_renewal"])
+async def test_an_unknown_task_on_a_connector_tool_is_unknown_task_not_a_database_error(
+        w: World, settings: Any, tool: str) -> None:
+    """Regression: SQLAlchemy's "No row was found" leaked out of the tool layer for a task that does not exist."""
+    async with Client(mcp_for(w, settings).server) as client:
+        result = await client.call_tool(tool, {"task_id": "task_00nosuchtask", "subscription": "obj_01abc"}
+                                        if tool.endswith("cancel_renewal") else {"task_id": "task_00nosuchtask"})
+    assert result.is_error
+    assert result.content[0].text.startswith("unknown_task: "), result.content[0].text
+    assert "task_00nosuchtask" in result.content[0].text and "No row" not in result.content[0].text
