@@ -18,6 +18,7 @@ from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import Engine, select
 
 from tests.support.acting import CANCEL_VERIFIED, World, world
+from tests.support.computers import FakeComputers
 from tests.support.records import messages
 from tests.support.serve import ServeProcess
 from wakeful.server.acting.policy import Policy
@@ -45,6 +46,32 @@ def w(engine: Engine, clock: FakeClock, owner: str) -> Iterator[World]:
 
 def mcp_for(w: World, settings: Any, user: str = "owner") -> WakefulMCP:
     return WakefulMCP(engine=w.engine, clock=w.clock, settings=settings, tools=w.tools, local_user=user)
+
+
+HINTS = ("read_only_hint", "destructive_hint", "idempotent_hint", "open_world_hint")
+ANNOTATIONS = {  # read-only, destructive, idempotent, open-world
+    "create_responsibility": (False, False, False, False),   # a new task on every call
+    "steer_responsibility": (False, True, False, False),     # voids the old version's approvals and objects
+    "task_status": (True, False, True, False),
+    "send_to_user": (False, False, False, True),             # a message leaves for the user
+    "schedule_followup": (False, False, False, False),       # a new timer on every call
+    **dict.fromkeys(["merchant__list_subscriptions", "merchant__get_subscription", "airline__get_booking",
+                     "airline__search_flights", "hotel__quote_stay", "hotel__get_quote"], (True, False, True, True)),
+    # a write proposes a new action on every call (admitted or held for the user's approval)
+    **dict.fromkeys(["merchant__cancel_renewal", "airline__order_flight", "hotel__book_quote"],
+                    (False, True, False, True)),
+    "computer__observe": (True, False, True, True),
+    "computer__act": (False, True, False, True),
+    "computer__request_handoff": (False, False, False, True),  # the user gets a link; nothing is lost
+}
+
+
+async def test_every_listed_tools_annotations_are_true_to_what_it_does(w: World, settings: Any) -> None:
+    w.tools.attach_computers(FakeComputers(w.clock), dispatch_now=lambda action_id: None,
+                             notify=lambda binding, token: None)
+    async with Client(mcp_for(w, settings).server) as client:
+        listed = {t.name: t.annotations for t in (await client.list_tools()).tools}
+    assert {name: tuple(getattr(a, hint) for hint in HINTS) for name, a in listed.items()} == ANNOTATIONS
 
 
 async def test_every_tool_has_schemas_and_honest_annotations(w: World, settings: Any) -> None:
