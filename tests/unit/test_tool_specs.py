@@ -144,3 +144,12 @@ def test_an_act_field_that_belongs_to_another_kind_is_refused_with_its_path() ->
     assert refused.value.code == "invalid_arguments"
     assert "act.desktop_key.keys: Field required" in refused.value.message
     assert "act.desktop_key.key: Extra inputs are not permitted" in refused.value.message
+
+
+def test_the_claude_code_doc_names_every_tool_an_mcp_client_gets(shipped: Registry) -> None:
+    doc = (ROOT / "docs" / "claude-code.md").read_text()
+    table = doc[doc.index("## What the model gets"):]
+    named = {s.name for s in tool_specs(shipped, Face.MCP, computers=True) if "__" not in s.name
+             or s.name.startswith("computer__")}
+    assert {name for name in named if f"`{name}`" not in table} == set()
+    assert "`<connector>__<operation>`" in table
