@@ -86,10 +86,11 @@ def _act_model(kind: str, cls: type[Act]) -> type[BaseModel]:
     return create_model(f"{cls.__name__}Act", __config__=config, __doc__=f"A {kind} act.", **fields)
 
 
-ActArgs = Annotated[functools.reduce(operator.or_, (_act_model(k, c) for k, c in ACT_KINDS.items())),
-                    Field(discriminator="kind")]
-"""The `act` argument of `computer__act`: one model per act kind of `vm.observe.ACT_KINDS`, told apart by `kind`."""
-_ACT_ARGS: Final = TypeAdapter(ActArgs)
+ActArgs: Any = Annotated[functools.reduce(operator.or_, (_act_model(k, c) for k, c in ACT_KINDS.items())),
+                         Field(discriminator="kind")]
+"""The `act` argument of `computer__act`: one model per act kind of `vm.observe.ACT_KINDS`, told apart by `kind`
+(built at import from the vocabulary, so it has no static type)."""
+_ACT_ARGS: Final[TypeAdapter[Any]] = TypeAdapter(ActArgs)
 
 
 def act_of(args: BaseModel) -> Act:

@@ -89,14 +89,14 @@ class Harness:
 
     def _execute(self, ctx: RunContext, task_id: str | None, call: ToolCall, decision_id: str) -> dict[str, Any]:
         try:
-            if call.name in _OWN:  # the run's own tools, checked against their specs like every other
-                args: Any = spec(call.name).validate(Face.HARNESS, call.args)
-                if call.name == "send_to_user":
-                    ctx.send_to_user(args.text)
-                    return {"sent": True}
-                if call.name == "stay_quiet":
-                    ctx.silence(args.reason or "no reason given")
-                    return {"quiet": True}
+            # The run's own tools, checked against their specs like every other (the tool layer checks the rest).
+            args: Any = spec(call.name).validate(Face.HARNESS, call.args) if call.name in _OWN else None
+            if call.name == "send_to_user":
+                ctx.send_to_user(args.text)
+                return {"sent": True}
+            if call.name == "stay_quiet":
+                ctx.silence(args.reason or "no reason given")
+                return {"quiet": True}
             if task_id is None:
                 raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
             if call.name == "schedule_followup":

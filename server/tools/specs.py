@@ -162,7 +162,8 @@ class TaskRef(BaseModel):
 def _with_task_id(args: type[BaseModel]) -> type[BaseModel]:
     """`args` plus the task's ID, as an MCP client passes them (the task's ID first)."""
     fields = {name: (field.annotation, field) for name, field in args.model_fields.items()}
-    return create_model(args.__name__, __base__=_McpArgs, **fields)  # type: ignore[call-overload]
+    model: type[BaseModel] = create_model(args.__name__, __base__=_McpArgs, **fields)  # type: ignore[call-overload]
+    return model
 
 
 # -- the specs -----------------------------------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def _param_type(param: Any) -> Any:
     described = {"description": param.description} if param.description else {}
     if isinstance(param, StringParam):
         if param.enum is not None:
-            return Annotated[Literal[param.enum], Field(**described)]  # type: ignore[valid-type]
+            return Annotated[Literal[param.enum], Field(**described)]
         return Annotated[str, Field(min_length=1 if param.location == "path" else None, max_length=param.max_length,
                                     pattern=param.pattern, **described)]
     if param.type == "integer":
@@ -322,7 +323,7 @@ def input_schema(model: type[BaseModel]) -> dict[str, Any]:
     (a schema embedded in another keeps no `$defs` to point into), without pydantic's generated titles."""
     generated = model.model_json_schema(by_alias=True, schema_generator=_Generate)
     definitions = generated.pop("$defs", {})
-    schema = _inline(generated, definitions)
+    schema: dict[str, Any] = _inline(generated, definitions)
     schema.pop("description", None)  # the model's docstring; the tool's description says it for the model
     return schema
 
