@@ -45,11 +45,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar, Final, get_args
 
 from wakeful.vm.errors import IllegalTransition
 
 __all__ = [
+    "ACT_KINDS",
     "TRANSITIONS",
     "Accepted",
     "Act",
@@ -192,17 +194,20 @@ class Observation:
 
 @dataclass(frozen=True, kw_only=True)
 class Click:
+    kind: ClassVar[str] = "click"
     ref: str
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fill:
+    kind: ClassVar[str] = "fill"
     ref: str
     text: str
 
 
 @dataclass(frozen=True, kw_only=True)
 class Press:
+    kind: ClassVar[str] = "press"
     key: str
     """A key or chord in Playwright's notation: Enter, Tab, Control+a, ArrowDown."""
     ref: str | None = None
@@ -212,6 +217,7 @@ class Press:
 
 @dataclass(frozen=True, kw_only=True)
 class Select:
+    kind: ClassVar[str] = "select"
     ref: str
     option: str
     """The option's label or value."""
@@ -219,6 +225,7 @@ class Select:
 
 @dataclass(frozen=True, kw_only=True)
 class Scroll:
+    kind: ClassVar[str] = "scroll"
     ref: str | None = None
     """Scroll this element into view; without it, scroll the page by (dx, dy) CSS pixels."""
     dx: int = 0
@@ -228,30 +235,35 @@ class Scroll:
 
 @dataclass(frozen=True, kw_only=True)
 class Navigate:
+    kind: ClassVar[str] = "navigate"
     url: str
     observation: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class NewTab:
+    kind: ClassVar[str] = "new_tab"
     observation: int
     url: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class SwitchTab:
+    kind: ClassVar[str] = "switch_tab"
     tab_id: str
     observation: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class CloseTab:
+    kind: ClassVar[str] = "close_tab"
     tab_id: str
     observation: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class DesktopClick:
+    kind: ClassVar[str] = "desktop_click"
     x: int
     y: int
     observation: int
@@ -260,12 +272,14 @@ class DesktopClick:
 
 @dataclass(frozen=True, kw_only=True)
 class DesktopType:
+    kind: ClassVar[str] = "desktop_type"
     text: str
     observation: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class DesktopKey:
+    kind: ClassVar[str] = "desktop_key"
     keys: str
     """xdotool key names joined by '+', e.g. ctrl+l, Return, alt+Tab."""
     observation: int
@@ -273,6 +287,10 @@ class DesktopKey:
 
 Act = (Click | Fill | Press | Select | Scroll | Navigate | NewTab | SwitchTab | CloseTab
        | DesktopClick | DesktopType | DesktopKey)
+
+ACT_KINDS: Final[Mapping[str, type[Act]]] = MappingProxyType({cls.kind: cls for cls in get_args(Act)})
+"""The act vocabulary, by kind (`click`, `fill`, …): each act class above declares its own `kind`, and this is the
+one list the server's tool schema, its argument parsing and the ledger's act records are derived from."""
 
 _DESKTOP_ACTS = (DesktopClick, DesktopType, DesktopKey)
 _TAB_ACTS = (NewTab, SwitchTab, CloseTab)

@@ -80,7 +80,7 @@ from wakeful.vm.observe import (
 )
 
 __all__ = ["ActResult", "ConnectTimings", "ObserveResult", "RefElement", "RestoreReport", "RestoreTimings",
-           "ToolComputer", "act_kind"]
+           "ToolComputer"]
 
 Outcome = Literal["done", "failed", "unknown"]
 # Errors raised before the act touched the page: nothing happened. Anything else (a timeout, a dropped connection)
@@ -184,12 +184,6 @@ class RestoreReport:
     clock_sync: ClockSync
     epoch: int
     observation: ObserveResult | None = None
-
-
-def act_kind(act: Act) -> str:
-    return {Click: "click", Fill: "fill", Press: "press", Select: "select", Scroll: "scroll", Navigate: "navigate",
-            NewTab: "new_tab", SwitchTab: "switch_tab", CloseTab: "close_tab", DesktopClick: "desktop_click",
-            DesktopType: "desktop_type", DesktopKey: "desktop_key"}[type(act)]
 
 
 class ToolComputer:
@@ -332,7 +326,7 @@ class ToolComputer:
 
     def _run(self, act: Act, accepted: Accepted) -> ActResult | Refused:
         locator = accepted.locator
-        base = ActResult(kind=act_kind(act), outcome="done", observation=accepted.observation, epoch=accepted.epoch,
+        base = ActResult(kind=act.kind, outcome="done", observation=accepted.observation, epoch=accepted.epoch,
                          ref=getattr(act, "ref", None), role=locator.role if locator else None,
                          name=locator.name if locator else None, may_have_changed_page=act_may_change_page(act))
         try:

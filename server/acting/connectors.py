@@ -248,21 +248,6 @@ class Operation:
     def tool_name(self) -> str:
         return f"{self.connector}__{self.name}"
 
-    def input_schema(self) -> dict[str, Any]:
-        """JSON Schema (a draft 2020-12 subset) for the tool's arguments."""
-        properties = {name: _param_schema(param) for name, param in self.params.items()}
-        schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
-        required = [name for name, param in self.params.items() if param.required]
-        if required:
-            schema["required"] = required
-        return schema
-
-    def annotations(self) -> dict[str, bool]:
-        """MCP tool hints. Every operation reaches an outside system, so none is closed-world."""
-        if self.effect == "read":
-            return {"readOnlyHint": True, "destructiveHint": False, "idempotentHint": True, "openWorldHint": True}
-        return {"readOnlyHint": False, "destructiveHint": True,
-                "idempotentHint": self.idempotency_header is not None, "openWorldHint": True}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -599,28 +584,6 @@ def _describe(param: Any) -> str:
 
 
 # --- arguments, requests, responses ---------------------------------------------------------------------------
-
-
-def _param_schema(param: ObjectParam | StringParam | IntegerParam | BooleanParam) -> dict[str, Any]:
-    if isinstance(param, ObjectParam):
-        about = f"an object ID of kind {param.kind} returned by a read tool"
-        return {"type": "string", "pattern": OBJECT_ID_PATTERN,
-                "description": f"{param.description} ({about})" if param.description else about}
-    schema: dict[str, Any] = {"type": param.type}
-    if isinstance(param, StringParam):
-        if param.location == "path":
-            schema["minLength"] = 1
-        if param.max_length is not None:
-            schema["maxLength"] = param.max_length
-        if param.pattern is not None:
-            schema["pattern"] = param.pattern
-        if param.enum is not None:
-            schema["enum"] = list(param.enum)
-    if isinstance(param, IntegerParam):
-        schema |= {k: v for k, v in (("minimum", param.minimum), ("maximum", param.maximum)) if v is not None}
-    if param.description:
-        schema["description"] = param.description
-    return schema
 
 
 def validate_arguments(op: Operation, args: Mapping[str, object]) -> dict[str, object]:

@@ -7,35 +7,40 @@ the policy says otherwise), and is executed by the dispatcher with its attempt p
 checks the act against the latest observation again at execution: a stale ref is refused there and nothing runs.
 
     Computers           where a user's ToolComputer comes from (a VM from vm.VmManager, or fakes in tests)
-    ComputerTools       the tool specs, argument parsing and the ledger path (used by ToolLayer)
+    ActArgs, act_*      the `act` argument, derived from vm.observe's act kinds; parsing, recording and risk
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
+import operator
 import re
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Final, Protocol
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, get_args, get_type_hints
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.settings import Settings
 from wakeful.server.store.clock import Clock
 from wakeful.server.store.tables import Risk
+from wakeful.vm.observe import ACT_KINDS, Act, DesktopClick, DesktopKey, DesktopType
 
 if TYPE_CHECKING:
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
     from wakeful.vm.lifecycle import VmInfo, VmManager
-    from wakeful.vm.observe import Act, Refused
+    from wakeful.vm.observe import Refused
     from wakeful.vm.toolcomputer import ActResult, ObserveResult, ToolComputer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "Computers", "LazyVmComputers", "VmComputers",
-           "act_from_args",
-           "act_json", "act_risk", "computer_tools", "execute", "network_settings", "observe"]
+__all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "ActArgs", "Computers", "LazyVmComputers",
+           "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "execute", "network_settings", "observe"]
 
 OBSERVE_TOOL: Final = "computer__observe"
 ACT_TOOL: Final = "computer__act"
@@ -45,66 +50,72 @@ SENSITIVE: Final = re.compile(r"confirm|pay|buy|purchase|order|checkout|delete|r
                               r"sign|subscribe|unsubscribe|book|place", re.IGNORECASE)
 """Element names that make an act need approval by default (policy `tiers` can override `computer__act`)."""
 
-_KINDS: Final = ("click", "fill", "press", "select", "scroll", "navigate", "new_tab", "switch_tab", "close_tab",
-                 "desktop_click", "desktop_type", "desktop_key")
-
-ACT_SCHEMA: Final[dict[str, Any]] = {
-    "type": "object", "additionalProperties": False, "required": ["kind"],
-    "properties": {
-        "kind": {"enum": list(_KINDS)},
-        "ref": {"type": "string", "maxLength": 64, "description": "An element ref from the latest observation."},
-        "text": {"type": "string", "maxLength": 10_000},
-        "key": {"type": "string", "maxLength": 64, "description": "press: Enter, Tab, Control+a …"},
-        "keys": {"type": "string", "maxLength": 64, "description": "desktop_key: xdotool names, e.g. ctrl+l"},
-        "option": {"type": "string", "maxLength": 500},
-        "url": {"type": "string", "maxLength": 4000},
-        "tab_id": {"type": "string", "maxLength": 100},
-        "x": {"type": "integer", "minimum": 0}, "y": {"type": "integer", "minimum": 0},
-        "dx": {"type": "integer"}, "dy": {"type": "integer"},
-        "observation": {"type": "integer", "minimum": 0,
-                        "description": "The observation acted on, for acts without a ref."},
-    },
+_ACT_LIMITS: Final[Mapping[str, Any]] = {
+    "ref": Field(max_length=64, description="An element ref from the latest observation."),
+    "text": Field(max_length=10_000),
+    "key": Field(min_length=1, max_length=64, description="A key or chord: Enter, Tab, Control+a …"),
+    "keys": Field(min_length=1, max_length=64, description="xdotool key names joined by +, e.g. ctrl+l, Return"),
+    "option": Field(max_length=500, description="The option's label or value."),
+    "url": Field(max_length=4000),
+    "tab_id": Field(max_length=100),
+    "x": Field(ge=0, le=100_000), "y": Field(ge=0, le=100_000),
+    "dx": Field(ge=-100_000, le=100_000), "dy": Field(ge=-100_000, le=100_000),
+    "button": Field(ge=1, le=3, description="1 left, 2 middle, 3 right"),
+    "observation": Field(ge=0, description="The observation acted on, for acts without a ref."),
 }
+"""What the tool boundary accepts in each act field, by field name (the fields themselves are vm.observe's)."""
+
+
+def _limited(hint: Any, limit: Any) -> Any:
+    """`hint` with the boundary's limit, put on the value's own type (`str | None` → `Annotated[str, …] | None`)."""
+    if limit is None:
+        return hint
+    if isinstance(hint, types.UnionType) and type(None) in get_args(hint):
+        (inner,) = (a for a in get_args(hint) if a is not type(None))
+        return Annotated[inner, limit] | None
+    return Annotated[hint, limit]
+
+
+def _act_model(kind: str, cls: type[Act]) -> type[BaseModel]:
+    """The input model of one act kind, derived from its vm.observe dataclass: `kind` plus the dataclass's fields."""
+    hints = get_type_hints(cls)
+    fields: dict[str, Any] = {"kind": (Literal[kind], ...)}
+    for f in dataclasses.fields(cls):
+        default = ... if f.default is dataclasses.MISSING else f.default
+        fields[f.name] = (_limited(hints[f.name], _ACT_LIMITS.get(f.name)), default)
+    config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    return create_model(f"{cls.__name__}Act", __config__=config, __doc__=f"A {kind} act.", **fields)
+
+
+ActArgs: Any = Annotated[functools.reduce(operator.or_, (_act_model(k, c) for k, c in ACT_KINDS.items())),
+                         Field(discriminator="kind")]
+"""The `act` argument of `computer__act`: one model per act kind of `vm.observe.ACT_KINDS`, told apart by `kind`
+(built at import from the vocabulary, so it has no static type)."""
+_ACT_ARGS: Final[TypeAdapter[Any]] = TypeAdapter(ActArgs)
+
+
+def act_of(args: BaseModel) -> Act:
+    """The vm act for a validated `ActArgs`."""
+    return ACT_KINDS[args.kind](**args.model_dump(exclude={"kind"}))  # type: ignore[attr-defined]
 
 
 def act_from_args(raw: Any) -> Act:
-    """The typed act for the tool's `act` argument; `invalid_act` names what is missing or wrong."""
-    from wakeful.vm import observe as o
-
-    if not isinstance(raw, dict) or raw.get("kind") not in _KINDS:
-        raise BadRequest("invalid_act", f"act.kind must be one of {', '.join(_KINDS)}")
-    kind = raw["kind"]
-    fields = {k: v for k, v in raw.items() if k != "kind"}
-    if kind == "desktop_key":
-        fields.setdefault("keys", fields.pop("key", None))
-    classes: dict[str, type] = {
-        "click": o.Click, "fill": o.Fill, "press": o.Press, "select": o.Select, "scroll": o.Scroll,
-        "navigate": o.Navigate, "new_tab": o.NewTab, "switch_tab": o.SwitchTab, "close_tab": o.CloseTab,
-        "desktop_click": o.DesktopClick, "desktop_type": o.DesktopType, "desktop_key": o.DesktopKey,
-    }
-    cls = classes[kind]
-    known = {f.name for f in dataclasses.fields(cls)}
-    extra = sorted(set(fields) - known)
-    if extra:
-        raise BadRequest("invalid_act", f"a {kind} act takes no {', '.join(extra)}")
+    """The typed act for a recorded `act` (as `act_json` wrote it); `invalid_act` names what is missing or wrong."""
     try:
-        act: Act = cls(**fields)
-    except TypeError as exc:
-        raise BadRequest("invalid_act", f"a {kind} act: {exc}".replace("__init__() ", "")) from None
-    return act
+        return act_of(_ACT_ARGS.validate_python(raw))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in ("act", *error["loc"]))
+        raise BadRequest("invalid_act", f"{where}: {error['msg']}") from None
 
 
 def act_json(act: Act) -> dict[str, Any]:
-    from wakeful.vm.toolcomputer import act_kind
-
-    return {"kind": act_kind(act), **{k: v for k, v in dataclasses.asdict(act).items() if v is not None}}
+    return {"kind": act.kind, **{k: v for k, v in dataclasses.asdict(act).items() if v is not None}}
 
 
 def act_risk(act: Act, name: str | None) -> Risk:
     """`ask` when the act may commit something (its element's name reads like it, or it types into the desktop
     blind), else `auto`. Risk tiers in the policy override this for `computer__act`."""
-    from wakeful.vm.observe import DesktopClick, DesktopKey, DesktopType
-
     if isinstance(act, DesktopClick | DesktopKey | DesktopType):
         return Risk.ASK  # coordinates name nothing: a blind click could be "Pay"
     return Risk.ASK if name and SENSITIVE.search(name) else Risk.AUTO
@@ -205,30 +216,6 @@ def execute(computers: Computers, user_id: str, act: Act) -> ActResult | Refused
             return computers.computer(user_id).act(act)
     except VmError as exc:
         raise _vm_error(exc) from None
-
-
-def computer_tools() -> list[dict[str, Any]]:
-    """Name, description, input schema and annotations of the tool-computer tools (task_id is added by callers)."""
-    return [
-        {"name": OBSERVE_TOOL, "read_only": True,
-         "description": "Look at your tool computer: a screenshot and the page's elements with refs. Refs are only "
-                        "good for the next act; after any act, a restore or a handoff, observe again.",
-         "schema": {"type": "object", "additionalProperties": False, "properties": {
-             "surface": {"enum": ["browser", "desktop"], "default": "browser"}}}},
-        {"name": ACT_TOOL, "read_only": False,
-         "description": "Act on your tool computer with a ref (or coordinates) from the latest observation: click, "
-                        "fill, press, select, scroll, navigate, tabs, or desktop input. Acts that may commit "
-                        "something (pay, confirm, delete, submit…) wait for the user's approval.",
-         "schema": {"type": "object", "additionalProperties": False, "required": ["act"],
-                    "properties": {"act": ACT_SCHEMA}}},
-        {"name": HANDOFF_TOOL, "read_only": False,
-         "description": "Hand the screen to the user (CAPTCHA, login, 2FA, payment details): they get a one-time "
-                        "link to a live view. Your acts are refused until they return control; then observe again.",
-         "schema": {"type": "object", "additionalProperties": False, "required": ["reason"],
-                    "properties": {"reason": {"type": "string", "minLength": 1, "maxLength": 300},
-                                   "minutes": {"type": "integer", "minimum": 1, "maximum": 120, "default": 15}}}},
-    ]
-
 
 
 class LazyVmComputers:

@@ -1,10 +1,12 @@
 """The MCP server: effect-bounded tools for Claude Code and any MCP client.
 
-Tools:
+Tools (declared once, with the harness's, in `server.tools.specs`; rendered here with each task-scoped tool taking
+the task's ID as `task_id`):
     create_responsibility, steer_responsibility, task_status      delegation (steering makes a new task version)
     <connector>__<operation>                                      one per declared operation; reads return
                                                                   server-issued object IDs, writes accept only those
     send_to_user, schedule_followup                               through the outbox / a capped timer
+    computer__observe, computer__act, computer__request_handoff   when the server runs tool computers
 Resources (read-only): wakeful://tasks/{id}, wakeful://tasks/{id}/ledger, wakeful://approvals.
 
 Approve, deny, pause, resume, revoke, STOP and closing are deliberately not tools: they live only on the user's
@@ -20,11 +22,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import mcp_types as types
-from jsonschema import Draft202012Validator
 from mcp.server.auth.provider import AccessToken
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
@@ -32,68 +33,32 @@ from sqlalchemy import Engine, and_, select
 
 from wakeful.server.acting import ledger
 from wakeful.server.acting.connectors import Registry
-from wakeful.server.computers.pool import computer_tools
 from wakeful.server.core import control, outbox, sessions, timers
 from wakeful.server.core.worker import Binding
-from wakeful.server.errors import BadRequest, NotFound, WakefulError
+from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.routes import check_completion
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import actions, tasks, verdicts
-from wakeful.server.tools.layer import Completion, ToolLayer
+from wakeful.server.tools.layer import ToolLayer
+from wakeful.server.tools.specs import CreateResponsibility, Face, ToolSpec, input_schema, tool_specs
 
 __all__ = ["TokenVerifier", "WakefulMCP"]
 
-_TASK_ID = {"type": "string", "pattern": "^task_[0-9a-z]+$", "description": "The responsibility this is for."}
-_OBJECT = {"type": "object"}
+_ANY_OBJECT: Final = {"type": "object"}
 
 
-def _tool(name: str, description: str, properties: dict[str, Any], required: list[str], *, read_only: bool,
-          destructive: bool, idempotent: bool, open_world: bool, output: dict[str, Any] | None = None) -> types.Tool:
-    return types.Tool(
-        name=name, description=description,
-        input_schema={"type": "object", "properties": properties, "required": required,
-                      "additionalProperties": False},
-        output_schema=output or _OBJECT,
-        annotations=types.ToolAnnotations(read_only_hint=read_only, destructive_hint=destructive,
-                                          idempotent_hint=idempotent, open_world_hint=open_world),
-    )
-
-
-_COMPLETION_SCHEMA = {
-    "type": "array", "description": "Completion conditions, judged on evidence: an effect the remote accepted, "
-                                    "optionally verified by a fresh read.",
-    "items": Completion.model_json_schema(by_alias=True),
-}
-
-DELEGATION_TOOLS = [
-    _tool("create_responsibility", "Record a delegation from the user: a goal, constraints and the conditions "
-          "under which it is complete. Returns the task ID every other tool takes.",
-          {"title": {"type": "string", "minLength": 1, "maxLength": 2000},
-           "goal": {"type": "string", "maxLength": 4000},
-           "constraints": {"type": "object", "description": "e.g. {\"max_amount_cents\": 5000}"},
-           "completion": _COMPLETION_SCHEMA},
-          ["title"], read_only=False, destructive=False, idempotent=False, open_world=False,
-          output={"type": "object", "properties": {"task_id": {"type": "string"}, "version": {"type": "integer"}},
-                  "required": ["task_id", "version"]}),
-    _tool("steer_responsibility", "The user changed what they want: record a new task version. Approvals, "
-          "objects and pending actions of the old version stop counting.",
-          {"task_id": _TASK_ID, "goal": {"type": "string", "minLength": 1, "maxLength": 4000},
-           "constraints": {"type": "object"}, "completion": _COMPLETION_SCHEMA},
-          ["task_id", "goal"], read_only=False, destructive=False, idempotent=False, open_world=False),
-    _tool("task_status", "A task's state from its records: the four facts (request received, run ended, goal "
-          "verified, receipt delivered), pending waits, and each action with its verdict and outcome.",
-          {"task_id": _TASK_ID}, ["task_id"], read_only=True, destructive=False, idempotent=True, open_world=False),
-    _tool("send_to_user", "Tell the user something, through the outbox. The only way to reach them.",
-          {"task_id": _TASK_ID, "text": {"type": "string", "minLength": 1, "maxLength": 4000}},
-          ["task_id", "text"], read_only=False, destructive=False, idempotent=False, open_world=True),
-    _tool("schedule_followup", "Wake this task again later (capped per user; closes with the task).",
-          {"task_id": _TASK_ID, "in_seconds": {"type": "integer", "minimum": 60, "maximum": 90 * 86400},
-           "note": {"type": "string", "maxLength": 500}},
-          ["task_id", "in_seconds"], read_only=False, destructive=False, idempotent=False, open_world=False),
-]
+def _mcp_tool(spec: ToolSpec) -> types.Tool:
+    """One tool of the list in `server.tools.specs`, as MCP shows it."""
+    hints = spec.hints
+    return types.Tool(name=spec.name, description=spec.description, input_schema=spec.input_schema(Face.MCP),
+                      output_schema=input_schema(spec.returns) if spec.returns else _ANY_OBJECT,
+                      annotations=types.ToolAnnotations(read_only_hint=hints.read_only,
+                                                        destructive_hint=hints.destructive,
+                                                        idempotent_hint=hints.idempotent,
+                                                        open_world_hint=hints.open_world))
 
 
 class TokenVerifier:
@@ -149,31 +114,13 @@ class WakefulMCP:
 
     # -- tools ---------------------------------------------------------------------------------------------------
 
+    def specs(self) -> dict[str, ToolSpec]:
+        """The tools this server offers, by name: the declared connectors' and, when it runs them, the tool
+        computer's."""
+        return {s.name: s for s in tool_specs(self.registry, Face.MCP, computers=self.tools.computers is not None)}
+
     def tool_list(self) -> list[types.Tool]:
-        connector_tools = []
-        for op in self.registry.tools():
-            schema = op.input_schema()
-            schema = {**schema, "properties": {"task_id": _TASK_ID, **schema["properties"]},
-                      "required": ["task_id", *schema.get("required", [])]}
-            hints = op.annotations()
-            connector_tools.append(types.Tool(
-                name=op.tool_name, description=op.description, input_schema=schema, output_schema=_OBJECT,
-                annotations=types.ToolAnnotations(read_only_hint=hints["readOnlyHint"],
-                                                  destructive_hint=hints["destructiveHint"],
-                                                  idempotent_hint=hints["idempotentHint"],
-                                                  open_world_hint=hints["openWorldHint"])))
-        computer = []
-        if self.tools.computers is not None:
-            for spec in computer_tools():
-                schema = spec["schema"]
-                schema = {**schema, "properties": {"task_id": _TASK_ID, **schema["properties"]},
-                          "required": ["task_id", *schema.get("required", [])]}
-                read_only = spec["read_only"]
-                computer.append(types.Tool(
-                    name=spec["name"], description=spec["description"], input_schema=schema, output_schema=_OBJECT,
-                    annotations=types.ToolAnnotations(read_only_hint=read_only, destructive_hint=not read_only,
-                                                      idempotent_hint=read_only, open_world_hint=True)))
-        return [*DELEGATION_TOOLS, *connector_tools, *computer]
+        return [_mcp_tool(s) for s in self.specs().values()]
 
     async def _list_tools(self, ctx: ServerRequestContext[Any],
                           params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
@@ -196,50 +143,40 @@ class WakefulMCP:
         return types.CallToolResult(content=content, structured_content=result)
 
     def dispatch_tool(self, user: str, name: str, args: dict[str, Any]) -> dict[str, Any]:
-        handlers: dict[str, Callable[[str, dict[str, Any]], dict[str, Any]]] = {
+        spec = self.specs().get(name)
+        if spec is None:
+            raise NotFound("unknown_tool", f"there is no tool named {name[:80]!r}", tool=name[:80])
+        handlers: dict[str, Callable[[str, Any], dict[str, Any]]] = {
             "create_responsibility": self._create, "steer_responsibility": self._steer,
             "task_status": self._status, "send_to_user": self._send, "schedule_followup": self._followup,
         }
         if name in handlers:
-            schema = next(t.input_schema for t in DELEGATION_TOOLS if t.name == name)
-            problem = next(iter(Draft202012Validator(schema).iter_errors(args)), None)
-            if problem is not None:
-                where = ".".join(str(p) for p in problem.absolute_path) or "arguments"
-                raise BadRequest("invalid_arguments", f"{name}: {where}: {problem.message}")
-            return handlers[name](user, args)
-        task_id = args.pop("task_id", None)
-        if not isinstance(task_id, str):
-            raise BadRequest("invalid_arguments", f"{name}: argument 'task_id' is required")
-        return self.tools.call(Binding(user_id=user, task_id=task_id), name, args)
+            return handlers[name](user, spec.validate(Face.MCP, args))
+        # The tool layer validates the rest itself, so that a forged object ID is refused and recorded as such.
+        return self.tools.call(Binding(user_id=user, task_id=spec.task_of(args)), name,
+                               {k: v for k, v in args.items() if k != "task_id"})
 
-    def _create(self, user: str, args: dict[str, Any]) -> dict[str, Any]:
-        completion = self._completion(args.get("completion", []))
+    def _create(self, user: str, args: CreateResponsibility) -> dict[str, Any]:
+        completion = check_completion(self.registry, list(args.completion))
         now = self.clock.now()
         with write(self.engine) as conn:
             session_id = sessions.create_session(conn, user_id=user, now=now)
-            task_id = control.create_task(conn, user_id=user, session_id=session_id, title=str(args["title"]),
-                                          goal=args.get("goal"), constraints=args.get("constraints") or {},
-                                          completion=completion, now=now, actor=f"user:{user} via mcp")
+            task_id = control.create_task(conn, user_id=user, session_id=session_id, title=args.title,
+                                          goal=args.goal, constraints=args.constraints, completion=completion,
+                                          now=now, actor=f"user:{user} via mcp")
         return {"task_id": task_id, "version": 1}
 
-    def _steer(self, user: str, args: dict[str, Any]) -> dict[str, Any]:
-        completion = self._completion(args.get("completion", []))
+    def _steer(self, user: str, args: Any) -> dict[str, Any]:
+        completion = check_completion(self.registry, list(args.completion))
         with write(self.engine) as conn:
-            version = control.steer(conn, user_id=user, task_id=str(args["task_id"]), goal=str(args["goal"]),
-                                    constraints=args.get("constraints") or {}, completion=completion,
+            version = control.steer(conn, user_id=user, task_id=args.task_id, goal=args.goal,
+                                    constraints=args.constraints, completion=completion,
                                     actor=f"user:{user} via mcp", now=self.clock.now())
-        return {"task_id": args["task_id"], "version": version}
+        return {"task_id": args.task_id, "version": version}
 
-    def _completion(self, raw: Any) -> list[dict[str, Any]]:
-        try:
-            conditions = [Completion.model_validate(c) for c in raw]
-        except ValueError as exc:
-            raise BadRequest("invalid_completion", str(exc).splitlines()[0]) from None
-        return check_completion(self.registry, conditions)
-
-    def _status(self, user: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _status(self, user: str, args: Any) -> dict[str, Any]:
         with read(self.engine) as conn:
-            return ledger.task_status(conn, user_id=user, task_id=str(args["task_id"]))
+            return ledger.task_status(conn, user_id=user, task_id=args.task_id)
 
     def _own_task(self, conn: Any, user: str, task_id: str) -> Any:
         row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user))).first()
@@ -247,21 +184,20 @@ class WakefulMCP:
             raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
         return row
 
-    def _send(self, user: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _send(self, user: str, args: Any) -> dict[str, Any]:
         with write(self.engine) as conn:
-            task = self._own_task(conn, user, str(args["task_id"]))
+            task = self._own_task(conn, user, args.task_id)
             message_id = outbox.enqueue(conn, user_id=user, session_id=task.session_id, now=self.clock.now(),
-                                        body={"text": str(args["text"]), "task_id": task.id, "via": "mcp"})
+                                        body={"text": args.text, "task_id": task.id, "via": "mcp"})
         return {"message_id": message_id, "state": "queued"}
 
-    def _followup(self, user: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _followup(self, user: str, args: Any) -> dict[str, Any]:
         now = self.clock.now()
-        due = now + timedelta(seconds=int(args["in_seconds"]))
+        due = now + timedelta(seconds=args.in_seconds)
         with write(self.engine) as conn:
-            task = self._own_task(conn, user, str(args["task_id"]))
-            timer_id = timers.create_followup(conn, user_id=user, task_id=task.id, due_at=due,
-                                              note=str(args.get("note", "")), now=now,
-                                              cap=self.settings.followup_cap)
+            task = self._own_task(conn, user, args.task_id)
+            timer_id = timers.create_followup(conn, user_id=user, task_id=task.id, due_at=due, note=args.note,
+                                              now=now, cap=self.settings.followup_cap)
         return {"timer_id": timer_id, "due_at": due.isoformat()}
 
     # -- resources -----------------------------------------------------------------------------------------------

@@ -26,10 +26,12 @@ from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest,
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import RunOutcome, run_contexts, tool_results
+from wakeful.server.tools.specs import Face, spec
 
 __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
+_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup"})
 
 
 class Harness:
@@ -87,17 +89,19 @@ class Harness:
 
     def _execute(self, ctx: RunContext, task_id: str | None, call: ToolCall, decision_id: str) -> dict[str, Any]:
         try:
+            # The run's own tools, checked against their specs like every other (the tool layer checks the rest).
+            args: Any = spec(call.name).validate(Face.HARNESS, call.args) if call.name in _OWN else None
             if call.name == "send_to_user":
-                ctx.send_to_user(str(call.args.get("text", "")))
+                ctx.send_to_user(args.text)
                 return {"sent": True}
             if call.name == "stay_quiet":
-                ctx.silence(str(call.args.get("reason", "no reason given")))
+                ctx.silence(args.reason or "no reason given")
                 return {"quiet": True}
             if task_id is None:
                 raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
             if call.name == "schedule_followup":
-                at = ctx.now() + timedelta(seconds=int(call.args["in_seconds"]))
-                ctx.follow_up(task_id=task_id, at=at, note=str(call.args.get("note", "")))
+                at = ctx.now() + timedelta(seconds=args.in_seconds)
+                ctx.follow_up(task_id=task_id, at=at, note=args.note)
                 return {"scheduled_for": at.isoformat()}
             result: dict[str, Any] = ctx.call_tool(task_id=task_id, tool=call.name, args=dict(call.args),
                                                    decision_id=decision_id)

@@ -12,27 +12,21 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel
 from sqlalchemy import Connection, Engine, and_, select
 
 from wakeful.server.acting import objects
 from wakeful.server.acting.actions import create_action
 from wakeful.server.acting.policy import Policy
 from wakeful.server.acting.verdicts import admit_and_record, verdict_status
-from wakeful.server.computers.pool import (
-    ACT_TOOL,
-    HANDOFF_TOOL,
-    OBSERVE_TOOL,
-    Computers,
-    act_from_args,
-    act_json,
-    act_risk,
-)
+from wakeful.server.computers.pool import ACT_TOOL, OBSERVE_TOOL, Computers, act_json, act_of, act_risk
 from wakeful.server.computers.pool import observe as observe_computer
 from wakeful.server.egress.dispatch import add_evidence
-from wakeful.server.errors import BadRequest, Refused, WakefulError
+from wakeful.server.errors import Refused, WakefulError
 from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import Outcome, VerdictKind, actions, attempts
+from wakeful.server.tools.specs import ActOn, Observe, RequestHandoff
 
 if TYPE_CHECKING:
     from wakeful.server.core.worker import Binding
@@ -53,22 +47,20 @@ class ComputerToolLayer:
         self._dispatch_now = dispatch_now
         self._notify = notify
 
-    def call(self, binding: Binding, tool: str, args: dict[str, Any]) -> dict[str, Any]:
-        if tool == OBSERVE_TOOL:
+    def call(self, binding: Binding, tool: str, args: BaseModel) -> dict[str, Any]:
+        """Run a tool-computer tool with its arguments validated by its spec (`server.tools.specs`)."""
+        if isinstance(args, Observe):
             return self._observe(binding, args)
-        if tool == ACT_TOOL:
+        if isinstance(args, ActOn):
             return self._act(binding, args)
-        if tool == HANDOFF_TOOL:
+        if isinstance(args, RequestHandoff):
             return self._handoff(binding, args)
         raise WakefulError("unknown_tool", f"there is no tool named {tool!r}")
 
-    def _observe(self, binding: Binding, args: dict[str, Any]) -> dict[str, Any]:
-        surface = args.get("surface", "browser")
-        if surface not in ("browser", "desktop"):
-            raise BadRequest("invalid_arguments", "surface is browser or desktop")
+    def _observe(self, binding: Binding, args: Observe) -> dict[str, Any]:
         with write(self._engine) as conn:
             self._fence(conn, binding)
-        seen = observe_computer(self._computers, binding.user_id, surface)
+        seen = observe_computer(self._computers, binding.user_id, args.surface)
         o = seen.observation
         with write(self._engine) as conn:
             add_evidence(conn, action=None, task_id=binding.task_id, attempt_id=None, source="read",
@@ -79,10 +71,12 @@ class ComputerToolLayer:
         return {"observation": o.number, "epoch": o.epoch, "text": seen.text(),
                 "screenshot_png_base64": base64.b64encode(seen.screenshot).decode("ascii")}
 
-    def _act(self, binding: Binding, args: dict[str, Any]) -> dict[str, Any]:
+    def _act(self, binding: Binding, args: ActOn) -> dict[str, Any]:
         from wakeful.vm.observe import Refused as ActRefused
 
-        act = act_from_args(args.get("act"))
+        act = act_of(args.act)
+        with write(self._engine) as conn:
+            self._fence(conn, binding)  # whose task, and may it act, before the tool computer is even asked
         checked = self._computers.computer(binding.user_id).check(act)
         if isinstance(checked, ActRefused):
             with write(self._engine) as conn:
@@ -122,13 +116,8 @@ class ComputerToolLayer:
         return {"action_id": action_id, "status": "done", "outcome": attempt.outcome, "detail": attempt.detail,
                 "next": "observe again before the next act"}
 
-    def _handoff(self, binding: Binding, args: dict[str, Any]) -> dict[str, Any]:
-        reason = str(args.get("reason") or "").strip()
-        if not reason:
-            raise BadRequest("invalid_arguments", "say why the user should take the screen")
-        minutes = args.get("minutes", 15)
-        if not isinstance(minutes, int) or not 1 <= minutes <= 120:
-            raise BadRequest("invalid_arguments", "minutes is 1 to 120")
+    def _handoff(self, binding: Binding, args: RequestHandoff) -> dict[str, Any]:
+        reason, minutes = args.reason, args.minutes
         with write(self._engine) as conn:
             self._fence(conn, binding)
         from wakeful.vm.errors import VmError

@@ -15,14 +15,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, Field
 from sqlalchemy import Connection, Engine, and_, select
 
 from wakeful.server.acting import objects
 from wakeful.server.acting.actions import create_action
 from wakeful.server.acting.connectors import (
     OBJECT_ID_PATTERN,
-    DoneWhen,
     ObjectParam,
     Operation,
     Registry,
@@ -38,34 +36,19 @@ from wakeful.server.core import sessions
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import add_evidence
 from wakeful.server.egress.outbound import ConnectorHTTP
-from wakeful.server.errors import BadRequest, Refused, WakefulError
+from wakeful.server.errors import BadRequest, NotFound, Refused, WakefulError
 from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import write
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import GrantPurpose, Outcome, Risk, TaskState, actions, task_versions
+from wakeful.server.store.tables import GrantPurpose, Outcome, Risk, TaskState, actions, task_versions, tasks
 from wakeful.server.tools.computer import ComputerToolLayer
+from wakeful.server.tools.specs import Completion, Face, spec
 
-__all__ = ["Completion", "ToolLayer"]
+__all__ = ["Completion", "ToolLayer"]  # Completion: also what `server.faces.routes` validates a delegation with
 
 _OBJECT_ID = re.compile(OBJECT_ID_PATTERN)
 
 
-class Verify(BaseModel):
-    model_config = {"extra": "forbid", "frozen": True}
-    read: str
-    """A read tool whose fresh answer shows the goal reached."""
-    with_: dict[str, str] = Field(default_factory=dict, alias="with")
-    """The read's params, filled from the effect's params of the same object."""
-    done_when: DoneWhen
-
-
-class Completion(BaseModel):
-    """One completion condition of a task version: an effect accepted by the remote, optionally verified by a
-    fresh read — external evidence, never the model's word."""
-
-    model_config = {"extra": "forbid", "frozen": True}
-    effect: str
-    verify: Verify | None = None
 
 
 class ToolLayer:
@@ -91,7 +74,7 @@ class ToolLayer:
         if tool in COMPUTER_TOOLS:
             if self.computers is None:
                 raise WakefulError("tool_computer_unavailable", "this server runs no tool computers")
-            return self.computers.call(binding, tool, dict(args))
+            return self.computers.call(binding, tool, spec(tool).validate(Face.HARNESS, args))
         op = self.registry.operation(tool)
         if op.internal:
             raise WakefulError("unknown_tool", f"there is no tool named {tool!r}")
@@ -115,9 +98,12 @@ class ToolLayer:
     def _fence(self, conn: Connection, binding: Binding) -> Any:
         if binding.token is not None and binding.session_id is not None:
             sessions.fence(conn, session_id=binding.session_id, token=binding.token)
+        owned = conn.execute(select(tasks.c.id).where(and_(tasks.c.id == binding.task_id,
+                                                           tasks.c.user_id == binding.user_id))).first()
+        if owned is None:  # never there, or another user's: the same answer, so IDs cannot be probed
+            raise NotFound("unknown_task", f"there is no task {binding.task_id!r} of yours: use the task ID that "
+                                           "create_responsibility returned", task_id=binding.task_id)
         task = lock_task(conn, binding.task_id)
-        if task.user_id != binding.user_id:
-            raise WakefulError("unknown_task", f"no task {binding.task_id} for this user")
         if task.state != TaskState.ACTIVE.value:
             raise Refused(task.state, f"the task is {task.state}; nothing is done for it until the user resumes it")
         return task

@@ -19,6 +19,7 @@ from mcp import Client
 from sqlalchemy import Engine, select
 from starlette.websockets import WebSocketDisconnect
 
+from tests.support.computers import FakeComputers
 from tests.support.polling import wait_until
 from tests.support.records import messages
 from wakeful.server.acting import approvals
@@ -36,44 +37,13 @@ from wakeful.server.settings import Settings
 from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import actions, attempts, refusals, verdicts
+from wakeful.server.store.users import ensure_user
 from wakeful.vm.fake import FakeDisks, FakeHypervisor
-from wakeful.vm.fake_browser import FakeBrowser
-from wakeful.vm.fake_guest import FakeChannel, FakeDesktop
 from wakeful.vm.hypervisor import ProxyCredential
 from wakeful.vm.lifecycle import VmInfo, VmManager, VmSettings
-from wakeful.vm.observe import Element
 from wakeful.vm.toolcomputer import ToolComputer
 
 pytestmark = pytest.mark.anyio
-
-FORM = [Element(node=1, role="heading", name="Checkout", level=1), Element(node=2, role="textbox", name="Name"),
-        Element(node=3, role="button", name="Next"), Element(node=4, role="button", name="Pay 19.99 EUR")]
-
-
-class FakeComputers:
-    """One tool computer per user on the vm fakes; records what kept the VM busy."""
-
-    def __init__(self, clock: FakeClock) -> None:
-        self.browser = FakeBrowser()
-        self.tc = ToolComputer(vm_id="vm-owner", channel=FakeChannel(), clock=clock, browser=self.browser,
-                               desktop=FakeDesktop())
-        self.tc.connect()
-        self.browser.show("https://shop.test/checkout", FORM, title="Checkout")
-        self.activities: list[str] = []
-        self.reaped = 0
-
-    def computer(self, user_id: str) -> ToolComputer:
-        return self.tc
-
-    @contextlib.contextmanager
-    def activity(self, user_id: str, kind: str) -> Iterator[None]:
-        self.activities.append(kind)
-        yield
-
-    def reap(self) -> list[str]:
-        self.reaped += 1
-        return []
-
 
 @pytest.fixture
 def anyio_backend() -> str:
@@ -224,7 +194,8 @@ async def test_a_paused_task_cannot_act_and_a_malformed_act_is_refused_with_its_
     runtime, computers, task_id = setup
     async with Client(_mcp(runtime, settings).server) as client:
         bad = await client.call_tool("computer__act", {"task_id": task_id, "act": {"kind": "click"}})
-        assert bad.is_error and "invalid_act" in bad.content[0].text  # type: ignore[union-attr]
+        assert bad.is_error and bad.content[0].text.startswith(  # type: ignore[union-attr]
+            "invalid_arguments: computer__act: act.click.ref: Field required")
         _, refs = await _observe(client, task_id)
         with write(runtime.engine) as conn:
             from wakeful.server.store.tables import ControlKind
@@ -235,6 +206,27 @@ async def test_a_paused_task_cannot_act_and_a_malformed_act_is_refused_with_its_
             "kind": "click", "ref": refs["Next"]}})
     assert paused.is_error and "paused" in paused.content[0].text  # type: ignore[union-attr]
     assert computers.browser.acts == []
+
+
+@pytest.mark.parametrize(("tool", "args"), [
+    ("computer__observe", {}), ("computer__act", {"act": {"kind": "click", "ref": "r1"}}),
+    ("computer__request_handoff", {"reason": "CAPTCHA"})])
+async def test_an_unknown_or_foreign_task_on_a_computer_tool_is_unknown_task_and_the_computer_is_not_asked(
+        setup: tuple[Runtime, FakeComputers, str], settings: Settings, tool: str, args: dict[str, Any]) -> None:
+    """Regression: SQLAlchemy's "No row was found" leaked out for a task that does not exist."""
+    runtime, computers, owners_task = setup
+    with write(runtime.engine) as conn:
+        ensure_user(conn, name="mallory", now=runtime.clock.now())
+    async with Client(_mcp(runtime, settings).server) as client:
+        unknown = await client.call_tool(tool, {"task_id": "task_00nosuchtask", **args})
+    mallory = WakefulMCP(engine=runtime.engine, clock=runtime.clock, settings=settings, tools=runtime.tools,
+                         local_user="mallory")
+    async with Client(mallory.server) as client:
+        foreign = await client.call_tool(tool, {"task_id": owners_task, **args})
+    for result in (unknown, foreign):
+        assert result.is_error and result.content[0].text.startswith("unknown_task: "), result.content
+        assert "No row" not in result.content[0].text  # type: ignore[union-attr]
+    assert computers.activities == [] and computers.browser.acts == []
 
 
 def test_the_sweeper_reaps_idle_tool_computers(setup: tuple[Runtime, FakeComputers, str]) -> None:

@@ -23,7 +23,7 @@ from wakeful.server.harness.wake import Harness
 from wakeful.server.settings import Settings
 from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import RunOutcome, actions, decisions, run_contexts, runs, tool_results
+from wakeful.server.store.tables import RunOutcome, actions, decisions, run_contexts, runs, timers, tool_results
 
 
 @pytest.fixture
@@ -105,6 +105,23 @@ def test_a_run_ends_in_a_message_a_silence_or_a_wait(w: World, settings: Setting
     reasons = [reason.split(":")[0] for _, reason in run_reasons(w)]
     assert reasons == ["wait", "message", "silence"]
     assert [m["text"] for m in messages(w.engine) if "text" in m] == ["Waiting for your approval."]
+
+
+def test_the_runs_own_tools_are_checked_against_their_specs_and_a_bad_call_is_a_coded_tool_result(
+        w: World, settings: Settings) -> None:
+    """schedule_followup's bounds held only over MCP: the harness took `int(in_seconds)` as it came."""
+    w.task()
+    model = ScriptedModel([calls(("schedule_followup", {"in_seconds": 5}), ("send_to_user", {"text": ""}),
+                                 ("stay_quiet", {"reason": "nothing", "mood": "calm"}))])
+    worker(w, settings, model).run_once()
+    with read(w.engine) as conn:
+        errors = {r.tool: json.loads(r.result)["error"] for r in conn.execute(select(tool_results))}
+        followups = conn.execute(select(timers)).all()
+    assert {tool: e["code"] for tool, e in errors.items()} == dict.fromkeys(
+        ["schedule_followup", "send_to_user", "stay_quiet"], "invalid_arguments")
+    assert errors["schedule_followup"]["message"] == (
+        "schedule_followup: in_seconds: Input should be greater than or equal to 60")
+    assert messages(w.engine) == [] and followups == []
 
 
 def test_every_proposal_is_stored_before_it_acts_and_a_resumed_run_never_asks_again(w: World,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,15 +15,17 @@ import httpx2
 import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
-from tests.support.acting import World, world
+from tests.support.acting import CANCEL_VERIFIED, World, world
+from tests.support.computers import FakeComputers
 from tests.support.records import messages
 from tests.support.serve import ServeProcess
 from wakeful.server.acting.policy import Policy
 from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.store.clock import FakeClock
-from wakeful.server.store.db import write
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import task_versions
 from wakeful.server.store.users import ensure_user
 
 pytestmark = pytest.mark.anyio
@@ -43,6 +46,32 @@ def w(engine: Engine, clock: FakeClock, owner: str) -> Iterator[World]:
 
 def mcp_for(w: World, settings: Any, user: str = "owner") -> WakefulMCP:
     return WakefulMCP(engine=w.engine, clock=w.clock, settings=settings, tools=w.tools, local_user=user)
+
+
+HINTS = ("read_only_hint", "destructive_hint", "idempotent_hint", "open_world_hint")
+ANNOTATIONS = {  # read-only, destructive, idempotent, open-world
+    "create_responsibility": (False, False, False, False),   # a new task on every call
+    "steer_responsibility": (False, True, False, False),     # voids the old version's approvals and objects
+    "task_status": (True, False, True, False),
+    "send_to_user": (False, False, False, True),             # a message leaves for the user
+    "schedule_followup": (False, False, False, False),       # a new timer on every call
+    **dict.fromkeys(["merchant__list_subscriptions", "merchant__get_subscription", "airline__get_booking",
+                     "airline__search_flights", "hotel__quote_stay", "hotel__get_quote"], (True, False, True, True)),
+    # a write proposes a new action on every call (admitted or held for the user's approval)
+    **dict.fromkeys(["merchant__cancel_renewal", "airline__order_flight", "hotel__book_quote"],
+                    (False, True, False, True)),
+    "computer__observe": (True, False, True, True),
+    "computer__act": (False, True, False, True),
+    "computer__request_handoff": (False, False, False, True),  # the user gets a link; nothing is lost
+}
+
+
+async def test_every_listed_tools_annotations_are_true_to_what_it_does(w: World, settings: Any) -> None:
+    w.tools.attach_computers(FakeComputers(w.clock), dispatch_now=lambda action_id: None,
+                             notify=lambda binding, token: None)
+    async with Client(mcp_for(w, settings).server) as client:
+        listed = {t.name: t.annotations for t in (await client.list_tools()).tools}
+    assert {name: tuple(getattr(a, hint) for hint in HINTS) for name, a in listed.items()} == ANNOTATIONS
 
 
 async def test_every_tool_has_schemas_and_honest_annotations(w: World, settings: Any) -> None:
@@ -159,3 +188,32 @@ async def test_send_to_user_goes_through_the_outbox_to_the_user_only(w: World, s
     assert sent.structured_content["state"] == "queued"
     assert [m["text"] for m in messages(w.engine) if m.get("via") == "mcp"] == ["All done."]
     assert to_someone.is_error and to_someone.content[0].text.startswith("invalid_arguments")
+
+
+async def test_a_completion_with_a_verify_read_is_accepted_not_a_dangling_schema_reference(
+        w: World, settings: Any) -> None:
+    """Regression: the nested `Verify` model's `$defs` were lost when the completion schema was embedded, so a
+    schema-valid `verify` failed with `PointerToNowhere: '/$defs/Verify'` instead of being recorded."""
+    async with Client(mcp_for(w, settings).server) as client:
+        created = await client.call_tool("create_responsibility", {"title": "cancel", "completion": CANCEL_VERIFIED})
+        task_id = created.structured_content["task_id"]
+        steered = await client.call_tool("steer_responsibility", {"task_id": task_id, "goal": "cancel it now",
+                                                                  "completion": CANCEL_VERIFIED})
+    assert not created.is_error, created.content
+    assert not steered.is_error and steered.structured_content["version"] == 2, steered.content
+    with read(w.engine) as conn:
+        recorded = conn.execute(select(task_versions.c.completion).where(task_versions.c.task_id == task_id)
+                                .order_by(task_versions.c.version)).scalars().all()
+    assert [json.loads(c) for c in recorded] == [CANCEL_VERIFIED, CANCEL_VERIFIED]
+
+
+@pytest.mark.parametrize("tool", ["merchant__list_subscriptions", "merchant__cancel_renewal"])
+async def test_an_unknown_task_on_a_connector_tool_is_unknown_task_not_a_database_error(
+        w: World, settings: Any, tool: str) -> None:
+    """Regression: SQLAlchemy's "No row was found" leaked out of the tool layer for a task that does not exist."""
+    async with Client(mcp_for(w, settings).server) as client:
+        result = await client.call_tool(tool, {"task_id": "task_00nosuchtask", "subscription": "obj_01abc"}
+                                        if tool.endswith("cancel_renewal") else {"task_id": "task_00nosuchtask"})
+    assert result.is_error
+    assert result.content[0].text.startswith("unknown_task: "), result.content[0].text
+    assert "task_00nosuchtask" in result.content[0].text and "No row" not in result.content[0].text

@@ -14,7 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wakeful.server.acting.connectors import (
-    OBJECT_ID_PATTERN,
     ConnectorError,
     ConnectorProblem,
     ExtractedObject,
@@ -145,8 +144,6 @@ def test_every_shipped_write_asks_has_an_idempotency_header_and_reconciles_throu
     for op in writes:
         assert op.risk == "ask" and op.idempotency_header == "Idempotency-Key" and op.amount is not None
         assert shipped.reconciler(op).effect == "read"
-        assert op.annotations() == {"readOnlyHint": False, "destructiveHint": True, "idempotentHint": True,
-                                    "openWorldHint": True}
 
 
 def test_the_hotel_quote_is_a_read_sent_as_post(shipped: Registry) -> None:
@@ -426,32 +423,6 @@ def test_a_missing_directory_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConnectorError) as info:
         load_connectors(tmp_path / "nowhere")
     assert info.value.problem == "is not a directory"
-
-
-# --- tool schemas and hints -------------------------------------------------------------------------------------
-
-
-def test_the_input_schema_closes_the_arguments_and_describes_object_ids(shop: Registry) -> None:
-    schema = shop.operation("shop__buy").input_schema()
-    assert schema["additionalProperties"] is False
-    assert schema["required"] == ["item", "quantity"]
-    assert schema["properties"]["item"] == {
-        "type": "string", "pattern": OBJECT_ID_PATTERN,
-        "description": "The item to buy (an object ID of kind item returned by a read tool)"}
-    assert shop.operation("shop__get_item").input_schema()["properties"]["item"]["description"] == (
-        "an object ID of kind item returned by a read tool")
-    assert schema["properties"]["note"] == {"type": "string", "maxLength": 20}
-    assert schema["properties"]["quantity"] == {"type": "integer", "minimum": 1, "maximum": 5}
-    assert schema["properties"]["colour"] == {"type": "string", "enum": ["red", "blue"]}
-    assert schema["properties"]["gift"] == {"type": "boolean"}
-    assert shop.operation("shop__list_items").input_schema() == {
-        "type": "object", "properties": {}, "additionalProperties": False}
-
-
-def test_reads_are_hinted_read_only_and_writes_destructive(shop: Registry) -> None:
-    assert shop.operation("shop__get_item").annotations() == {
-        "readOnlyHint": True, "destructiveHint": False, "idempotentHint": True, "openWorldHint": True}
-    assert shop.operation("shop__buy").annotations()["destructiveHint"] is True
 
 
 # --- arguments --------------------------------------------------------------------------------------------------

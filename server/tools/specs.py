@@ -1,0 +1,347 @@
+"""Every tool the agent has, declared once: its name, what it says to the model, the pydantic model its arguments
+are validated with, and what it does to the world (MCP's hints). The MCP server (`server.faces.mcpserver`) and the
+harness (`server.harness.context`) render this one list; input schemas are generated from the models.
+
+    ToolSpec        one tool: name, description, argument model, hints, the faces that offer it
+    Hints           readOnly / destructive / idempotent / openWorld, true to what the tool does
+    tool_specs      every tool of one face, for the declared connectors, with or without tool computers
+    connector_args  a connector operation's argument model, generated from its declaration
+    input_schema    a model's JSON schema, self-contained (nested models inlined, no `$ref` to dangle)
+
+Over MCP a tool that acts for a task takes the task's ID as `task_id`; in the harness the wake binds the task, so
+the model never names one. Connector reads and writes, the tool-computer tools and `send_to_user` /
+`schedule_followup` are on both faces; delegation (`create_responsibility`, `steer_responsibility`, `task_status`)
+is the MCP client's, `stay_quiet` the harness's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model
+from pydantic.json_schema import GenerateJsonSchema
+
+from wakeful.server.acting.connectors import (
+    OBJECT_ID_PATTERN,
+    DoneWhen,
+    ObjectParam,
+    Operation,
+    Registry,
+    StringParam,
+)
+from wakeful.server.computers.pool import ACT_TOOL, HANDOFF_TOOL, OBSERVE_TOOL, ActArgs
+from wakeful.server.errors import BadRequest
+
+__all__ = ["TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args", "input_schema",
+           "TaskRef", "spec", "tool_specs"]
+
+TASK_ID_PATTERN: Final = "^task_[0-9a-z]+$"
+
+
+class Face(StrEnum):
+    MCP = "mcp"
+    """An MCP client (Claude Code …): delegates, and names the task it acts for."""
+    HARNESS = "harness"
+    """The model the harness wakes for one task."""
+
+
+BOTH: Final = frozenset(Face)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hints:
+    """MCP's tool annotations. `idempotent` means a second identical call changes nothing more."""
+
+    read_only: bool
+    destructive: bool
+    idempotent: bool
+    open_world: bool
+    """It reaches beyond this server's records: a remote service, a tool computer, a message to the user."""
+
+    def as_mcp(self) -> dict[str, bool]:
+        return {"readOnlyHint": self.read_only, "destructiveHint": self.destructive,
+                "idempotentHint": self.idempotent, "openWorldHint": self.open_world}
+
+
+# -- argument models -----------------------------------------------------------------------------------------------
+
+
+class _Args(BaseModel):
+    """Tool arguments arrive from a model or an MCP client: unknown names are refused, types are not coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, regex_engine="python-re")
+
+
+class Verify(_Args):
+    read: Annotated[str, Field(max_length=200, description="A read tool whose fresh answer shows the goal reached.")]
+    with_: dict[str, str] = Field(default_factory=dict, alias="with",
+                                  description="The read's params, filled from the effect's params of the same object.")
+    done_when: DoneWhen
+
+
+class Completion(_Args):
+    """One completion condition of a task version: an effect accepted by the remote, optionally verified by a
+    fresh read — external evidence, never the model's word."""
+
+    effect: Annotated[str, Field(max_length=200)]
+    verify: Verify | None = None
+
+
+_COMPLETION_ABOUT: Final = ("Completion conditions, judged on evidence: an effect the remote accepted, optionally "
+                            "verified by a fresh read.")
+
+
+class CreateResponsibility(_Args):
+    title: Annotated[str, Field(min_length=1, max_length=2000)]
+    goal: Annotated[str, Field(max_length=4000)] | None = None
+    constraints: dict[str, Any] = Field(default_factory=dict, description='e.g. {"max_amount_cents": 5000}')
+    completion: list[Completion] = Field(default_factory=list, max_length=20, description=_COMPLETION_ABOUT)
+
+
+class SteerResponsibility(_Args):
+    goal: Annotated[str, Field(min_length=1, max_length=4000)]
+    constraints: dict[str, Any] = Field(default_factory=dict, description='e.g. {"max_amount_cents": 5000}')
+    completion: list[Completion] = Field(default_factory=list, max_length=20, description=_COMPLETION_ABOUT)
+
+
+class TaskVersion(BaseModel):
+    task_id: str
+    version: int
+
+
+class TaskStatus(_Args):
+    pass
+
+
+class SendToUser(_Args):
+    text: Annotated[str, Field(min_length=1, max_length=4000)]
+
+
+class StayQuiet(_Args):
+    reason: Annotated[str, Field(max_length=200)]
+
+
+class ScheduleFollowup(_Args):
+    in_seconds: Annotated[int, Field(ge=60, le=90 * 86400)]
+    note: Annotated[str, Field(max_length=500)] = ""
+
+
+class Observe(_Args):
+    surface: Literal["browser", "desktop"] = "browser"
+
+
+class ActOn(_Args):
+    act: ActArgs
+
+
+class RequestHandoff(_Args):
+    reason: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=300),
+                      Field(description="Why the user should take the screen.")]
+    minutes: Annotated[int, Field(ge=1, le=120)] = 15
+
+
+TaskId = Annotated[str, Field(pattern=TASK_ID_PATTERN, max_length=64, description="The responsibility this is for.")]
+
+
+class _McpArgs(_Args):
+    task_id: TaskId
+
+
+class TaskRef(BaseModel):
+    """Only the task's ID of an MCP call, for the tools the tool layer validates (and records refusals of)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+    task_id: TaskId
+
+
+@functools.cache
+def _with_task_id(args: type[BaseModel]) -> type[BaseModel]:
+    """`args` plus the task's ID, as an MCP client passes them (the task's ID first)."""
+    fields = {name: (field.annotation, field) for name, field in args.model_fields.items()}
+    model: type[BaseModel] = create_model(args.__name__, __base__=_McpArgs, **fields)  # type: ignore[call-overload]
+    return model
+
+
+# -- the specs -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolSpec:
+    name: str
+    description: str
+    args: type[BaseModel]
+    """The arguments as the harness passes them; over MCP a task-scoped tool takes `task_id` too."""
+    hints: Hints
+    faces: frozenset[Face] = BOTH
+    task_scoped: bool = True
+    returns: type[BaseModel] | None = None
+    """What a result holds, when more is promised than "an object"."""
+
+    def model(self, face: Face) -> type[BaseModel]:
+        return _with_task_id(self.args) if face is Face.MCP and self.task_scoped else self.args
+
+    def input_schema(self, face: Face) -> dict[str, Any]:
+        return input_schema(self.model(face))
+
+    def validate(self, face: Face, args: Mapping[str, Any]) -> BaseModel:
+        """The arguments, typed; `invalid_arguments` names each wrong one and says what it must be."""
+        return _validated(self.name, self.model(face), args)
+
+    def task_of(self, args: Mapping[str, Any]) -> str:
+        """The task an MCP call names, checked alone: the tool layer checks the rest (`ToolLayer.call`)."""
+        return _validated(self.name, TaskRef, args).task_id  # type: ignore[attr-defined, no-any-return]
+
+
+def _validated(tool: str, model: type[BaseModel], args: Mapping[str, Any]) -> BaseModel:
+    try:
+        return model.model_validate(args)
+    except ValidationError as exc:
+        problems = [(".".join(str(p) for p in e["loc"]) or "arguments", e["msg"]) for e in exc.errors()]
+        shown = "; ".join(f"{where}: {what}" for where, what in problems[:5])
+        raise BadRequest("invalid_arguments", f"{tool}: {shown}", tool=tool,
+                         parameters=sorted({where for where, _ in problems})) from None
+
+
+_RECORD: Final = Hints(read_only=False, destructive=False, idempotent=False, open_world=False)
+"""Adds a record here (a task, a version, a timer): nothing outside changes, and each call adds one more."""
+
+STATIC: Final[tuple[ToolSpec, ...]] = (
+    ToolSpec(name="create_responsibility", args=CreateResponsibility, hints=_RECORD, faces=frozenset({Face.MCP}),
+             task_scoped=False, returns=TaskVersion,
+             description="Record a delegation from the user: a goal, constraints and the conditions under which it "
+                         "is complete. Returns the task ID every other tool takes."),
+    ToolSpec(name="steer_responsibility", args=SteerResponsibility, faces=frozenset({Face.MCP}), returns=TaskVersion,
+             hints=Hints(read_only=False, destructive=True, idempotent=False, open_world=False),  # voids approvals
+             description="The user changed what they want: record a new task version. Approvals, objects and "
+                         "pending actions of the old version stop counting."),
+    ToolSpec(name="task_status", args=TaskStatus, faces=frozenset({Face.MCP}),
+             hints=Hints(read_only=True, destructive=False, idempotent=True, open_world=False),
+             description="A task's state from its records: the four facts (request received, run ended, goal "
+                         "verified, receipt delivered), pending waits, and each action with its verdict and outcome."),
+    ToolSpec(name="send_to_user", args=SendToUser,
+             hints=Hints(read_only=False, destructive=False, idempotent=False, open_world=True),
+             description="Tell the user something, through the outbox. The only way to reach them."),
+    ToolSpec(name="schedule_followup", args=ScheduleFollowup, hints=_RECORD,
+             description="Wake this task again later (capped per user; closes with the task)."),
+    ToolSpec(name="stay_quiet", args=StayQuiet, faces=frozenset({Face.HARNESS}),
+             hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
+             description="End this wake without messaging the user, with a one-line reason."),
+)
+
+COMPUTER: Final[tuple[ToolSpec, ...]] = (
+    ToolSpec(name=OBSERVE_TOOL, args=Observe,
+             hints=Hints(read_only=True, destructive=False, idempotent=True, open_world=True),
+             description="Look at your tool computer: a screenshot and the page's elements with refs. Refs are only "
+                         "good for the next act; after any act, a restore or a handoff, observe again."),
+    ToolSpec(name=ACT_TOOL, args=ActOn,
+             hints=Hints(read_only=False, destructive=True, idempotent=False, open_world=True),
+             description="Act on your tool computer with a ref (or coordinates) from the latest observation: click, "
+                         "fill, press, select, scroll, navigate, tabs, or desktop input. Acts that may commit "
+                         "something (pay, confirm, delete, submit…) wait for the user's approval."),
+    ToolSpec(name=HANDOFF_TOOL, args=RequestHandoff,  # the user gets a link; nothing is lost or undone
+             hints=Hints(read_only=False, destructive=False, idempotent=False, open_world=True),
+             description="Hand the screen to the user (CAPTCHA, login, 2FA, payment details): they get a one-time "
+                         "link to a live view. Your acts are refused until they return control; then observe again."),
+)
+
+_CONNECTOR_READ: Final = Hints(read_only=True, destructive=False, idempotent=True, open_world=True)
+_CONNECTOR_WRITE: Final = Hints(read_only=False, destructive=True, idempotent=False, open_world=True)
+"""Every call of a write proposes a new action (admitted or held for approval), so it is not idempotent."""
+
+
+def spec(name: str) -> ToolSpec:
+    """A static or tool-computer spec by name (connector tools depend on the registry: `tool_specs`)."""
+    return _BY_NAME[name]
+
+
+_BY_NAME: Final[Mapping[str, ToolSpec]] = {s.name: s for s in (*STATIC, *COMPUTER)}
+
+
+def connector_spec(op: Operation) -> ToolSpec:
+    return ToolSpec(name=op.tool_name, description=op.description, args=connector_args(op),
+                    hints=_CONNECTOR_READ if op.effect == "read" else _CONNECTOR_WRITE)
+
+
+def tool_specs(registry: Registry, face: Face, *, computers: bool) -> list[ToolSpec]:
+    """The tools `face` offers, in a fixed order: delegation and messages, connector operations, tool computer."""
+    connectors = [connector_spec(op) for op in registry.tools()]
+    return [s for s in (*STATIC, *connectors, *(COMPUTER if computers else ())) if face in s.faces]
+
+
+# -- connector operations ------------------------------------------------------------------------------------------
+
+
+def connector_args(op: Operation) -> type[BaseModel]:
+    """The argument model of a connector operation, generated from its declared params: what its schema shows."""
+    return _connector_args(op.tool_name, tuple(op.params.items()))
+
+
+@functools.cache
+def _connector_args(tool: str, params: tuple[tuple[str, Any], ...]) -> type[BaseModel]:
+    fields: dict[str, Any] = {}
+    for name, param in params:
+        # Python names are the connector's own (`json`, `copy` would shadow BaseModel's): aliases carry them.
+        fields[f"p_{name}"] = (_param_type(param), Field(... if param.required else None, alias=name))
+    config = ConfigDict(extra="forbid", strict=True, frozen=True, regex_engine="python-re", validate_by_alias=True)
+    return create_model(tool, __config__=config, **fields)
+
+
+def _param_type(param: Any) -> Any:
+    if isinstance(param, ObjectParam):
+        about = f"an object ID of kind {param.kind} returned by a read tool"
+        return Annotated[str, Field(pattern=OBJECT_ID_PATTERN,
+                                    description=f"{param.description} ({about})" if param.description else about)]
+    described = {"description": param.description} if param.description else {}
+    if isinstance(param, StringParam):
+        if param.enum is not None:
+            return Annotated[Literal[param.enum], Field(**described)]
+        return Annotated[str, Field(min_length=1 if param.location == "path" else None, max_length=param.max_length,
+                                    pattern=param.pattern, **described)]
+    if param.type == "integer":
+        return Annotated[int, Field(ge=param.minimum, le=param.maximum, **described)]
+    return Annotated[bool, Field(**described)]
+
+
+# -- schemas -------------------------------------------------------------------------------------------------------
+
+
+class _Generate(GenerateJsonSchema):
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False  # a property's name is its title
+
+
+_DATA: Final = frozenset({"const", "default", "enum", "examples"})
+"""Keywords whose values are data, not schemas: copied as they are."""
+
+
+def input_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The model's JSON Schema (draft 2020-12) as a tool's input schema: nested models inlined where they are used
+    (a schema embedded in another keeps no `$defs` to point into), without pydantic's generated titles."""
+    generated = model.model_json_schema(by_alias=True, schema_generator=_Generate)
+    definitions = generated.pop("$defs", {})
+    schema: dict[str, Any] = _inline(generated, definitions)
+    schema.pop("description", None)  # the model's docstring; the tool's description says it for the model
+    return schema
+
+
+def _inline(node: Any, definitions: Mapping[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_inline(n, definitions) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = definitions[node["$ref"].removeprefix("#/$defs/")]
+        return _inline({**target, **{k: v for k, v in node.items() if k != "$ref"}}, definitions)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("title", "discriminator") or (key == "default" and value is None):
+            continue  # pydantic's class names; OpenAPI's discriminator (its mapping points into `$defs`)
+        if key == "properties":
+            out[key] = {name: _inline(sub, definitions) for name, sub in value.items()}
+        else:
+            out[key] = value if key in _DATA else _inline(value, definitions)
+    return out
