@@ -11,7 +11,8 @@ WAKEFUL = str(Path(sys.executable).parent / "wakeful")
 
 
 def run(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")} | {"WAKEFUL_DATA_DIR": str(data_dir)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_") and k != "ANTHROPIC_API_KEY"} | {
+        "WAKEFUL_DATA_DIR": str(data_dir)}
     result = subprocess.run([WAKEFUL, *args], env=env, capture_output=True, text=True, timeout=60)
     if check:
         assert result.returncode == 0, result.stderr
