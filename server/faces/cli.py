@@ -7,7 +7,6 @@ everything else (logs, progress, explanations) to stderr.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
@@ -416,7 +415,7 @@ def mcp(user: Annotated[str, typer.Option(help="The local user the tools act for
 
 @app.command()
 def replay(run_id: Annotated[str, typer.Argument(help="The run to re-run from its records.")],
-           as_json: Json = False, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+           data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Re-run a recorded model run with its recorded decisions and tool results; show where the outcome differs."""
     from wakeful.server.harness.replay import replay as replay_run
     from wakeful.server.runtime import load_registry
@@ -429,11 +428,8 @@ def replay(run_id: Annotated[str, typer.Argument(help="The run to re-run from it
                                 instructions=settings.instructions_file or settings.data_dir / "instructions.md")
     except WakefulError as exc:
         _fail(exc)
-    if as_json:
-        print_json(dataclasses.asdict(report))
-    else:
-        for line in report.lines():
-            typer.echo(line)
+    for line in report.lines():
+        typer.echo(line)
     if report.differences:
         raise typer.Exit(1)
 

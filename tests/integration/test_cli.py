@@ -49,7 +49,7 @@ def test_a_typo_in_the_config_file_is_reported_with_the_field(tmp_path: Path) ->
     (tmp_path / "wakeful.toml").write_text('[sources.gh]\nkind = "gitlab"\nsecret = "x"\n')
     result = run(tmp_path, "status", check=False)
     assert result.returncode == 2
-    assert "sources.gh.kind" in result.stderr and "invalid settings" in result.stderr
+    assert f"wakeful: invalid_settings: sources.gh.kind ({tmp_path / 'wakeful.toml'} line 2)" in result.stderr
 
 
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:
