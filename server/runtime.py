@@ -59,6 +59,8 @@ class Signals:
         return (self.work, self.dispatch, self.timers, self.reconcile)
 
     def wake_all(self) -> None:
+        """The one way a write wakes the loops: HTTP routes, MCP tools and `POST /v1/wake` (which the CLI's
+        `nudge` calls) all end here, so work written by any of them starts now, not at the next idle poll."""
         for event in self.all():
             event.set()
 
@@ -79,7 +81,7 @@ def load_registry(settings: Settings) -> Registry:
 def make_handler(settings: Settings, registry: Registry) -> RunHandler:
     """The model harness when a model is configured, else the echo handler (and a log line saying so)."""
     if settings.anthropic_api_key is None:
-        log.warning("no model configured (WAKEFUL_ANTHROPIC_API_KEY): runs use the echo handler")
+        log.warning("no model configured (WAKEFUL_ANTHROPIC_API_KEY or ANTHROPIC_API_KEY): runs use the echo handler")
         return EchoHandler()
     from wakeful.server.harness.model_anthropic import AnthropicModel
     from wakeful.server.harness.wake import Harness

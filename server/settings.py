@@ -1,22 +1,49 @@
 """Settings in one place: CLI flags > `WAKEFUL_*` environment > the TOML config file > defaults.
 
-The config file is `$WAKEFUL_CONFIG`, else `<data_dir>/wakeful.toml` when it exists. Nested values use `__` in
-the environment: `WAKEFUL_SOURCES__GITHUB__SECRET=...` sets the secret of the source named `github`.
+The config file is `$WAKEFUL_CONFIG` (which must exist when set), else `<data_dir>/wakeful.toml` when it exists,
+where `<data_dir>` is the one the flags or the environment name (so `wakeful serve --data-dir D` reads
+`D/wakeful.toml`). Nested values use `__` in the environment: `WAKEFUL_SOURCES__GITHUB__SECRET=...` sets the
+secret of the source named `github`.
+
+A process resolves its settings once. The processes it starts (the egress proxy under `wakeful serve`) get that
+resolution whole in their environment (`child_environment`) and use it instead of resolving again, so parent and
+child can never disagree on a port or a directory.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
+import tomllib
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
-__all__ = ["Settings", "SourceSettings", "load_settings", "parse_listen"]
+__all__ = ["RESOLVED_ENV", "ConfigFileError", "Settings", "SourceSettings", "child_environment", "config_file",
+           "load_settings", "parse_listen"]
+
+RESOLVED_ENV = "WAKEFUL_RESOLVED_SETTINGS"
+"""The parent's resolved settings as JSON, for its children (never set it by hand: use `WAKEFUL_CONFIG`)."""
+
+
+class ConfigFileError(ValueError):
+    """The config file cannot be used at all: missing though named, unreadable, or not TOML."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
 
 SourceKind = Literal["github", "stripe", "slack", "generic"]
 
@@ -166,7 +193,8 @@ class Settings(BaseSettings):
     run_max_tokens: int = 200_000
     """Model tokens (input + output) one run may use."""
     anthropic_api_key: SecretStr | None = None
-    """Enables the Anthropic model for `wakeful serve`; without it runs use the echo handler. Never logged."""
+    """Enables the Anthropic model for `wakeful serve`; without it runs use the echo handler. Never logged. When
+    neither `WAKEFUL_ANTHROPIC_API_KEY` nor the config file sets it, the conventional `ANTHROPIC_API_KEY` is used."""
     model: str = "claude-sonnet-4-5"
     """The Anthropic model to call."""
     instructions_file: Path | None = None
@@ -210,7 +238,21 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=_config_path()))
+        given = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
+        resolved = os.environ.get(RESOLVED_ENV)
+        if resolved:  # a child of a process that resolved them already: exactly the parent's settings
+            return init_settings, InitSettingsSource(settings_cls, init_kwargs=json.loads(resolved))
+        path = config_file(given.get("data_dir"))
+        try:
+            toml = TomlConfigSettingsSource(settings_cls, toml_file=path)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigFileError(path, f"not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigFileError(path, exc.strerror or str(exc)) from None
+        if "data_dir" in toml.toml_data and not os.environ.get("WAKEFUL_CONFIG"):
+            raise ConfigFileError(path, "data_dir cannot be set in the data directory's own wakeful.toml; use "
+                                        "--data-dir, WAKEFUL_DATA_DIR, or a file named by WAKEFUL_CONFIG")
+        return init_settings, env_settings, toml, InitSettingsSource(settings_cls, init_kwargs=_conventional_env())
 
     @field_validator("proxy_bridge_listen")
     @classmethod
@@ -277,14 +319,51 @@ def parse_listen(value: str) -> tuple[str, int]:
     return str(ip), number
 
 
-def _config_path() -> Path:
+def _conventional_env() -> dict[str, str]:
+    """Settings other tools' conventions name, below everything of ours: `ANTHROPIC_API_KEY`."""
+    key = os.environ.get("ANTHROPIC_API_KEY", "").strip()
+    return {"anthropic_api_key": key} if key else {}
+
+
+def config_file(data_dir: Path | str | None = None) -> Path:
+    """The config file these settings are read from: `$WAKEFUL_CONFIG`, else `wakeful.toml` in the data directory
+    the flags (`data_dir`), the environment or the default name. Raises ConfigFileError when the named one is
+    missing (a missing `<data_dir>/wakeful.toml` is fine: the defaults apply)."""
     explicit = os.environ.get("WAKEFUL_CONFIG")
     if explicit:
-        return Path(explicit)
-    data_dir = os.environ.get("WAKEFUL_DATA_DIR")
-    return (Path(data_dir) if data_dir else _default_data_dir()) / "wakeful.toml"
+        path = Path(explicit)
+        if not path.is_file():
+            raise ConfigFileError(path, "WAKEFUL_CONFIG names this file, and it does not exist")
+        return path
+    if data_dir is None:
+        data_dir = os.environ.get("WAKEFUL_DATA_DIR") or _default_data_dir()
+    return Path(data_dir) / "wakeful.toml"
 
 
 def load_settings(**overrides: Any) -> Settings:
     """Settings with CLI-style overrides; `None` overrides are ignored so unset flags fall through."""
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def child_environment(settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child `wakeful` process: ours, plus our resolved settings, which it uses as they are.
+    Secrets travel too (the child may need them, and a process's environment is readable only by its user)."""
+    env = dict(os.environ if base is None else base)
+    env[RESOLVED_ENV] = json.dumps(_plain(settings.model_dump()))
+    return env
+
+
+def _plain(value: Any) -> Any:
+    """A model dump as JSON values the settings read back to the same thing: secrets revealed, durations as
+    seconds, paths as strings."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -265,15 +265,20 @@ def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, An
 
 
 def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[str], ProxyCredential]) -> VmComputers:
-    from wakeful.vm.accel import choose_accel
-    from wakeful.vm.browser import CdpBrowser
-    from wakeful.vm.desktop import XDesktop
-    from wakeful.vm.errors import VmError
-    from wakeful.vm.guest import GuestChannel
-    from wakeful.vm.hypervisor import Accel
-    from wakeful.vm.libvirt_adapter import LibvirtHypervisor
-    from wakeful.vm.lifecycle import VmManager, VmSettings
-    from wakeful.vm.toolcomputer import ToolComputer
+    try:  # the VM stack is an optional extra: a server without it runs, and says what a tool computer needs
+        from wakeful.vm.accel import choose_accel
+        from wakeful.vm.browser import CdpBrowser
+        from wakeful.vm.desktop import XDesktop
+        from wakeful.vm.errors import VmError
+        from wakeful.vm.guest import GuestChannel
+        from wakeful.vm.hypervisor import Accel
+        from wakeful.vm.libvirt_adapter import LibvirtHypervisor
+        from wakeful.vm.lifecycle import VmManager, VmSettings
+        from wakeful.vm.toolcomputer import ToolComputer
+    except ImportError as exc:
+        raise WakefulError("tool_computer_unavailable", f"tool computers need the optional VM packages, and "
+                           f"{exc.name or exc} is not installed: run `./scripts/install --computers` (or install "
+                           "`wakeful[computers]`), or set computers = false") from None
 
     image = settings.data_dir / "images" / settings.computer_image
     kernel = image / "vmlinux"

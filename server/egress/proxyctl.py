@@ -32,15 +32,15 @@ from wakeful.proxy.contract import DecisionRequest, Verdict
 from wakeful.proxy.vault import KEY_ENV, KeyRing, Vault, init_key, keys_from_env
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import WakefulError
-from wakeful.server.settings import Settings
+from wakeful.server.settings import Settings, child_environment
 from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 
 if TYPE_CHECKING:
     from wakeful.proxy.audit import EgressRecord
 
-__all__ = ["DeciderService", "ProxyChild", "decider_token", "open_vault", "proxy_port_taken", "run_proxy",
-           "serve_egress", "vault_keys"]
+__all__ = ["DeciderService", "ProxyChild", "abort_proxy_start", "decider_token", "open_vault", "proxy_port_taken",
+           "run_proxy", "serve_egress", "vault_keys"]
 
 log = logging.getLogger(__name__)
 TOKEN_FILE = "decider.token"
@@ -222,6 +222,17 @@ def _listening(port: int) -> bool:
     return False
 
 
+_starting: set[ProxyChild] = set()
+
+
+def abort_proxy_start() -> None:
+    """Stop waiting for a proxy child that is still starting (its `start` raises `interrupted`): a SIGTERM to a
+    starting server ends the start at once instead of after the proxy's whole start-up timeout. Signal-safe: it
+    only sets events."""
+    for child in list(_starting):
+        child._abort.set()
+
+
 class ProxyChild:
     """`wakeful proxy` as a child of this process: restarted if it dies, stopped by its PID with the server.
 
@@ -235,10 +246,11 @@ class ProxyChild:
         self._stopping = threading.Event()
         self._stop_pipe = os.pipe()  # written by `stop`: wakes the watcher's select
         self._spawned = threading.Event()
+        self._abort = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="proxy-child", daemon=True)
 
     def _spawn(self) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "WAKEFUL_DATA_DIR": str(self._settings.data_dir)}
+        env = child_environment(self._settings)  # our resolution, whole: the child listens where we look
         # Its own session: a Ctrl-C or a signal to our process group reaches us, and we stop it in order. If we
         # die without that, the kernel ends it too (Linux), so no proxy outlives its policy.
         with contextlib.ExitStack() as stack:
@@ -248,11 +260,24 @@ class ProxyChild:
                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def start(self) -> None:
-        """Start it and wait (bounded) until it listens; raises `proxy_failed` if it does not."""
+        """Start it and wait (bounded) until it listens; raises `proxy_failed` if it does not, `interrupted` when
+        `abort_proxy_start` was called meanwhile."""
+        _starting.add(self)
+        try:
+            self._wait_listening()
+        finally:
+            _starting.discard(self)
+        log.info("egress proxy listening on 127.0.0.1:%d (pid %d)", self._settings.proxy_port,
+                 self._proc.pid if self._proc else -1)
+
+    def _wait_listening(self) -> None:
         self._watcher.start()
         self._spawned.wait()
         deadline = time.monotonic() + READY_TIMEOUT
         while not _listening(self._settings.proxy_port):
+            if self._abort.is_set():
+                self.stop()
+                raise WakefulError("interrupted", "asked to stop before the egress proxy listened")
             proc = self._proc
             if proc is not None and proc.poll() is not None:
                 self.stop()
@@ -263,9 +288,7 @@ class ProxyChild:
                 self.stop()
                 raise WakefulError("proxy_failed", f"the egress proxy did not listen on 127.0.0.1:"
                                                    f"{self._settings.proxy_port} within {READY_TIMEOUT:g} s")
-            self._stopping.wait(0.05)
-        log.info("egress proxy listening on 127.0.0.1:%d (pid %d)", self._settings.proxy_port,
-                 self._proc.pid if self._proc else -1)
+            self._abort.wait(0.05)
 
     def _watch(self) -> None:
         self._proc = self._spawn()

@@ -1,12 +1,21 @@
-"""The `wakeful` command line."""
+"""The `wakeful` command line.
+
+Wrong input never ends in a traceback: a refusal is one line (`wakeful: <code>: <message>`) on stderr and exit
+code 2; a usage mistake is click's message and exit code 2. Records go to stdout (`--json` for one JSON document),
+everything else (logs, progress, explanations) to stderr.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
+import re
+import socket
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from sqlalchemy import Engine, func, select
@@ -16,7 +25,7 @@ from wakeful.server.acting.policy import load_policy
 from wakeful.server.core import control
 from wakeful.server.core.nudge import nudge
 from wakeful.server.errors import WakefulError
-from wakeful.server.faces.cli_common import DataDir, DbUrl, err
+from wakeful.server.faces.cli_common import DataDir, DbUrl, Json, err, print_json, say
 from wakeful.server.faces.cli_common import fail as _fail
 from wakeful.server.faces.cli_common import open_engine as _engine
 from wakeful.server.faces.cli_common import settings_or_exit as _settings
@@ -28,12 +37,70 @@ from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
 
-app = typer.Typer(rich_markup_mode=None, help="wakeful: a runtime for always-on personal agents.", no_args_is_help=True,
-                  pretty_exceptions_enable=False)
+
+class _Wakeful(typer.Typer):
+    """The app, with one last net: a refusal that reaches the top is printed as one line, never a traceback."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except WakefulError as exc:
+            say(exc.code, exc.message)
+            sys.exit(2)
+        except Exception as exc:  # a bug, not the user's input: still one line, the traceback on request
+            if os.environ.get("WAKEFUL_TRACEBACK"):
+                raise
+            say("unexpected_error", f"{type(exc).__name__}: {exc} (WAKEFUL_TRACEBACK=1 shows where)")
+            sys.exit(1)
+
+
+app = _Wakeful(rich_markup_mode=None, help="wakeful: a runtime for always-on personal agents.", no_args_is_help=True,
+               pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(proxy_app, name="proxy")
 app.add_typer(secret_app, name="secret")
 app.add_typer(egress_app, name="egress")
 app.add_typer(image_app, name="image")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"wakeful {version('wakeful')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            typer.echo("wakeful (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(_version_flag: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                      help="Print the version and exit.")] = False) -> None:
+    """wakeful: a runtime for always-on personal agents."""
+
+
+class _StartupFailureInOneLine(logging.Filter):
+    """uvicorn logs a failed start-up with the lifespan's whole traceback; when a refusal caused it (the egress proxy
+    did not start, a stop was asked for meanwhile) its own message says everything, so that is what is logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        cause = re.search(r"^wakeful\.server\.errors\.\w+: (.*)\Z", text.rstrip(), re.M)
+        if text.startswith("Traceback") and cause:
+            record.msg, record.args = f"wakeful: {cause[1]}", ()
+        return True
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
 
 
 @app.command()
@@ -47,12 +114,13 @@ def serve(
     import uvicorn
 
     from wakeful.server.egress.grants import load_egress_rules
-    from wakeful.server.egress.proxyctl import proxy_port_taken
+    from wakeful.server.egress.proxyctl import abort_proxy_start, proxy_port_taken
     from wakeful.server.faces.http import QuietServer, create_app
     from wakeful.server.runtime import Runtime, load_registry, make_handler
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("uvicorn.error").addFilter(_StartupFailureInOneLine())
     # The event loop acknowledges deliveries while worker threads run; at CPython's default 5 ms, a loop coming back
     # from a system call waited up to that long for a busy thread to let go of the interpreter lock, several times
     # per request. At 0.5 ms: ack p99 at 1,000/s and throughput at saturation both improve (bench/ingest.py).
@@ -65,19 +133,42 @@ def serve(
             if proxy_port_taken(settings):
                 raise WakefulError("proxy_port_in_use", f"127.0.0.1:{settings.proxy_port} is taken (another wakeful "
                                                         "serve?): set proxy_port, or proxy = false")
+        if not _port_free(settings.host, settings.port):
+            raise WakefulError("port_in_use", f"{settings.host}:{settings.port}: address already in use (another "
+                                              "wakeful serve?): set port or --port")
     except WakefulError as exc:
         _fail(exc)
     runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry)
-    try:
-        token = runtime.prepare()
-    except WakefulError as exc:
-        err.print(f"[red]wakeful: {exc.code}:[/red] {exc.message}")
-        raise typer.Exit(2) from None
+    token = runtime.prepare()  # its migration logs go to stderr, before the token on stdout
     if token:
-        err.print(f"Created user 'owner'. API token (shown once; `wakeful token` issues a new one):\n{token}")
-    err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_url})")
-    QuietServer(uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level="warning",
-                               access_log=False, timeout_graceful_shutdown=10)).run()
+        err.print("Created user 'owner'. Its API token is on stdout, shown once (`wakeful token` issues a new one).")
+        typer.echo(token)
+
+    class Serving(QuietServer):
+        """Says where it serves only once it does; a SIGTERM or Ctrl-C while it starts stops the start, too."""
+
+        signalled = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.signalled = True
+            super().handle_exit(sig, frame)
+            if not self.started:
+                abort_proxy_start()
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and not self.should_exit:
+                err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_url})",
+                          soft_wrap=True)
+
+    server = Serving(uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level="warning",
+                                    access_log=False, timeout_graceful_shutdown=10))
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's way to end a failed start-up; what failed is logged above
+        if server.signalled:
+            return  # stopped while starting, as asked
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -97,12 +188,15 @@ def start(reason: Annotated[str, typer.Option(help="Why, for the record.")] = ""
 
 
 def _set_stop(stopped: bool, reason: str, user: str | None, data_dir: Path | None, database_url: str | None) -> None:
-    engine = _engine(_settings(data_dir, database_url))
-    with write(engine) as conn:
-        user_id = users.user_id_by_name(conn, user) if user else None
-        control.set_stop(conn, stopped=stopped, user_id=user_id, actor="cli", reason=reason,
-                         now=SystemClock().now())
-    nudge(_settings(data_dir, database_url))
+    settings = _settings(data_dir, database_url)
+    try:
+        with write(_engine(settings)) as conn:
+            user_id = users.user_id_by_name(conn, user) if user else None
+            control.set_stop(conn, stopped=stopped, user_id=user_id, actor="cli", reason=reason,
+                             now=SystemClock().now())
+    except WakefulError as exc:
+        _fail(exc)
+    nudge(settings)
     scope = f"user {user}" if user else "everything"
     typer.echo(f"{'STOP' if stopped else 'START'} recorded for {scope}.")
 
@@ -117,8 +211,7 @@ def token(user: Annotated[str, typer.Option(help="Whose token.")] = "owner",
             user_id, _ = users.ensure_user(conn, name="owner", now=SystemClock().now()) if user == "owner" else (
                 users.user_id_by_name(conn, user), None)
         except WakefulError as exc:
-            err.print(f"[red]wakeful: {exc.code}:[/red] {exc.message}")
-            raise typer.Exit(2) from None
+            _fail(exc)
         typer.echo(users.issue_token(conn, user_id=user_id))
 
 
@@ -129,21 +222,27 @@ def user_add(name: str, data_dir: DataDir = None, database_url: DbUrl = None) ->
     with write(engine) as conn:
         _, new = users.ensure_user(conn, name=name, now=SystemClock().now())
     if new is None:
-        err.print(f"[red]wakeful: user_exists:[/red] {name!r} exists; `wakeful token --user {name}` re-issues")
+        say("user_exists", f"{name!r} exists; `wakeful token --user {name}` re-issues its token")
         raise typer.Exit(2)
     typer.echo(new)
 
 
 @app.command()
-def status(data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def status(as_json: Json = False, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Counts of events, runs and outbox messages by state, and whether STOP is in force."""
     engine = _engine(_settings(data_dir, database_url))
+    counted: dict[str, dict[str, int]] = {}
     with read(engine) as conn:
         stop_state = control.stop_state(conn)
         for table, column, states in ((events, events.c.status, EventStatus), (runs, runs.c.outcome, RunOutcome),
                                       (outbox, outbox.c.state, OutboxState)):
             counts: dict[str, int] = dict(conn.execute(select(column, func.count()).group_by(column)).all())
-            typer.echo(f"{table.name}: " + ", ".join(f"{s.value}={counts.get(s.value, 0)}" for s in states))
+            counted[table.name] = {s.value: counts.get(s.value, 0) for s in states}
+    if as_json:
+        print_json({**counted, "stop": {"everything": stop_state.everything, "users": sorted(stop_state.users)}})
+        return
+    for name, by_state in counted.items():
+        typer.echo(f"{name}: " + ", ".join(f"{state}={n}" for state, n in by_state.items()))
     typer.echo(f"stop: {'in force for everything' if stop_state.everything else 'not in force'}"
                + (f"; users stopped: {len(stop_state.users)}" if stop_state.users else ""))
 
@@ -247,7 +346,8 @@ def deny(action: Target, reason: Reason = "", user: UserOpt = "owner", data_dir:
 @app.command("ledger")
 def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID, or `export` for every task as JSON Lines.")],
                output: Annotated[Path | None, typer.Option("--output", "-o", help="For export: a file.")] = None,
-               user: UserOpt = "owner", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+               as_json: Json = False, user: UserOpt = "owner", data_dir: DataDir = None,
+               database_url: DbUrl = None) -> None:
     """A task's whole history in order; `wakeful ledger export` writes every task's as JSON Lines."""
     try:
         _, engine, user_id = _as_user(data_dir, database_url, user)
@@ -267,6 +367,9 @@ def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID, or `export` 
             entries = ledger.entries(conn, task_id=task, user_id=user_id)
     except WakefulError as exc:
         _fail(exc)
+    if as_json:
+        print_json({"task_id": task, "entries": entries})
+        return
     for entry in entries:
         typer.echo(ledger.describe(entry))
 
@@ -276,6 +379,7 @@ def demo(data_dir: DataDir = None) -> None:
     """Run the subscription-cancellation delegation end to end against the merchant simulator, print the ledger."""
     from wakeful.server.faces.demo import run_demo
 
+    _settings(data_dir, None)  # a broken config stops the demo too, as it stops every command
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     count = run_demo(data_dir)
     if count != 1:

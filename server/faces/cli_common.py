@@ -1,41 +1,104 @@
-"""What every `wakeful` command shares: the data-dir and database options, settings that stop on a typo, the
+"""What every `wakeful` command shares: the data-dir and database options, settings that stop on a typo (naming
+the field, and the file and line or the environment variable it came from), the data directory kept private, the
 migrated engine, and the one way a refusal is printed."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from sqlalchemy import Engine
 
 from wakeful.server.errors import WakefulError
-from wakeful.server.settings import Settings, load_settings
+from wakeful.server.settings import ConfigFileError, Settings, config_file, load_settings
 from wakeful.server.store.db import make_engine, migrate
+from wakeful.server.store.toml_lines import TomlLines
 
-__all__ = ["DataDir", "DbUrl", "err", "fail", "open_engine", "settings_or_exit"]
+__all__ = ["DataDir", "DbUrl", "Json", "err", "fail", "open_engine", "print_json", "say", "settings_or_exit"]
 
-err = Console(stderr=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 DataDir = Annotated[Path | None, typer.Option("--data-dir", help="Data directory [env WAKEFUL_DATA_DIR].")]
 DbUrl = Annotated[str | None, typer.Option("--database-url", help="Database URL [env WAKEFUL_DATABASE_URL].")]
+Json = Annotated[bool, typer.Option("--json", help="One JSON document on stdout instead of text.")]
+
+
+def say(code: str, message: str) -> None:
+    """One error line on stderr: `wakeful: <code>: <message>`, never wrapped, never read as markup."""
+    err.print(f"[red]wakeful: {escape(code)}:[/red] {escape(message)}", soft_wrap=True)
+
+
+def fail(exc: WakefulError) -> NoReturn:
+    say(exc.code, exc.message)
+    raise typer.Exit(2)
+
+
+def print_json(value: Any) -> None:
+    typer.echo(json.dumps(value, sort_keys=True, default=str))
 
 
 def settings_or_exit(data_dir: Path | None, database_url: str | None, **more: object) -> Settings:
+    """The resolved settings, or exit 2 with what is wrong and where; the data directory exists and is private."""
+    flags = {"data_dir": data_dir, "database_url": database_url, **more}
     try:
-        return load_settings(data_dir=data_dir, database_url=database_url, **more)
-    except Exception as exc:  # pydantic names the field and the problem; say it plainly and stop
-        err.print(f"[red]wakeful: invalid settings:[/red] {exc}")
+        settings = load_settings(**flags)
+    except ConfigFileError as exc:
+        say("invalid_settings", str(exc))
         raise typer.Exit(2) from None
+    except ValidationError as exc:
+        for problem in exc.errors():
+            say("invalid_settings", _describe(problem, data_dir, {k for k, v in flags.items() if v is not None}))
+        raise typer.Exit(2) from None
+    _private_data_dir(settings)
+    return settings
+
+
+def _describe(problem: Any, data_dir: Path | None, flags: set[str]) -> str:
+    """`field (where): what is wrong`, where is the flag, the environment variable or the file and line."""
+    loc = tuple(problem["loc"])
+    field = ".".join(str(part) for part in loc) or "settings"
+    return f"{field} ({_origin(loc, data_dir, flags)}): {problem['msg']}"
+
+
+def _origin(loc: tuple[str | int, ...], data_dir: Path | None, flags: set[str]) -> str:
+    if not loc:
+        return "the settings together"
+    if loc[0] in flags:
+        return f"--{str(loc[0]).replace('_', '-')}"
+    variable = "WAKEFUL_" + "__".join(str(part) for part in loc).upper()
+    for name in os.environ:
+        if name.upper() == variable or variable.startswith(name.upper() + "__"):
+            return f"environment {name}"
+    path = config_file(data_dir)
+    with contextlib.suppress(OSError):
+        line = TomlLines(path.read_text()).line_of(loc)
+        if line is not None:
+            return f"{path} line {line}"
+    return "the settings"
+
+
+def _private_data_dir(settings: Settings) -> None:
+    """The data directory is created owner-only (0700), and the SQLite file in it 0600 before SQLite creates it
+    (SQLite gives its -wal and -shm files the database file's mode). An existing directory is left as it is."""
+    with contextlib.suppress(FileExistsError):
+        settings.data_dir.mkdir(parents=True, mode=0o700)
+        os.chmod(settings.data_dir, 0o700)  # mkdir's mode is filtered by the umask
+    if settings.database_url is None:
+        path = settings.data_dir / "wakeful.db"
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.fchmod(fd, 0o600)
+            os.close(fd)
 
 
 def open_engine(settings: Settings) -> Engine:
     engine = make_engine(settings.db_url)
     migrate(engine)
     return engine
-
-
-def fail(exc: WakefulError) -> NoReturn:
-    err.print(f"[red]wakeful: {exc.code}:[/red] {exc.message}")
-    raise typer.Exit(2)

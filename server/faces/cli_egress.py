@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import getpass
-import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,7 +15,17 @@ from wakeful.proxy.vault import KEY_ENV, CredentialNotFound, VaultError, rotate_
 from wakeful.server.egress import grants as egress
 from wakeful.server.egress.proxyctl import open_vault, vault_keys
 from wakeful.server.errors import WakefulError
-from wakeful.server.faces.cli_common import DataDir, DbUrl, err, fail, open_engine, settings_or_exit
+from wakeful.server.faces.cli_common import (
+    DataDir,
+    DbUrl,
+    Json,
+    err,
+    fail,
+    open_engine,
+    print_json,
+    say,
+    settings_or_exit,
+)
 from wakeful.server.store import users
 from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import read, write
@@ -122,8 +131,7 @@ def secret_set(
 
 
 @secret_app.command("list")
-def secret_list(as_json: Annotated[bool, typer.Option("--json", help="JSON lines.")] = False,
-                data_dir: DataDir = None) -> None:
+def secret_list(as_json: Json = False, data_dir: DataDir = None) -> None:
     """The stored credentials: name, host, header, template, key. Never a value."""
     settings = settings_or_exit(data_dir, None)
     try:
@@ -131,9 +139,8 @@ def secret_list(as_json: Annotated[bool, typer.Option("--json", help="JSON lines
     except VaultError as exc:
         raise _vault_failed(exc) from None
     if as_json:
-        for i in infos:
-            typer.echo(json.dumps({"name": i.name, "host": i.host, "header": i.header, "template": i.template,
-                                   "key_id": i.key_id, "created_at": i.created_at.isoformat()}))
+        print_json([{"name": i.name, "host": i.host, "header": i.header, "template": i.template, "key_id": i.key_id,
+                     "created_at": i.created_at.isoformat()} for i in infos])
         return
     table = Table("name", "host", "header", "template", "key", "created")
     for i in infos:
@@ -179,20 +186,22 @@ def egress_log(
     user: Annotated[str | None, typer.Option(help="Only this user's requests.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=10_000, help="How many, newest first.")] = 50,
     verdict: Annotated[str | None, typer.Option(help="allow or refuse.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="JSON lines.")] = False,
+    as_json: Json = False,
     data_dir: DataDir = None, database_url: DbUrl = None,
 ) -> None:
     """The egress audit: every request the proxy saw, allowed or refused, with the rule or the reason."""
     if verdict not in (None, "allow", "refuse"):
-        err.print("[red]wakeful: bad_verdict:[/red] --verdict is allow or refuse")
+        say("bad_verdict", "--verdict is allow or refuse")
         raise typer.Exit(2)
     engine = open_engine(settings_or_exit(data_dir, database_url))
-    with read(engine) as conn:
-        user_id = users.user_id_by_name(conn, user) if user else None
-        rows = egress.audit_rows(conn, user_id=user_id, limit=limit, verdict=verdict)
+    try:
+        with read(engine) as conn:
+            user_id = users.user_id_by_name(conn, user) if user else None
+            rows = egress.audit_rows(conn, user_id=user_id, limit=limit, verdict=verdict)
+    except WakefulError as exc:
+        fail(exc)
     if as_json:
-        for row in rows:
-            typer.echo(json.dumps(row, sort_keys=True))
+        print_json(list(rows))
         return
     table = Table("at", "verdict", "code", "method", "url", "status", "ms", "credential", "rule / reason")
     for r in rows:

@@ -12,6 +12,9 @@
     GET  /v1/events/{id}, /v1/messages
     GET  /v1/egress                             the egress proxy's audit of the caller's requests
 
+Every write wakes the runtime's loops (`Signals.wake_all`, as MCP writes and `POST /v1/wake` do), so what it
+gave them to do starts now rather than at their next idle poll.
+
 Every query is filtered by the token's user: another user's records answer 404, never their contents. Nothing
 here is reachable by a model: MCP tools and run handlers have no route to control state.
 """
@@ -85,6 +88,7 @@ def stop(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
     with write(rt.engine) as conn:
         record = control.set_stop(conn, stopped=True, user_id=user, actor=f"user:{user}",
                                   reason=body.reason if body else "", now=rt.clock.now())
+    rt.signals.wake_all()
     return {"stopped": True, "record_id": record}
 
 
@@ -93,8 +97,7 @@ def start(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
     with write(rt.engine) as conn:
         record = control.set_stop(conn, stopped=False, user_id=user, actor=f"user:{user}",
                                   reason=body.reason if body else "", now=rt.clock.now())
-    rt.signals.work.set()
-    rt.signals.dispatch.set()
+    rt.signals.wake_all()
     return {"stopped": False, "record_id": record}
 
 
@@ -114,6 +117,7 @@ def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
         task_id = control.create_task(conn, user_id=user, session_id=session_id, title=body.title, now=now,
                                       goal=body.goal, constraints=body.constraints, completion=completion,
                                       actor=f"user:{user}")
+    rt.signals.wake_all()  # the delegation is the task's first event: its run starts now, not at the next poll
     return {"task_id": task_id, "session_id": session_id, "version": 1}
 
 
@@ -123,7 +127,7 @@ def steer(user: User, rt: Rt, task_id: str, body: SteerIn) -> dict[str, Any]:
     with write(rt.engine) as conn:
         version = control.steer(conn, user_id=user, task_id=task_id, goal=body.goal, constraints=body.constraints,
                                 completion=completion, actor=f"user:{user}", now=rt.clock.now())
-    rt.signals.work.set()
+    rt.signals.wake_all()
     return {"task_id": task_id, "version": version}
 
 
@@ -131,8 +135,7 @@ def transition(rt: Runtime, user: str, task_id: str, kind: ControlKind, reason: 
     with write(rt.engine) as conn:
         state = control.set_task_state(conn, user_id=user, task_id=task_id, kind=kind, actor=f"user:{user}",
                                        reason=reason, now=rt.clock.now())
-    rt.signals.work.set()
-    rt.signals.dispatch.set()
+    rt.signals.wake_all()
     return {"task_id": task_id, "state": state.value}
 
 
@@ -174,8 +177,7 @@ def decide(user: User, rt: Rt, action_id: str, decision: str, body: ControlIn | 
         decided = approvals.decide(conn, user_id=user, action_id=action_id, approve=decision == "approve",
                                    actor=f"user:{user}", policy=rt.policy, now=rt.clock.now(),
                                    reason=body.reason if body else "")
-    rt.signals.work.set()
-    rt.signals.dispatch.set()
+    rt.signals.wake_all()
     return {"action_id": action_id, "approval_id": decided.approval_id, "verdict": decided.verdict.kind.value,
             "code": decided.verdict.code, "reason": decided.verdict.reason}
 

@@ -34,7 +34,7 @@ def issue_token(conn: Connection, *, user_id: str) -> str:
 def user_id_by_name(conn: Connection, name: str) -> str:
     user_id = conn.execute(select(users.c.id).where(users.c.name == name)).scalar_one_or_none()
     if user_id is None:
-        raise NotFound("unknown_user", f"no user named {name!r}; create it with `wakeful user add {name}`")
+        raise NotFound("unknown_user", f"no user named {name!r}; create it with `wakeful user-add {name}`")
     return str(user_id)
 
 

@@ -11,7 +11,8 @@ WAKEFUL = str(Path(sys.executable).parent / "wakeful")
 
 
 def run(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")} | {"WAKEFUL_DATA_DIR": str(data_dir)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_") and k != "ANTHROPIC_API_KEY"} | {
+        "WAKEFUL_DATA_DIR": str(data_dir)}
     result = subprocess.run([WAKEFUL, *args], env=env, capture_output=True, text=True, timeout=60)
     if check:
         assert result.returncode == 0, result.stderr
@@ -48,7 +49,7 @@ def test_a_typo_in_the_config_file_is_reported_with_the_field(tmp_path: Path) ->
     (tmp_path / "wakeful.toml").write_text('[sources.gh]\nkind = "gitlab"\nsecret = "x"\n')
     result = run(tmp_path, "status", check=False)
     assert result.returncode == 2
-    assert "sources.gh.kind" in result.stderr and "invalid settings" in result.stderr
+    assert f"wakeful: invalid_settings: sources.gh.kind ({tmp_path / 'wakeful.toml'} line 2)" in result.stderr
 
 
 def test_migrate_creates_the_schema(tmp_path: Path) -> None:

@@ -114,9 +114,9 @@ def test_serve_runs_the_proxy_and_its_refusals_are_in_the_audit(tmp_path: Path) 
             "nowhere.example", "refuse", "host_not_allowed", user_id)
         (log_block,) = [b for b in BLOCKS if "egress log" in b]
         out = _bash(tmp_path, log_block).stdout
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        assert {r["code"] for r in lines} == {"host_not_allowed", "not_admitted"}
-        assert "nowhere.example" in out.split("{", 1)[0]  # the table above the JSON lines
+        (document,) = [json.loads(line) for line in out.splitlines() if line.startswith("[")]
+        assert {r["code"] for r in document} == {"host_not_allowed", "not_admitted"}
+        assert "nowhere.example" in out.split("\n[", 1)[0]  # the table above the JSON
     assert "egress proxy listening" in server.log()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from tests.support.polling import wait_until
-from tests.support.records import event_rows
+from tests.support.records import event_rows, run_rows
 from wakeful.server.core.signatures import SignatureKind, sign
 from wakeful.server.faces.http import QuietServer, create_app
 from wakeful.server.harness.handlers import EchoHandler
@@ -227,6 +228,36 @@ def test_pausing_twice_is_a_409_with_the_current_state(client: TestClient, token
     again = client.post(f"/v1/tasks/{task}/pause", headers=auth)
     assert again.status_code == 409 and again.json()["error"] | {"message": ""} == {
         "code": "invalid_transition", "message": "", "task_id": task, "state": "paused"}
+
+
+def _workers_asleep() -> bool:
+    """Every worker thread is inside its idle wait: it looked for work, found none, and sleeps until woken or until
+    its poll. (Looked up in the threads' frames, so that the test knows a later task was not found by a look.)"""
+    frames = sys._current_frames()
+    workers = [t for t in threading.enumerate() if t.name.startswith("worker-")]
+    for thread in workers:
+        frame, names = frames.get(thread.ident or -1), set()
+        while frame is not None:
+            names.add(frame.f_code.co_qualname)
+            frame = frame.f_back
+        if "IdlePoll.wait" not in names:
+            return False
+    return bool(workers)
+
+
+def test_a_task_posted_over_http_starts_its_run_without_waiting_for_the_idle_poll(tmp_path: Path, token: str,
+                                                                                 app_engine: Engine) -> None:
+    # A poll the test could never wait out: only a wake starts the run within the bounded wait below.
+    settings = Settings(data_dir=tmp_path, poll_interval=3600, idle_poll_max=3600, sweep_interval=3600,
+                        reconcile_interval=3600, workers=1)
+    runtime = Runtime(settings, handler=EchoHandler(), engine=app_engine)
+    runtime.prepare()
+    with TestClient(create_app(runtime)) as client:
+        wait_until(_workers_asleep, 10, "the worker to find nothing and fall asleep")
+        answer = client.post("/v1/tasks", json={"title": "first run"}, headers={"Authorization": f"Bearer {token}"})
+        session = answer.json()["session_id"]
+        wait_until(lambda: any(r.session_id == session for r in run_rows(app_engine)), 20,
+                   "the delegation's run to start (the idle poll would take an hour)")
 
 
 def test_a_quiet_server_stamps_every_response_and_stops_at_once_when_idle() -> None:

@@ -66,8 +66,8 @@ def _command() -> list[str]:
 
 
 def _clean_environ() -> dict[str, str]:
-    # A developer's own WAKEFUL_* settings must not leak into the server under test.
-    return {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}
+    # A developer's own WAKEFUL_* settings (and the Anthropic key they fall back to) must not reach the server.
+    return {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_") and k != "ANTHROPIC_API_KEY"}
 
 
 class ServeProcess:
