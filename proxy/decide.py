@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Final
 from urllib.parse import unquote
 
+from wakeful.proxy.addresses import never_dialled
 from wakeful.proxy.contract import (
     CREDENTIAL_NAME,
     Allow,
@@ -79,7 +80,8 @@ def check_addresses(host: str, ips: Iterable[str], *, allowed_private: frozenset
     """Refuse unless every address is public, or the host is explicitly allowed to be private.
 
     An empty list is refused: an address nobody checked is never dialled. Unspecified (0.0.0.0, ::) and multicast
-    addresses are refused even for allowed hosts, since connecting to 0.0.0.0 reaches this machine.
+    addresses are refused even for allowed hosts, since connecting to 0.0.0.0 reaches this machine, and so are
+    link-local and cloud-metadata addresses in any spelling (`proxy.addresses.never_dialled`).
     """
     addresses = list(ips)
     if not addresses:
@@ -94,7 +96,7 @@ def check_addresses(host: str, ips: Iterable[str], *, allowed_private: frozenset
         except ValueError:
             return refuse(RefusalCode.ADDRESS_NOT_ALLOWED, f"{host} resolved to something that is not an address")
         mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
-        never = (mapped or addr).is_unspecified or (mapped or addr).is_multicast
+        never = (mapped or addr).is_unspecified or (mapped or addr).is_multicast or never_dialled(addr)
         if never or not (_public(addr) or private_ok):
             return refuse(RefusalCode.ADDRESS_NOT_ALLOWED,
                           f"{host} resolves to {addr}, a private, loopback or reserved address")

@@ -169,6 +169,7 @@ REQUEST_TOO_LARGE: Final = "request_too_large"
 _STATUS: Final[dict[str, int]] = {
     RefusalCode.DECIDER_UNAVAILABLE: 502, RefusalCode.MALFORMED_VERDICT: 502,
     UPSTREAM_TIMEOUT: 504, UPSTREAM_FAILED: 502, REQUEST_TOO_LARGE: 413,
+    RefusalCode.REQUEST_TIMEOUT: 408, RefusalCode.TOO_MANY_CONNECTIONS: 503, RefusalCode.PROXY_BUSY: 503,
 }
 
 
