@@ -72,7 +72,7 @@ REASONS: Final[dict[RefusalCode, str]] = {
     RefusalCode.PLAINTEXT_CREDENTIAL: "a credential is only ever sent over HTTPS",
     RefusalCode.MALFORMED_VERDICT: "the policy component's answer was not understood; nothing was sent",
     RefusalCode.CREDENTIAL_UNAVAILABLE: "the credential this request needs is not in the vault or cannot be used here",
-    RefusalCode.MISPLACED_CREDENTIAL: "a credential placeholder stands where its credential's declaration does not put it",
+    RefusalCode.MISPLACED_CREDENTIAL: "a credential placeholder stands where its declaration does not put it",
     RefusalCode.AMBIGUOUS_PATH: "the request path can be read more than one way (encoding, dot segments, slashes)",
     RefusalCode.REQUEST_TIMEOUT: "the client did not send its whole request head or body in time",
     RefusalCode.TOO_MANY_CONNECTIONS: "the proxy holds as many client connections as it may; retry later",

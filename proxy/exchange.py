@@ -24,7 +24,8 @@ from wakeful.proxy.config import ProxyConfig
 from wakeful.proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyRefusal, RefusalCode, Refuse
 from wakeful.proxy.credential import Credential
 from wakeful.proxy.decide import agree, check_addresses, check_method, check_verdict
-from wakeful.proxy.rewrite import HeaderRejected, inject, refuse_placeholders, strip_credentials
+from wakeful.proxy.paths import AmbiguousPath, normalize_path
+from wakeful.proxy.rewrite import HeaderRejected, header_key, inject, refuse_placeholders, strip_credentials
 from wakeful.proxy.upstream import (
     H11Stream,
     ResponseHead,
@@ -277,6 +278,11 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
     target = parse_target(request.target.decode("latin-1"), in_tunnel=tunnel is not None)
     host, port = (tunnel.host, tunnel.port) if tunnel else (target.host, target.port)
     ex.host, ex.port, ex.path = host, port, target.path
+    try:
+        path = normalize_path(target.path).wire  # what the decider judges is what the upstream gets
+    except AmbiguousPath as exc:
+        raise ProxyRefusal(RefusalCode.AMBIGUOUS_PATH, str(exc)) from None
+    ex.path = path
     lowered = [name.lower() for name, _ in headers]
     if "content-length" in lowered and "transfer-encoding" in lowered:
         raise HeaderRejected("both Content-Length and Transfer-Encoding: the body's length is ambiguous")
@@ -303,7 +309,7 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
     try:
         req = DecisionRequest(
             request_id=ex.request_id, user_id=identity.user_id, attempt_token=token, client_token=identity.token,
-            method=ex.method, scheme="https" if tunnel else "http", host=host, port=port, path=target.path,
+            method=ex.method, scheme="https" if tunnel else "http", host=host, port=port, path=path,
             query=target.query, body_sha256=hashlib.sha256(body).hexdigest(), resolved_ips=(), client=ex.client)
     except ContractError as exc:
         raise HeaderRejected(str(exc)) from None
@@ -320,11 +326,10 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
         refuse_placeholders(forward)
     out = [(b"host", hosts[0].encode("latin-1") if hosts else _authority(host, port, req.scheme))]
     out += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in forward
-            if name.lower() not in _DROP_UPSTREAM]
+            if header_key(name) not in _DROP_UPSTREAM]
     if body or request.method in (b"POST", b"PUT", b"PATCH"):
         out.append((b"content-length", str(len(body)).encode("ascii")))
-    target_bytes = request.target if tunnel else (
-        target.path + (f"?{target.query}" if target.query else "")).encode("latin-1")
+    target_bytes = (path + (f"?{target.query}" if target.query else "")).encode("latin-1")
     try:
         upstream_request = serialize_request(request.method, target_bytes, out, body)
     except ValueError:

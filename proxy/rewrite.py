@@ -21,6 +21,7 @@ __all__ = [
     "HOP_BY_HOP",
     "HeaderRejected",
     "InjectionRefused",
+    "header_key",
     "inject",
     "refuse_placeholders",
     "strip_credentials",
@@ -37,6 +38,13 @@ _NEVER_NOMINATED: Final = frozenset({"host", "content-length"})
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # controls other than HTAB: CR, LF and NUL split requests
 _PLACEHOLDER = re.compile(r"\{\{credential:([^{}]*)\}\}")
+
+
+def header_key(name: str) -> str:
+    """The name every header rule compares: lower case, `_` read as `-`. Servers behind CGI, WSGI and some proxies
+    read `X_Api_Key` as `X-Api-Key` and `Transfer_Encoding` as `Transfer-Encoding`: a rule that matched the exact
+    spelling would let those through."""
+    return name.lower().replace("_", "-")
 
 
 class HeaderRejected(ProxyRefusal):
@@ -86,17 +94,18 @@ def unfold(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
 def strip_credentials(headers: Iterable[tuple[str, str]], *, bound_host: bool) -> list[tuple[str, str]]:
     """The client's headers without any credential it sent, hop-by-hop headers or the attempt token.
 
-    Removes, in any casing and every duplicate: Authorization, Proxy-Authorization, X-Api-Key, Api-Key,
-    X-Auth-Token, X-Wakeful-Attempt, the hop-by-hop headers and those `Connection` names, and Cookie when the
-    host has a bound credential. Raises `HeaderRejected` for malformed headers rather than guessing.
+    Removes, in any casing, with `_` for `-` (see `header_key`) and every duplicate: Authorization,
+    Proxy-Authorization, X-Api-Key, Api-Key, X-Auth-Token, X-Wakeful-Attempt, the hop-by-hop headers and those
+    `Connection` names, and Cookie when the host has a bound credential. Raises `HeaderRejected` for malformed
+    headers rather than guessing.
     """
     unfolded = unfold(headers)
-    nominated = {token.strip().lower() for name, value in unfolded if name.lower() == "connection"
+    nominated = {header_key(token.strip()) for name, value in unfolded if header_key(name) == "connection"
                  for token in value.split(",")} - _NEVER_NOMINATED
     drop = CREDENTIAL_HEADERS | HOP_BY_HOP | {ATTEMPT_HEADER.lower()} | nominated
     if bound_host:
         drop |= COOKIE_HEADERS
-    return [(name, value) for name, value in unfolded if name.lower() not in drop]
+    return [(name, value) for name, value in unfolded if header_key(name) not in drop]
 
 
 def refuse_placeholders(headers: Iterable[tuple[str, str]]) -> None:
