@@ -25,7 +25,14 @@ from wakeful.proxy.contract import Allow, Client, ContractError, DecisionRequest
 from wakeful.proxy.credential import Credential
 from wakeful.proxy.decide import agree, check_addresses, check_method, check_verdict
 from wakeful.proxy.paths import AmbiguousPath, normalize_path
-from wakeful.proxy.rewrite import HeaderRejected, header_key, inject, refuse_placeholders, strip_credentials
+from wakeful.proxy.rewrite import (
+    HeaderRejected,
+    check_placeholders,
+    header_key,
+    inject,
+    refuse_misplaced,
+    strip_credentials,
+)
 from wakeful.proxy.upstream import (
     H11Stream,
     ResponseHead,
@@ -297,6 +304,7 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
     token = attempt_token(headers)
     ex.user_id, ex.client = identity.user_id, "connector" if token is not None else "tool_computer"
     body = await _read_body(client, request, config.max_body_bytes, config.client_timeout)
+    refuse_misplaced(target.query, body)
     hosts = [value for name, value in headers if name.lower() == "host"]
     if len(hosts) > 1:
         raise HeaderRejected("more than one Host header")
@@ -314,16 +322,17 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
     except ContractError as exc:
         raise HeaderRejected(str(exc)) from None
     allow, ips = await authorize(shared, req, ex)
-    forward = strip_credentials(headers, bound_host=allow.credential is not None)
+    credential: Credential | None = None
     if allow.credential is not None:
         try:
             credential = shared.credentials.get(allow.credential)
         except VaultError:
             raise ProxyRefusal(RefusalCode.CREDENTIAL_UNAVAILABLE) from None
+    keep = check_placeholders(headers, credential)  # before stripping: a stripped header's placeholder is refused
+    forward = strip_credentials(headers, bound_host=credential is not None, keep=keep)
+    if credential is not None:
         forward = inject(forward, credential, scheme=req.scheme, host=host)
-        ex.credential = allow.credential
-    else:
-        refuse_placeholders(forward)
+        ex.credential = credential.name
     out = [(b"host", hosts[0].encode("latin-1") if hosts else _authority(host, port, req.scheme))]
     out += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in forward
             if header_key(name) not in _DROP_UPSTREAM]

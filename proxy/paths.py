@@ -5,8 +5,8 @@ it by the upstream. `normalize_path` decodes percent-escapes once, strictly (UTF
 invalid sequences rejected), resolves dot segments (RFC 3986 §5.2.4, `%2e` included) and refuses what servers read
 differently: encoded slashes and backslashes, a backslash, NUL and other controls, an escape that decodes to
 another escape (double encoding), a dot segment with `;` parameters (`..;` is `..` to Java servers) or after an
-empty segment (`//..` is one level or two depending on whether the server merges slashes), a `%` that starts no
-escape. Pure; no I/O.
+empty segment (`//..` or `/;/..` climbs one level or two depending on whether the server merges slashes or drops
+parameters), a `%` that starts no escape. Pure; no I/O.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def normalize_path(path: str) -> NormalPath:
             if last:
                 kept.append(("", ""))  # "/a/.." is "/", a directory
             continue
-        if raw == "" and not last:
+        if name == "" and not last:  # "//", or ";x" that a server dropping parameters reads as one
             empty_before = True
         kept.append((raw, text))
     return NormalPath(wire="/" + "/".join(r for r, _ in kept), decoded="/" + "/".join(t for _, t in kept))

@@ -146,7 +146,8 @@ def test_a_path_is_forwarded_with_its_dot_segments_resolved_and_every_other_segm
 
 
 @pytest.mark.parametrize("path", ["v1", "/v1/%c0%ae", "/v1/%2f", "/v1/%5C", "/v1\\x", "/v1/%00", "/v1/%0d%0a",
-                                  "/v1/%2525", "/v1/%", "/v1/%g0", "/v1/..;x/a", "/a//../b", "/v1/%ff", "/v1/é"])
+                                  "/v1/%2525", "/v1/%", "/v1/%g0", "/v1/..;x/a", "/a//../b", "/v1/;/..", "/v1/%ff",
+                                  "/v1/é"])
 def test_a_path_that_can_be_read_two_ways_is_ambiguous(path: str) -> None:
     with pytest.raises(AmbiguousPath):
         normalize_path(path)
