@@ -33,7 +33,9 @@ from wakeful.proxy.exchange import (
     authorize,
     handle_request,
 )
+from wakeful.proxy.hosts import normalize_host
 from wakeful.proxy.rewrite import HeaderRejected
+from wakeful.proxy.sni import NEED_MORE, ClientHello, MalformedHello, client_hello_sni
 from wakeful.proxy.tls import LeafCertificates, load_or_create_ca, sni_of
 from wakeful.proxy.upstream import H11Stream, UpstreamPool
 from wakeful.proxy.wire import (
@@ -233,10 +235,21 @@ class ProxyServer:
         try:
             client.send(h11.Response(status_code=200, headers=[], reason=b"Connection established"))
             client.flush()
-            leftover = client.conn.trailing_data[0]
-            if leftover:
-                upstream_writer.write(leftover)
-                ex.bytes_up += len(leftover)
+            # Nothing is relayed before the ClientHello names the CONNECT target: else `CONNECT pinned.test`
+            # could carry a handshake for any other name to that address (fronting).
+            try:
+                hello, first = await self._client_hello(client.reader, client.conn.trailing_data[0])
+                named = normalize_host(hello.sni) if hello.sni is not None else None
+            except (MalformedHello, ValueError, OSError) as exc:  # TimeoutError included
+                ex.refused(RefusalCode.HEADER_MISMATCH, f"no well-formed TLS ClientHello for {host} arrived in time "
+                           f"({type(exc).__name__}); nothing was relayed")
+                return
+            if named != host:
+                ex.refused(RefusalCode.HEADER_MISMATCH, f"the TLS server name ({'none' if named is None else named})"
+                           f" is not the CONNECT target {host}; nothing was relayed")
+                return
+            upstream_writer.write(first)
+            ex.bytes_up += len(first)
             up, down = await asyncio.gather(_pipe(client.reader, upstream_writer),
                                             _pipe(upstream_reader, client.writer))
             ex.bytes_up += up
@@ -244,6 +257,19 @@ class ProxyServer:
         finally:
             upstream_writer.close()
             ex.record(self.decider)
+
+    async def _client_hello(self, reader: asyncio.StreamReader, buffered: bytes) -> tuple[ClientHello, bytes]:
+        """The client's ClientHello and every byte read so far, within `client_timeout` for the whole of it.
+        Raises `MalformedHello`, `TimeoutError`, `ConnectionResetError` (the client left first)."""
+        data = bytearray(buffered)
+        async with asyncio.timeout(self.config.client_timeout):
+            while (hello := client_hello_sni(bytes(data))) is NEED_MORE:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    raise ConnectionResetError("the client closed before its ClientHello")
+                data += chunk
+        assert isinstance(hello, ClientHello)
+        return hello, bytes(data)
 
     async def _dial_raw(self, ips: list[str], port: int, host: str) -> tuple[asyncio.StreamReader,
                                                                              asyncio.StreamWriter]:
