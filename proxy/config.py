@@ -51,8 +51,10 @@ class ProxyConfig:
     max_body_bytes: int = 10 * 1024 * 1024
     """A larger request body is answered 413 and never decided."""
     client_timeout: float = 60.0
-    """Seconds a client connection may sit idle between requests, or take to send one; also its TLS handshake inside
-    a CONNECT tunnel (a tool computer's Chromium under TCG takes up to ~10 s for one, certificate checks included)."""
+    """Seconds a client connection may sit idle between requests, and the bound on each read from it (the whole
+    head and body have their own deadlines below); also its TLS handshake inside a CONNECT tunnel (a tool computer's
+    Chromium under TCG takes up to ~10 s for one, certificate checks included) and the ClientHello of a tunnel that
+    is not intercepted."""
     request_head_timeout: float = 30.0
     """Seconds from a request's first byte until its whole head (request line and headers) is in: a head dripped in
     slowly is answered 408 `request_timeout` and the connection closed, however short each pause is."""

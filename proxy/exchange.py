@@ -1,13 +1,15 @@
 """One request through the proxy: read it, check it, ask the decider, and only then resolve, inject and forward.
 
-Order, for every request: body read (bounded) → Host/SNI/CONNECT agreement → method → decider → verdict fits →
-resolve → addresses checked → client credentials stripped → credential injected (or a placeholder refused) →
-dial the checked address → forward → stream the answer back → one audit record. Nothing is resolved or dialled
-before an allow.
+Order, for every request: head (whole within a deadline) → path made canonical → a client that names no one
+refused before its body → body read (bounded in size, time and bytes held) → no placeholder in query or body →
+Host/SNI/CONNECT agreement → method → decider → verdict fits → resolve → addresses checked → placeholders only in
+the declared header → client credentials stripped → credential injected → dial the checked address → forward →
+stream the answer back → one audit record. Nothing is resolved or dialled before an allow.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -24,6 +26,7 @@ from wakeful.proxy.config import ProxyConfig
 from wakeful.proxy.contract import Allow, Client, ContractError, DecisionRequest, ProxyRefusal, RefusalCode, Refuse
 from wakeful.proxy.credential import Credential
 from wakeful.proxy.decide import agree, check_addresses, check_method, check_verdict
+from wakeful.proxy.limits import BodyBudget, Held
 from wakeful.proxy.paths import AmbiguousPath, normalize_path
 from wakeful.proxy.rewrite import (
     HeaderRejected,
@@ -34,6 +37,7 @@ from wakeful.proxy.rewrite import (
     strip_credentials,
 )
 from wakeful.proxy.upstream import (
+    DeadlinePassed,
     H11Stream,
     ResponseHead,
     Upstream,
@@ -65,6 +69,8 @@ log = logging.getLogger("wakeful.proxy")
 EMPTY_SHA256: Final = hashlib.sha256(b"").hexdigest()
 _IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 _DROP_UPSTREAM: Final = frozenset({"content-length", "expect", "host"})
+_CLOSING: Final = frozenset({RefusalCode.REQUEST_TIMEOUT, RefusalCode.PROXY_BUSY})
+"""Refusals after which the connection is closed: what the client was still sending is not read."""
 
 
 class ProxyFailure(Exception):
@@ -109,6 +115,8 @@ class Shared:
     decider: DeciderClient
     pool: UpstreamPool
     credentials: Credentials
+    budget: BodyBudget
+    """Request-body bytes held at once, per client and in total (see `proxy.limits`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,21 +236,43 @@ async def authorize(shared: Shared, req: DecisionRequest, ex: Exchange) -> tuple
     return verdict, ips
 
 
-async def _read_body(client: H11Stream, request: h11.Request, limit: int, idle: float) -> bytes:
+def _announced(request: h11.Request) -> int | None:
+    """The body length a request declares: Content-Length, None for chunked, 0 for no body (h11 checked both)."""
     for name, value in request.headers:
-        if name == b"content-length" and int(value) > limit:
+        if name == b"content-length":
+            return int(value)
+        if name == b"transfer-encoding":
+            return None
+    return 0
+
+
+async def _read_body(client: H11Stream, request: h11.Request, config: ProxyConfig, held: Held) -> bytes:
+    """The whole body, within `request_body_timeout` and the caps: `max_body_bytes` for this request (413), and
+    the bytes held for this client and in total (503 `proxy_busy`); a declared length is checked before reading."""
+    limit = config.max_body_bytes
+    announced = _announced(request)
+    if announced is not None:
+        if announced > limit:
             raise ProxyFailure(REQUEST_TOO_LARGE, f"the request body exceeds {limit} bytes")
+        held.take(announced)
     if client.conn.they_are_waiting_for_100_continue:
         client.send(h11.InformationalResponse(status_code=100, headers=[]))
         client.flush()
+    deadline = asyncio.get_running_loop().time() + config.request_body_timeout
     chunks: list[bytes] = []
     size = 0
     while True:
-        event = await client.next_event(idle)
+        try:
+            event = await client.next_event(config.client_timeout, deadline=deadline)
+        except DeadlinePassed:
+            raise ProxyRefusal(RefusalCode.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
+                               f"{config.request_body_timeout:g} s") from None
         if isinstance(event, h11.Data):
             size += len(event.data)
             if size > limit:
                 raise ProxyFailure(REQUEST_TOO_LARGE, f"the request body exceeds {limit} bytes")
+            if announced is None:
+                held.take(len(event.data))
             chunks.append(event.data)
         elif isinstance(event, h11.EndOfMessage):
             return b"".join(chunks)
@@ -256,12 +286,16 @@ async def handle_request(shared: Shared, client: H11Stream, request: h11.Request
     inside = tunnel if isinstance(tunnel, Tunnel) else None
     ex = Exchange(method=request.method.decode("ascii"), scheme="https" if inside else "http",
                   host=inside.host if inside else None, port=inside.port if inside else None)
+    held = Held(shared.budget, "")
     try:
-        return await _handle(shared, client, request, tunnel, ex)
+        return await _handle(shared, client, request, tunnel, ex, held)
     except ProxyRefusal as refusal:
         ex.refused(refusal.code, refusal.reason)
-        # A connection that changed identity is not trusted with another request.
-        return await answer_error(client, refusal.code, refusal.reason, close=isinstance(refusal, IdentityChanged))
+        # A connection that changed identity is not trusted with another request; one whose body was not read
+        # whole cannot carry another.
+        close = (isinstance(refusal, IdentityChanged) or refusal.code in _CLOSING
+                 or client.conn.their_state is not h11.DONE)
+        return await answer_error(client, refusal.code, refusal.reason, close=close)
     except ProxyFailure as failure:
         if failure.code == REQUEST_TOO_LARGE:
             ex.refused(None, failure.message)
@@ -273,11 +307,12 @@ async def handle_request(shared: Shared, client: H11Stream, request: h11.Request
         ex.refused(None, "the client did not send its whole request")
         return False
     finally:
+        held.release()
         ex.record(shared.decider)
 
 
 async def _handle(shared: Shared, client: H11Stream, request: h11.Request, connection: Tunnel | ClientConnection,
-                  ex: Exchange) -> bool:
+                  ex: Exchange, held: Held) -> bool:
     config = shared.config
     tunnel = connection if isinstance(connection, Tunnel) else None
     scheme = "https" if tunnel else "http"
@@ -303,7 +338,12 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
             [value for name, value in headers if name.lower() == "proxy-authorization"]))
     token = attempt_token(headers)
     ex.user_id, ex.client = identity.user_id, "connector" if token is not None else "tool_computer"
-    body = await _read_body(client, request, config.max_body_bytes, config.client_timeout)
+    if identity.token is None and token is None and _announced(request) != 0:
+        # Nobody can be allowed without naming themselves: refused before a byte of the body is read or held.
+        raise ProxyRefusal(RefusalCode.NOT_ADMITTED, "a tool computer authenticates to the proxy "
+                           "(Proxy-Authorization) before it sends a body")
+    held.client = f"user:{identity.user_id}" if token is None else "connector"
+    body = await _read_body(client, request, config, held)
     refuse_misplaced(target.query, body)
     hosts = [value for name, value in headers if name.lower() == "host"]
     if len(hosts) > 1:

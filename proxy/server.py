@@ -34,10 +34,11 @@ from wakeful.proxy.exchange import (
     handle_request,
 )
 from wakeful.proxy.hosts import normalize_host
+from wakeful.proxy.limits import BodyBudget
 from wakeful.proxy.rewrite import HeaderRejected
 from wakeful.proxy.sni import NEED_MORE, ClientHello, MalformedHello, client_hello_sni
 from wakeful.proxy.tls import LeafCertificates, load_or_create_ca, sni_of
-from wakeful.proxy.upstream import H11Stream, UpstreamPool
+from wakeful.proxy.upstream import DeadlinePassed, H11Stream, UpstreamPool
 from wakeful.proxy.wire import (
     ANONYMOUS,
     Identity,
@@ -45,6 +46,7 @@ from wakeful.proxy.wire import (
     describe,
     parse_connect_target,
     parse_proxy_authorization,
+    refusal_response,
     settle_identity,
 )
 
@@ -53,6 +55,8 @@ __all__ = ["ProxyServer", "event_loop_factory", "run", "serve_proxy"]
 log = logging.getLogger("wakeful.proxy")
 
 _AUDIT_FLUSH_SECONDS = 2.0
+_LINGER_SECONDS = 1.0
+_LINGER_BYTES = 64 * 1024
 _IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)  # Linux's value; Python names it from 3.12 on
 
 
@@ -72,6 +76,11 @@ class ProxyServer:
         self.address_host = config.address_listen[0] if config.address_listen else None
         self.address_port = 0
         self._book = AddressBook(config.address_book) if config.address_book is not None else None
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections open now, on both listeners (at most `max_connections`)."""
+        return len(self._connections)
 
     def __repr__(self) -> str:
         by_address = f", by address on {self.address_host}:{self.address_port}" if self.address_host else ""
@@ -128,6 +137,11 @@ class ProxyServer:
         return self._book.identity(str(peer[0]))
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, by_address: bool) -> None:
+        if len(self._connections) >= self.config.max_connections:
+            # Answered before anything is read, so a flood of idle connections costs one short write each.
+            await _refuse_raw(reader, writer, RefusalCode.TOO_MANY_CONNECTIONS,
+                              f"the proxy holds {self.config.max_connections} client connections; retry later")
+            return
         task = asyncio.current_task()
         if task is not None:
             self._connections.add(task)
@@ -151,7 +165,13 @@ class ProxyServer:
         timeout = self.config.client_timeout
         while True:
             try:
-                event = await client.next_event(timeout)
+                event = await client.next_head(timeout, self.config.request_head_timeout)
+            except DeadlinePassed:
+                if not client.answered:
+                    await _refuse_raw(client.reader, client.writer, RefusalCode.REQUEST_TIMEOUT,
+                                      f"the request head did not arrive whole within "
+                                      f"{self.config.request_head_timeout:g} s")
+                return
             except h11.RemoteProtocolError:
                 await answer_error(client, RefusalCode.HEADER_MISMATCH,
                                    "the request is not well-formed HTTP/1.1 (duplicate Host, bad framing or syntax)",
@@ -297,6 +317,25 @@ def _freebind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def _refuse_raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, code: RefusalCode,
+                      message: str) -> None:
+    """Answer a refusal without a request to answer, then close: half-close and read (bounded) what the client
+    still sends, so the close does not reset the connection before the client has read the answer."""
+    try:
+        writer.write(refusal_response(code, message))
+        await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        drained = 0
+        async with asyncio.timeout(_LINGER_SECONDS):
+            while drained < _LINGER_BYTES and (data := await reader.read(65536)):
+                drained += len(data)
+    except (OSError, RuntimeError):  # TimeoutError included; RuntimeError: a transport already closing
+        pass
+    finally:
+        writer.close()
+
+
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
     total = 0
     try:
@@ -326,7 +365,8 @@ async def serve_proxy(config: ProxyConfig) -> ProxyServer:
     pool = UpstreamPool(_upstream_tls(config), connect_timeout=config.connect_timeout,
                         handshake_timeout=config.handshake_timeout, max_idle=config.pool_max_idle,
                         idle_seconds=config.pool_idle_seconds)
-    shared = Shared(config=config, decider=decider, pool=pool, credentials=Credentials(config.vault))
+    shared = Shared(config=config, decider=decider, pool=pool, credentials=Credentials(config.vault),
+                    budget=BodyBudget(total=config.max_buffered_bytes, per_client=config.max_client_buffered_bytes))
     server = ProxyServer(config, shared, leaves)
     await server._start()
     return server
