@@ -51,8 +51,24 @@ class ProxyConfig:
     max_body_bytes: int = 10 * 1024 * 1024
     """A larger request body is answered 413 and never decided."""
     client_timeout: float = 60.0
-    """Seconds a client connection may sit idle between requests, or take to send one; also its TLS handshake inside
-    a CONNECT tunnel (a tool computer's Chromium under TCG takes up to ~10 s for one, certificate checks included)."""
+    """Seconds a client connection may sit idle between requests, and the bound on each read from it (the whole
+    head and body have their own deadlines below); also its TLS handshake inside a CONNECT tunnel (a tool computer's
+    Chromium under TCG takes up to ~10 s for one, certificate checks included) and the ClientHello of a tunnel that
+    is not intercepted."""
+    request_head_timeout: float = 30.0
+    """Seconds from a request's first byte until its whole head (request line and headers) is in: a head dripped in
+    slowly is answered 408 `request_timeout` and the connection closed, however short each pause is."""
+    request_body_timeout: float = 120.0
+    """Seconds from the end of a request's head until its whole body is in; else 408 `request_timeout`."""
+    max_connections: int = 256
+    """Client connections open at once, on both listeners together; one more is answered 503
+    `too_many_connections` and closed before anything is read from it."""
+    max_buffered_bytes: int = 64 * 1024 * 1024
+    """Request-body bytes held by the proxy at once, over every client; a body that would pass it is answered 503
+    `proxy_busy` (a declared length is checked before any of it is read)."""
+    max_client_buffered_bytes: int = 24 * 1024 * 1024
+    """Request-body bytes held at once for one client (a tool computer's user, or all connector calls together);
+    a body that would pass it is answered 503 `proxy_busy`."""
     handshake_timeout: float = 10.0
     """Seconds for the TLS handshake with the upstream."""
     connect_timeout: float = 10.0
@@ -71,5 +87,9 @@ class ProxyConfig:
         object.__setattr__(self, "no_intercept", _hosts(self.no_intercept))
         if self.max_body_bytes < 0 or self.decider_timeout <= 0:
             raise ValueError("max_body_bytes must be ≥ 0 and decider_timeout > 0")
+        if min(self.request_head_timeout, self.request_body_timeout, self.client_timeout) <= 0:
+            raise ValueError("client_timeout, request_head_timeout and request_body_timeout must be > 0")
+        if self.max_connections < 1 or min(self.max_buffered_bytes, self.max_client_buffered_bytes) < 0:
+            raise ValueError("max_connections must be ≥ 1 and the buffered-byte caps ≥ 0")
         if (self.address_listen is None) != (self.address_book is None):
             raise ValueError("address_listen and address_book go together: one is set without the other")

@@ -67,6 +67,11 @@ class RefusalCode(StrEnum):
     PLAINTEXT_CREDENTIAL = "plaintext_credential"
     MALFORMED_VERDICT = "malformed_verdict"
     CREDENTIAL_UNAVAILABLE = "credential_unavailable"
+    MISPLACED_CREDENTIAL = "misplaced_credential"
+    AMBIGUOUS_PATH = "ambiguous_path"
+    REQUEST_TIMEOUT = "request_timeout"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    PROXY_BUSY = "proxy_busy"
 
 
 REASONS: Final[dict[RefusalCode, str]] = {
@@ -80,6 +85,11 @@ REASONS: Final[dict[RefusalCode, str]] = {
     RefusalCode.PLAINTEXT_CREDENTIAL: "a credential is only ever sent over HTTPS",
     RefusalCode.MALFORMED_VERDICT: "the policy component's answer was not understood; nothing was sent",
     RefusalCode.CREDENTIAL_UNAVAILABLE: "the credential this request needs is not in the vault or cannot be used here",
+    RefusalCode.MISPLACED_CREDENTIAL: "a credential placeholder stands where its declaration does not put it",
+    RefusalCode.AMBIGUOUS_PATH: "the request path can be read more than one way (encoding, dot segments, slashes)",
+    RefusalCode.REQUEST_TIMEOUT: "the client did not send its whole request head or body in time",
+    RefusalCode.TOO_MANY_CONNECTIONS: "the proxy holds as many client connections as it may; retry later",
+    RefusalCode.PROXY_BUSY: "the proxy holds as many request bodies as it may, for this client or in all; retry later",
 }
 """A default reason per code, in words a user can act on."""
 

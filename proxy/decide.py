@@ -11,8 +11,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
-from urllib.parse import unquote
 
+from wakeful.proxy.addresses import never_dialled
 from wakeful.proxy.contract import (
     CREDENTIAL_NAME,
     Allow,
@@ -24,6 +24,7 @@ from wakeful.proxy.contract import (
     refuse,
 )
 from wakeful.proxy.hosts import default_port, is_ip, normalize_host, parse_authority
+from wakeful.proxy.paths import AmbiguousPath, normalize_path, within
 
 __all__ = [
     "AllowRule",
@@ -41,7 +42,6 @@ REFUSED_METHODS: Final = frozenset({"TRACE", "TRACK"})  # TRACK is IIS's TRACE: 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")
-_ENCODED_SEPARATOR = re.compile(r"%(2f|5c|00)", re.IGNORECASE)
 
 
 def _public(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -79,7 +79,8 @@ def check_addresses(host: str, ips: Iterable[str], *, allowed_private: frozenset
     """Refuse unless every address is public, or the host is explicitly allowed to be private.
 
     An empty list is refused: an address nobody checked is never dialled. Unspecified (0.0.0.0, ::) and multicast
-    addresses are refused even for allowed hosts, since connecting to 0.0.0.0 reaches this machine.
+    addresses are refused even for allowed hosts, since connecting to 0.0.0.0 reaches this machine, and so are
+    link-local and cloud-metadata addresses in any spelling (`proxy.addresses.never_dialled`).
     """
     addresses = list(ips)
     if not addresses:
@@ -94,7 +95,7 @@ def check_addresses(host: str, ips: Iterable[str], *, allowed_private: frozenset
         except ValueError:
             return refuse(RefusalCode.ADDRESS_NOT_ALLOWED, f"{host} resolved to something that is not an address")
         mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
-        never = (mapped or addr).is_unspecified or (mapped or addr).is_multicast
+        never = (mapped or addr).is_unspecified or (mapped or addr).is_multicast or never_dialled(addr)
         if never or not (_public(addr) or private_ok):
             return refuse(RefusalCode.ADDRESS_NOT_ALLOWED,
                           f"{host} resolves to {addr}, a private, loopback or reserved address")
@@ -149,7 +150,8 @@ class AllowRule:
     methods: frozenset[str]
     """Upper case; TRACE never. `CONNECT` allows a tunnel the proxy does not intercept (pinned hosts)."""
     path_prefix: str = "/"
-    """Matched segment-wise: `/v1` matches `/v1` and `/v1/x`, not `/v1x`."""
+    """Matched segment-wise on canonical paths (`proxy.paths`): `/v1` matches `/v1` and `/v1/x`, not `/v1x`, nor
+    `/v1/%2e%2e/admin`."""
     credential: str | None = None
     """The credential binding injected for this rule; only with an exact host."""
 
@@ -184,22 +186,13 @@ class AllowRule:
         return host == self.host
 
 
-def _safe_path(path: str) -> bool:
-    # A prefix only means something if the upstream cannot walk out of it: no dot segments, however encoded
-    # ("..", "%2e%2e", "..;" for Java servers), and no encoded or back slashes.
-    if not path.startswith("/") or "\\" in path or _ENCODED_SEPARATOR.search(path):
-        return False
-    for segment in path.split("/"):
-        decoded = segment
-        for _ in range(3):
-            decoded = unquote(decoded)
-        if decoded.split(";")[0] in (".", ".."):
-            return False
-    return True
-
-
 def _within(path: str, prefix: str) -> bool:
-    return path == prefix or path.startswith(prefix if prefix.endswith("/") else prefix + "/")
+    # Both sides in canonical form (`proxy.paths`): no spelling of a path reads inside the prefix here and outside
+    # it at the upstream. A path or prefix that cannot be read one way only matches nothing.
+    try:
+        return within(normalize_path(path).decoded, normalize_path(prefix).decoded)
+    except AmbiguousPath:
+        return False
 
 
 def match_allowlist(rules: Iterable[AllowRule], host: str, port: int, method: str, path: str) -> AllowRule | None:
@@ -210,8 +203,11 @@ def match_allowlist(rules: Iterable[AllowRule], host: str, port: int, method: st
         return None
     method = method.upper()
     tunnel = method == "CONNECT" and path == ""
-    if not tunnel and not _safe_path(path):
-        return None
+    if not tunnel:
+        try:
+            normalize_path(path)
+        except AmbiguousPath:
+            return None
     for rule in rules:
         if (rule.matches_host(host) and port in rule.ports and method in rule.methods
                 and (tunnel or _within(path, rule.path_prefix))):

@@ -1,13 +1,15 @@
 """One request through the proxy: read it, check it, ask the decider, and only then resolve, inject and forward.
 
-Order, for every request: body read (bounded) → Host/SNI/CONNECT agreement → method → decider → verdict fits →
-resolve → addresses checked → client credentials stripped → credential injected (or a placeholder refused) →
-dial the checked address → forward → stream the answer back → one audit record. Nothing is resolved or dialled
-before an allow.
+Order, for every request: head (whole within a deadline) → path made canonical → a client that names no one
+refused before its body → body read (bounded in size, time and bytes held) → no placeholder in query or body →
+Host/SNI/CONNECT agreement → method → decider → verdict fits → resolve → addresses checked → placeholders only in
+the declared header → client credentials stripped → credential injected → dial the checked address → forward →
+stream the answer back → one audit record. Nothing is resolved or dialled before an allow.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -33,8 +35,18 @@ from wakeful.proxy.contract import (
 )
 from wakeful.proxy.credential import Credential
 from wakeful.proxy.decide import agree, check_addresses, check_method, check_verdict
-from wakeful.proxy.rewrite import HeaderRejected, inject, refuse_placeholders, strip_credentials
+from wakeful.proxy.limits import BodyBudget, Held
+from wakeful.proxy.paths import AmbiguousPath, normalize_path
+from wakeful.proxy.rewrite import (
+    HeaderRejected,
+    check_placeholders,
+    header_key,
+    inject,
+    refuse_misplaced,
+    strip_credentials,
+)
 from wakeful.proxy.upstream import (
+    DeadlinePassed,
     H11Stream,
     ResponseHead,
     Upstream,
@@ -66,6 +78,8 @@ log = logging.getLogger("wakeful.proxy")
 EMPTY_SHA256: Final = hashlib.sha256(b"").hexdigest()
 _IDEMPOTENT: Final = frozenset({"GET", "HEAD", "OPTIONS"})
 _DROP_UPSTREAM: Final = frozenset({"content-length", "expect", "host"})
+_CLOSING: Final = frozenset({RefusalCode.REQUEST_TIMEOUT, RefusalCode.PROXY_BUSY})
+"""Refusals after which the connection is closed: what the client was still sending is not read."""
 
 
 class ProxyFailure(Exception):
@@ -110,6 +124,8 @@ class Shared:
     decider: DeciderClient
     pool: UpstreamPool
     credentials: Credentials
+    budget: BodyBudget
+    """Request-body bytes held at once, per client and in total (see `proxy.limits`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,21 +248,43 @@ async def authorize(shared: Shared, req: DecisionRequest, ex: Exchange) -> tuple
     return verdict, ips
 
 
-async def _read_body(client: H11Stream, request: h11.Request, limit: int, idle: float) -> bytes:
+def _announced(request: h11.Request) -> int | None:
+    """The body length a request declares: Content-Length, None for chunked, 0 for no body (h11 checked both)."""
     for name, value in request.headers:
-        if name == b"content-length" and int(value) > limit:
+        if name == b"content-length":
+            return int(value)
+        if name == b"transfer-encoding":
+            return None
+    return 0
+
+
+async def _read_body(client: H11Stream, request: h11.Request, config: ProxyConfig, held: Held) -> bytes:
+    """The whole body, within `request_body_timeout` and the caps: `max_body_bytes` for this request (413), and
+    the bytes held for this client and in total (503 `proxy_busy`); a declared length is checked before reading."""
+    limit = config.max_body_bytes
+    announced = _announced(request)
+    if announced is not None:
+        if announced > limit:
             raise ProxyFailure(REQUEST_TOO_LARGE, f"the request body exceeds {limit} bytes")
+        held.take(announced)
     if client.conn.they_are_waiting_for_100_continue:
         client.send(h11.InformationalResponse(status_code=100, headers=[]))
         client.flush()
+    deadline = asyncio.get_running_loop().time() + config.request_body_timeout
     chunks: list[bytes] = []
     size = 0
     while True:
-        event = await client.next_event(idle)
+        try:
+            event = await client.next_event(config.client_timeout, deadline=deadline)
+        except DeadlinePassed:
+            raise ProxyRefusal(RefusalCode.REQUEST_TIMEOUT, f"the request body did not arrive whole within "
+                               f"{config.request_body_timeout:g} s") from None
         if isinstance(event, h11.Data):
             size += len(event.data)
             if size > limit:
                 raise ProxyFailure(REQUEST_TOO_LARGE, f"the request body exceeds {limit} bytes")
+            if announced is None:
+                held.take(len(event.data))
             chunks.append(event.data)
         elif isinstance(event, h11.EndOfMessage):
             return b"".join(chunks)
@@ -260,12 +298,16 @@ async def handle_request(shared: Shared, client: H11Stream, request: h11.Request
     inside = tunnel if isinstance(tunnel, Tunnel) else None
     ex = Exchange(method=request.method.decode("ascii"), scheme="https" if inside else "http",
                   host=inside.host if inside else None, port=inside.port if inside else None)
+    held = Held(shared.budget, "")
     try:
-        return await _handle(shared, client, request, tunnel, ex)
+        return await _handle(shared, client, request, tunnel, ex, held)
     except ProxyRefusal as refusal:
         ex.refused(refusal.code, refusal.reason)
-        # A connection that changed identity is not trusted with another request.
-        return await answer_error(client, refusal.code, refusal.reason, close=isinstance(refusal, IdentityChanged))
+        # A connection that changed identity is not trusted with another request; one whose body was not read
+        # whole cannot carry another.
+        close = (isinstance(refusal, IdentityChanged) or refusal.code in _CLOSING
+                 or client.conn.their_state is not h11.DONE)
+        return await answer_error(client, refusal.code, refusal.reason, close=close)
     except ProxyFailure as failure:
         if failure.code == REQUEST_TOO_LARGE:
             ex.refused(None, failure.message)
@@ -277,11 +319,12 @@ async def handle_request(shared: Shared, client: H11Stream, request: h11.Request
         ex.refused(None, "the client did not send its whole request")
         return False
     finally:
+        held.release()
         ex.record(shared.decider)
 
 
 async def _handle(shared: Shared, client: H11Stream, request: h11.Request, connection: Tunnel | ClientConnection,
-                  ex: Exchange) -> bool:
+                  ex: Exchange, held: Held) -> bool:
     config = shared.config
     tunnel = connection if isinstance(connection, Tunnel) else None
     scheme = "https" if tunnel else "http"
@@ -289,6 +332,11 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
     target = parse_target(request.target.decode("latin-1"), in_tunnel=tunnel is not None)
     host, port = (tunnel.host, tunnel.port) if tunnel else (target.host, target.port)
     ex.host, ex.port, ex.path = host, port, target.path
+    try:
+        path = normalize_path(target.path).wire  # what the decider judges is what the upstream gets
+    except AmbiguousPath as exc:
+        raise ProxyRefusal(RefusalCode.AMBIGUOUS_PATH, str(exc)) from None
+    ex.path = path
     lowered = [name.lower() for name, _ in headers]
     if "content-length" in lowered and "transfer-encoding" in lowered:
         raise HeaderRejected("both Content-Length and Transfer-Encoding: the body's length is ambiguous")
@@ -302,7 +350,13 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
             [value for name, value in headers if name.lower() == "proxy-authorization"]))
     token = attempt_token(headers)
     ex.user_id, ex.client = identity.user_id, "connector" if token is not None else "tool_computer"
-    body = await _read_body(client, request, config.max_body_bytes, config.client_timeout)
+    if identity.token is None and token is None and _announced(request) != 0:
+        # Nobody can be allowed without naming themselves: refused before a byte of the body is read or held.
+        raise ProxyRefusal(RefusalCode.NOT_ADMITTED, "a tool computer authenticates to the proxy "
+                           "(Proxy-Authorization) before it sends a body")
+    held.client = f"user:{identity.user_id}" if token is None else "connector"
+    body = await _read_body(client, request, config, held)
+    refuse_misplaced(target.query, body)
     hosts = [value for name, value in headers if name.lower() == "host"]
     if len(hosts) > 1:
         raise HeaderRejected("more than one Host header")
@@ -315,28 +369,28 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
     try:
         req = DecisionRequest(
             request_id=ex.request_id, user_id=identity.user_id, attempt_token=token, client_token=identity.token,
-            method=ex.method, scheme="https" if tunnel else "http", host=host, port=port, path=target.path,
+            method=ex.method, scheme="https" if tunnel else "http", host=host, port=port, path=path,
             query=target.query, body_sha256=hashlib.sha256(body).hexdigest(), resolved_ips=(), client=ex.client)
     except ContractError as exc:
         raise HeaderRejected(str(exc)) from None
     allow, ips = await authorize(shared, req, ex)
-    forward = strip_credentials(headers, bound_host=allow.credential is not None)
+    credential: Credential | None = None
     if allow.credential is not None:
         try:
             credential = shared.credentials.get(allow.credential)
         except VaultError:
             raise ProxyRefusal(RefusalCode.CREDENTIAL_UNAVAILABLE) from None
+    keep = check_placeholders(headers, credential)  # before stripping: a stripped header's placeholder is refused
+    forward = strip_credentials(headers, bound_host=credential is not None, keep=keep)
+    if credential is not None:
         forward = inject(forward, credential, scheme=req.scheme, host=host)
-        ex.credential = allow.credential
-    else:
-        refuse_placeholders(forward)
+        ex.credential = credential.name
     out = [(b"host", hosts[0].encode("latin-1") if hosts else _authority(host, port, req.scheme))]
     out += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in forward
-            if name.lower() not in _DROP_UPSTREAM]
+            if header_key(name) not in _DROP_UPSTREAM]
     if body or request.method in (b"POST", b"PUT", b"PATCH"):
         out.append((b"content-length", str(len(body)).encode("ascii")))
-    target_bytes = request.target if tunnel else (
-        target.path + (f"?{target.query}" if target.query else "")).encode("latin-1")
+    target_bytes = (path + (f"?{target.query}" if target.query else "")).encode("latin-1")
     try:
         upstream_request = serialize_request(request.method, target_bytes, out, body)
     except ValueError:

@@ -33,9 +33,12 @@ from wakeful.proxy.exchange import (
     authorize,
     handle_request,
 )
+from wakeful.proxy.hosts import normalize_host
+from wakeful.proxy.limits import BodyBudget
 from wakeful.proxy.rewrite import HeaderRejected
+from wakeful.proxy.sni import NEED_MORE, ClientHello, MalformedHello, client_hello_sni
 from wakeful.proxy.tls import LeafCertificates, load_or_create_ca, sni_of
-from wakeful.proxy.upstream import H11Stream, UpstreamPool
+from wakeful.proxy.upstream import DeadlinePassed, H11Stream, UpstreamPool
 from wakeful.proxy.wire import (
     ANONYMOUS,
     Identity,
@@ -43,6 +46,7 @@ from wakeful.proxy.wire import (
     describe,
     parse_connect_target,
     parse_proxy_authorization,
+    refusal_response,
     settle_identity,
 )
 
@@ -51,6 +55,8 @@ __all__ = ["ProxyServer", "event_loop_factory", "run", "serve_proxy"]
 log = logging.getLogger("wakeful.proxy")
 
 _AUDIT_FLUSH_SECONDS = 2.0
+_LINGER_SECONDS = 1.0
+_LINGER_BYTES = 64 * 1024
 _IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)  # Linux's value; Python names it from 3.12 on
 
 
@@ -70,6 +76,11 @@ class ProxyServer:
         self.address_host = config.address_listen[0] if config.address_listen else None
         self.address_port = 0
         self._book = AddressBook(config.address_book) if config.address_book is not None else None
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections open now, on both listeners (at most `max_connections`)."""
+        return len(self._connections)
 
     def __repr__(self) -> str:
         by_address = f", by address on {self.address_host}:{self.address_port}" if self.address_host else ""
@@ -126,6 +137,11 @@ class ProxyServer:
         return self._book.identity(str(peer[0]))
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, by_address: bool) -> None:
+        if len(self._connections) >= self.config.max_connections:
+            # Answered before anything is read, so a flood of idle connections costs one short write each.
+            await _refuse_raw(reader, writer, RefusalCode.TOO_MANY_CONNECTIONS,
+                              f"the proxy holds {self.config.max_connections} client connections; retry later")
+            return
         task = asyncio.current_task()
         if task is not None:
             self._connections.add(task)
@@ -149,7 +165,13 @@ class ProxyServer:
         timeout = self.config.client_timeout
         while True:
             try:
-                event = await client.next_event(timeout)
+                event = await client.next_head(timeout, self.config.request_head_timeout)
+            except DeadlinePassed:
+                if not client.answered:
+                    await _refuse_raw(client.reader, client.writer, RefusalCode.REQUEST_TIMEOUT,
+                                      f"the request head did not arrive whole within "
+                                      f"{self.config.request_head_timeout:g} s")
+                return
             except h11.RemoteProtocolError:
                 await answer_error(client, RefusalCode.HEADER_MISMATCH,
                                    "the request is not well-formed HTTP/1.1 (duplicate Host, bad framing or syntax)",
@@ -233,10 +255,21 @@ class ProxyServer:
         try:
             client.send(h11.Response(status_code=200, headers=[], reason=b"Connection established"))
             client.flush()
-            leftover = client.conn.trailing_data[0]
-            if leftover:
-                upstream_writer.write(leftover)
-                ex.bytes_up += len(leftover)
+            # Nothing is relayed before the ClientHello names the CONNECT target: else `CONNECT pinned.test`
+            # could carry a handshake for any other name to that address (fronting).
+            try:
+                hello, first = await self._client_hello(client.reader, client.conn.trailing_data[0])
+                named = normalize_host(hello.sni) if hello.sni is not None else None
+            except (MalformedHello, ValueError, OSError) as exc:  # TimeoutError included
+                ex.refused(RefusalCode.HEADER_MISMATCH, f"no well-formed TLS ClientHello for {host} arrived in time "
+                           f"({type(exc).__name__}); nothing was relayed")
+                return
+            if named != host:
+                ex.refused(RefusalCode.HEADER_MISMATCH, f"the TLS server name ({'none' if named is None else named})"
+                           f" is not the CONNECT target {host}; nothing was relayed")
+                return
+            upstream_writer.write(first)
+            ex.bytes_up += len(first)
             up, down = await asyncio.gather(_pipe(client.reader, upstream_writer),
                                             _pipe(upstream_reader, client.writer))
             ex.bytes_up += up
@@ -244,6 +277,19 @@ class ProxyServer:
         finally:
             upstream_writer.close()
             ex.record(self.decider)
+
+    async def _client_hello(self, reader: asyncio.StreamReader, buffered: bytes) -> tuple[ClientHello, bytes]:
+        """The client's ClientHello and every byte read so far, within `client_timeout` for the whole of it.
+        Raises `MalformedHello`, `TimeoutError`, `ConnectionResetError` (the client left first)."""
+        data = bytearray(buffered)
+        async with asyncio.timeout(self.config.client_timeout):
+            while (hello := client_hello_sni(bytes(data))) is NEED_MORE:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    raise ConnectionResetError("the client closed before its ClientHello")
+                data += chunk
+        assert isinstance(hello, ClientHello)
+        return hello, bytes(data)
 
     async def _dial_raw(self, ips: list[str], port: int, host: str) -> tuple[asyncio.StreamReader,
                                                                              asyncio.StreamWriter]:
@@ -269,6 +315,25 @@ def _freebind_listener(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+async def _refuse_raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, code: RefusalCode,
+                      message: str) -> None:
+    """Answer a refusal without a request to answer, then close: half-close and read (bounded) what the client
+    still sends, so the close does not reset the connection before the client has read the answer."""
+    try:
+        writer.write(refusal_response(code, message))
+        await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        drained = 0
+        async with asyncio.timeout(_LINGER_SECONDS):
+            while drained < _LINGER_BYTES and (data := await reader.read(65536)):
+                drained += len(data)
+    except (OSError, RuntimeError):  # TimeoutError included; RuntimeError: a transport already closing
+        pass
+    finally:
+        writer.close()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
@@ -300,7 +365,8 @@ async def serve_proxy(config: ProxyConfig) -> ProxyServer:
     pool = UpstreamPool(_upstream_tls(config), connect_timeout=config.connect_timeout,
                         handshake_timeout=config.handshake_timeout, max_idle=config.pool_max_idle,
                         idle_seconds=config.pool_idle_seconds)
-    shared = Shared(config=config, decider=decider, pool=pool, credentials=Credentials(config.vault))
+    shared = Shared(config=config, decider=decider, pool=pool, credentials=Credentials(config.vault),
+                    budget=BodyBudget(total=config.max_buffered_bytes, per_client=config.max_client_buffered_bytes))
     server = ProxyServer(config, shared, leaves)
     await server._start()
     return server

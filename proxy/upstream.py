@@ -19,14 +19,18 @@ from wakeful.proxy.contract import REFUSAL_HEADER
 from wakeful.proxy.hosts import is_ip
 from wakeful.proxy.rewrite import HOP_BY_HOP
 
-__all__ = ["Framing", "H11Stream", "PoolKey", "ResponseHead", "Upstream", "UpstreamPool", "resolve", "response_headers",
-           "serialize_request"]
+__all__ = ["DeadlinePassed", "Framing", "H11Stream", "PoolKey", "ResponseHead", "Upstream", "UpstreamPool", "resolve",
+           "response_headers", "serialize_request"]
 
 _READ: Final = 65536
 _MAX_HEAD: Final = 64 * 1024
 
 PoolKey = tuple[str, int, str, str]
 """(ip, port, scheme, TLS server name): a connection is only ever reused for the same destination and name."""
+
+
+class DeadlinePassed(TimeoutError):
+    """A client did not send its whole request head or body in time (not merely: it went quiet)."""
 
 
 class H11Stream:
@@ -43,16 +47,44 @@ class H11Stream:
         self.answered = False
         """The response went out as bytes written past h11 (see `write_raw`): h11's own state no longer tells."""
 
-    async def next_event(self, idle: float) -> h11.Event:
-        """The next event other than NEED_DATA; raises `TimeoutError`, `h11.RemoteProtocolError`, `OSError`."""
+    async def next_event(self, idle: float, *, deadline: float | None = None) -> h11.Event:
+        """The next event other than NEED_DATA, each read within `idle` seconds and all of them before `deadline`
+        (the loop's clock). Raises `DeadlinePassed`, `TimeoutError`, `h11.RemoteProtocolError`, `OSError`."""
+        loop = asyncio.get_running_loop()
         while True:
             event = self.conn.next_event()
             if event is not h11.NEED_DATA:
                 return event  # type: ignore[return-value]  # PAUSED only follows a complete message
-            async with asyncio.timeout(idle):
+            await self._receive(idle if deadline is None else min(idle, deadline - loop.time()), deadline)
+
+    async def next_head(self, idle: float, whole: float) -> h11.Event:
+        """The next request head: waiting for its first byte takes up to `idle` (a kept-alive connection between
+        requests); from that byte on, the whole head must be in within `whole` seconds, however short each pause.
+        Raises `DeadlinePassed` once any of the head arrived and it is late, else as `next_event`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + whole if self.conn.trailing_data[0] else None
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event  # type: ignore[return-value]
+            if deadline is None:
+                await self._receive(idle, None)
+                deadline = loop.time() + whole
+            else:
+                await self._receive(min(idle, deadline - loop.time()), deadline)
+
+    async def _receive(self, wait: float, deadline: float | None) -> None:
+        if wait <= 0:
+            raise DeadlinePassed()
+        try:
+            async with asyncio.timeout(wait):
                 data = await self.reader.read(_READ)
-            self.received += len(data)
-            self.conn.receive_data(data)
+        except TimeoutError:
+            if deadline is not None:
+                raise DeadlinePassed() from None
+            raise
+        self.received += len(data)
+        self.conn.receive_data(data)
 
     def send(self, event: h11.Event) -> None:
         """Queue an event's bytes; `flush` writes everything queued at once (one TLS record, one syscall)."""

@@ -32,6 +32,7 @@ __all__ = [
     "parse_connect_target",
     "parse_proxy_authorization",
     "parse_target",
+    "refusal_response",
     "refusal_status",
     "settle_identity",
 ]
@@ -169,6 +170,7 @@ REQUEST_TOO_LARGE: Final = "request_too_large"
 _STATUS: Final[dict[str, int]] = {
     RefusalCode.DECIDER_UNAVAILABLE: 502, RefusalCode.MALFORMED_VERDICT: 502,
     UPSTREAM_TIMEOUT: 504, UPSTREAM_FAILED: 502, REQUEST_TOO_LARGE: 413,
+    RefusalCode.REQUEST_TIMEOUT: 408, RefusalCode.TOO_MANY_CONNECTIONS: 503, RefusalCode.PROXY_BUSY: 503,
 }
 
 
@@ -179,6 +181,20 @@ def refusal_status(code: str) -> int:
 
 def error_body(code: str, message: str) -> bytes:
     return json.dumps({"error": {"code": code, "message": message}}, separators=(",", ":")).encode("utf-8")
+
+
+_REASON_PHRASES: Final = {403: b"Forbidden", 408: b"Request Timeout", 413: b"Content Too Large",
+                          502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout"}
+
+
+def refusal_response(code: str, message: str) -> bytes:
+    """A whole refusal response that closes the connection, for when there is no request h11 could answer (a
+    connection over the cap, a head that never completed)."""
+    status = refusal_status(code)
+    body = error_body(code, message)
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nx-wakeful-refusal: %s\r\n"
+            b"connection: close\r\n\r\n" % (status, _REASON_PHRASES.get(status, b""), len(body),
+                                               code.encode("ascii")) + body)
 
 
 def describe(exc: BaseException) -> str:

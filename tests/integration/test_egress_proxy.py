@@ -329,19 +329,20 @@ def test_a_credential_placeholder_is_filled_only_on_its_own_host_over_https(tool
     stack, w = tool_stack, tool_stack.world
     ports = {name: _port(stack, name) for name in ("merchant", "airline", "hotel")}
     _allow_also(stack, f'name = "hotel, no credential"\nhost = "hotel.test"\nports = [{ports["hotel"]}]\n')
-    asks = {"X-Merchant-Key": "key={{credential:merchant_api}};v=2"}
+    asks = {"Authorization": "key={{credential:merchant_api}};v=2"}  # its declared header (the default)
     with _tool_computer(stack) as client:
         own = client.get(f"https://merchant.test:{ports['merchant']}/v1/subscriptions", headers=asks)
+        misplaced = client.get(f"https://merchant.test:{ports['merchant']}/v1/subscriptions",
+                               headers={"User-Agent": "{{credential:merchant_api}}"})
         no_credential = client.get(f"https://hotel.test:{ports['hotel']}/v1/quotes/q_1", headers=asks)
         bound_elsewhere = client.get(f"https://airline.test:{ports['airline']}/v1/flights", headers=asks)
         plaintext = client.get(f"http://merchant.test:{ports['merchant']}/v1/subscriptions", headers=asks)
     assert own.status_code == 200, own.text
     (seen,) = w.received["merchant"]
     headers = {k.lower(): v for k, v in seen.headers}
-    assert headers["x-merchant-key"] == f"key={stack.secret};v=2"  # in place of the placeholder, nowhere else
-    assert "authorization" not in headers
+    assert headers["authorization"] == f"key={stack.secret};v=2"  # in place of the placeholder, nowhere else
     for refused, code in [(no_credential, "credential_unavailable"), (bound_elsewhere, "host_not_allowed"),
-                          (plaintext, "plaintext_credential")]:
+                          (plaintext, "plaintext_credential"), (misplaced, "misplaced_credential")]:
         assert (refused.status_code, refused.headers.get("x-wakeful-refusal")) == (403, code), refused.text
         assert stack.secret not in refused.text
     assert w.received["hotel"] == [] and w.received["airline"] == []
@@ -384,7 +385,7 @@ def test_the_canary_secret_is_nowhere_but_in_the_headers_the_upstream_received(
     with _tool_computer(stack) as client:
         for url in (f"https://merchant.test:{port}/v1/subscriptions", f"https://airline.test:{port}/",
                     f"http://merchant.test:{port}/"):
-            response = client.get(url, headers={"X-Key": "{{credential:merchant_api}}"})
+            response = client.get(url, headers={"Authorization": "{{credential:merchant_api}}"})
             texts[f"response from {url}"] = response.content + str(response.headers).encode()
     rows = stack.audit(6)
     assert len(w.merchant.effects) == 1 and any(r["verdict"] == "refuse" for r in rows)
@@ -459,7 +460,7 @@ def test_under_wakeful_serve_the_canary_secret_is_only_in_the_headers_the_mercha
                 credential = run(tmp_path, "egress", "client", "vm").stdout.strip()
                 deployment_ca = tmp_path / "deployment-ca.pem"
                 run(tmp_path, "proxy", "ca", "-o", str(deployment_ca))
-                asks = {"X-Key": "{{credential:merchant_api}}"}
+                asks = {"Authorization": "{{credential:merchant_api}}"}
                 with httpx.Client(proxy=f"http://{credential}@127.0.0.1:{proxy_port}", timeout=10.0,
                                   verify=ssl.create_default_context(cafile=deployment_ca)) as vm:
                     tool_computer = [vm.get(f"https://merchant.test:{port}/v1/subscriptions", headers=asks),
@@ -484,7 +485,7 @@ def test_under_wakeful_serve_the_canary_secret_is_only_in_the_headers_the_mercha
     # Every request the merchant got carried it once, where it belongs (the one place it is): the connector's in
     # Authorization, the tool computer's in place of its placeholder.
     carried = sorted(tuple((k.lower(), v) for k, v in r.headers if secret in v) for r in received)
-    assert carried == [(("authorization", f"Bearer {secret}"),)] * (len(received) - 1) + [(("x-key", secret),)]
+    assert carried == [(("authorization", f"Bearer {secret}"),)] * (len(received) - 1) + [(("authorization", secret),)]
     assert (tmp_path / "ledger.jsonl").read_text().count(action_id) > 0
     assert "egress proxy listening" in server.log()  # its log is the server's and the proxy's, both searched
     _assert_nowhere(secret, tmp_path, texts)

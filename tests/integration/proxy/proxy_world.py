@@ -361,5 +361,5 @@ def refusal_code(response: httpx.Response) -> str:
     return str(response.json()["error"]["code"])
 
 
-__all__ = ["CLIENT_TOKEN", "SECRET", "TOKEN", "Decider", "Received", "Refuse", "World", "allow_tool",
+__all__ = ["CLIENT_TOKEN", "SECRET", "TOKEN", "Decider", "Received", "RecordingMap", "Refuse", "World", "allow_tool",
            "refusal_code", "refuse_all", "world"]

@@ -63,7 +63,8 @@ def test_every_refusal_code_has_a_stable_value_and_a_reason() -> None:
     assert {c.value for c in RefusalCode} == {
         "not_admitted", "host_not_allowed", "decider_unavailable", "address_not_allowed", "content_mismatch",
         "method_not_allowed", "header_mismatch", "plaintext_credential", "malformed_verdict",
-        "credential_unavailable"}
+        "credential_unavailable", "misplaced_credential", "ambiguous_path", "request_timeout",
+        "too_many_connections", "proxy_busy"}
     assert set(REASONS) == set(RefusalCode)
 
 

@@ -90,10 +90,10 @@ def test_the_configured_header_is_set_replacing_any_existing_one() -> None:
     assert out == [("Accept", "a"), ("Authorization", "Bearer " + SECRET.decode())]
 
 
-def test_a_placeholder_is_replaced_by_the_secret_where_it_stands() -> None:
-    out = inject([("X-Merchant-Auth", "key={{credential:merchant_api}};v=2")], CRED, scheme="https",
+def test_a_placeholder_in_the_declared_header_is_replaced_by_the_secret_where_it_stands() -> None:
+    out = inject([("Authorization", "key={{credential:merchant_api}};v=2")], CRED, scheme="https",
                  host="api.merchant.com")
-    assert out == [("X-Merchant-Auth", f"key={SECRET.decode()};v=2")]
+    assert out == [("Authorization", f"key={SECRET.decode()};v=2")]
 
 
 def test_a_placeholder_naming_another_credential_is_refused() -> None:
