@@ -21,7 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from tests.support.debugfs import debugfs
-from wakeful.vm.image_system import sha256_file
+from wakeful.vm.image.system import sha256_file
 
 if TYPE_CHECKING:
     from tests.system.conftest import GuestImageBuild
