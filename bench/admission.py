@@ -24,6 +24,7 @@ from sqlalchemy import select, text
 sys.path.insert(0, str(ROOT))  # the hotel simulator lives with the tests
 
 from tests.sims import create_hotel, serve
+from wakeful.proxy.clock import SystemClock
 from wakeful.server.acting.connectors import load_connectors
 from wakeful.server.acting.policy import AutoRule, Policy
 from wakeful.server.core import control, sessions
@@ -33,7 +34,6 @@ from wakeful.server.harness.wake import Harness
 from wakeful.server.runtime import Runtime, load_registry
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
-from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import make_engine, migrate, read, write
 from wakeful.server.store.tables import actions, attempts, events, runs, tasks
 from wakeful.server.tools.layer import ToolLayer

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
 
+from wakeful.proxy.clock import Clock
 from wakeful.vm.browser import (
     Browser,
     BrowserDisconnected,
@@ -38,7 +39,6 @@ from wakeful.vm.browser import (
     NotEditable,
     Tab,
 )
-from wakeful.vm.clock import Clock
 from wakeful.vm.desktop import BadKeys, Desktop, FocusChanged
 from wakeful.vm.errors import VmError
 from wakeful.vm.guest import Channel, ClockSync

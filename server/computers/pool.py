@@ -20,9 +20,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import Clock
 
 if TYPE_CHECKING:
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, and_, select
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.acting import objects
 from wakeful.server.acting.actions import create_action
 from wakeful.server.acting.policy import Policy
@@ -30,7 +31,6 @@ from wakeful.server.computers.pool import (
 from wakeful.server.computers.pool import observe as observe_computer
 from wakeful.server.egress.dispatch import add_evidence
 from wakeful.server.errors import BadRequest, Refused, WakefulError
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import Outcome, VerdictKind, actions, attempts
 

@@ -9,9 +9,9 @@ import httpx
 from sqlalchemy import Engine
 
 from tests.support.records import messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import control, outbox
 from wakeful.server.core.outbox import Dispatcher
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.store.tables import OutboxKind
 

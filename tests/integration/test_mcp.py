@@ -19,9 +19,9 @@ from sqlalchemy import Engine
 from tests.support.acting import World, world
 from tests.support.records import messages
 from tests.support.serve import ServeProcess
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
 from wakeful.server.faces.mcpserver import WakefulMCP
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.store.users import ensure_user
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.accel import AccelChoice
 from wakeful.vm.browser import CdpBrowser
 from wakeful.vm.guest import GuestChannel

@@ -19,7 +19,7 @@ import pytest
 from tiny_guest import TinyGuest, build_tiny_guest
 from vm_lab import Lab, Recorder, serve
 
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.accel import AccelChoice, choose_accel
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.lifecycle import AfterRestore, VmManager, VmSettings

@@ -41,7 +41,7 @@ from tests.support.chromium import CHROMIUM
 from tests.support.polling import wait_until
 from tests.support.serve import ServeProcess
 from tests.support.sink import Sink
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.guest import GuestChannel
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.lifecycle import VmInfo, VmManager, VmSettings

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.browser import BrowserTimeout, ElementGone
 from wakeful.vm.fake_browser import FakeBrowser
 from wakeful.vm.fake_guest import FakeChannel, FakeDesktop
