@@ -278,13 +278,13 @@ def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, An
 
 def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[str], ProxyCredential]) -> VmComputers:
     from wakeful.vm.accel import choose_accel
-    from wakeful.vm.browser import CdpBrowser
+    from wakeful.vm.cdp_browser import CdpBrowser
     from wakeful.vm.desktop import XDesktop
     from wakeful.vm.errors import VmError
-    from wakeful.vm.guest import GuestChannel
     from wakeful.vm.hypervisor import Accel
     from wakeful.vm.libvirt_adapter import LibvirtHypervisor
     from wakeful.vm.lifecycle import VmManager, VmSettings
+    from wakeful.vm.ssh_channel import GuestChannel
     from wakeful.vm.toolcomputer import ToolComputer
 
     image = settings.data_dir / "images" / settings.computer_image
