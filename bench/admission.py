@@ -20,6 +20,7 @@ from pathlib import Path
 from _common import ROOT, Row, Table, bench_args, fmt_ms, percentile, print_and_save, reproduce
 from sqlalchemy import select, text
 
+from wakeful.proxy.clock import SystemClock
 from wakeful.server.acting.connectors import load_connectors
 from wakeful.server.acting.policy import AutoRule, Policy
 from wakeful.server.core import control, sessions
@@ -30,7 +31,6 @@ from wakeful.server.runtime import Runtime, load_registry
 from wakeful.server.settings import Settings
 from wakeful.server.sims import create_hotel, serve
 from wakeful.server.store import users
-from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import make_engine, migrate, read, write
 from wakeful.server.store.tables import actions, attempts, events, runs, tasks
 from wakeful.server.tools.layer import ToolLayer

@@ -1,10 +1,13 @@
 """The egress proxy: a policy decision per request, credential rewriting and the credential vault.
 
-The pure core (`contract`, `decide`, `rewrite`, `credential`, `hosts`, `wire`, `audit`) does no I/O; `vault` and
-`tls` read and write their files; `channel` (the decider link, both ends) and `server` (with `exchange` and
+The pure core (`contract`, `decide`, `rewrite`, `credential`, `hosts`, `wire`, `audit`, `clock`) does no I/O;
+`vault` and `tls` read and write their files; `channel` (the decider link, both ends) and `server` (with `exchange` and
 `upstream`) are the asyncio shell. Errors: `ProxyRefusal` (code, reason) ← `HeaderRejected`,
 `InjectionRefused`; `ContractError` for values that break the contract; `VaultError` ← `CredentialNotFound`,
 `DecryptFailed`, `VaultFileError`, `CAError`; `ChannelError` for a broken decider-channel frame.
+
+The proxy is the lowest package: it imports only itself (never `wakeful.vm` or `wakeful.server`), and both of those
+may import it. So the one clock (`Clock`, `SystemClock`, `FakeClock`) lives here, in `proxy.clock`.
 """
 
 from wakeful.proxy.audit import EgressRecord

@@ -22,13 +22,14 @@ import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.proxy.credential import Credential, CredentialInfo, SecretBytes, check_binding
 from wakeful.proxy.hosts import normalize_host
 
@@ -69,15 +70,6 @@ class DecryptFailed(VaultError):
 
 class VaultFileError(VaultError):
     pass
-
-
-class Clock(Protocol):
-    def now(self) -> datetime: ...
-
-
-class _SystemClock:
-    def now(self) -> datetime:
-        return datetime.now(UTC)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,7 +221,7 @@ class Vault:
     def __init__(self, path: Path, keys: KeyRing, *, clock: Clock | None = None, key_file: Path | None = None) -> None:
         self.path = path
         self._keys = keys
-        self._clock = clock or _SystemClock()
+        self._clock = clock or SystemClock()
         self._key_file = key_file
         """When given, the keys are read again from it whenever it changes (a rotation by another process)."""
         self._key_stamp = self._stamp()

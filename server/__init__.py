@@ -1,6 +1,6 @@
 """wakeful's server (`wakeful.server`), in rooms that follow one wake from the outside in:
 
-    store      tables, database, migrations, IDs, clock, users                  imports: errors
+    store      tables, database, migrations, IDs, users                         imports: errors
     core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, settings
     acting     objects, actions, admission, approvals, policy, connectors, ledger  + core, wakeful.proxy.contract
     computers  the tool-computer pool and the handoff state                      + store, wakeful.vm
@@ -12,15 +12,16 @@
 
     sims       simulated merchant, airline, hotel: the demo's and tests' outside world  imports nothing of the server
 
-A room imports only from the rooms above it (`tests/unit/test_layers.py` holds it to this table); `errors` and
-`settings` are shared by all. The front door below is what an embedding program needs.
+A room imports only from the rooms above it (`tests/unit/test_layers.py` holds it to this table); `errors`,
+`settings` and the one clock (`wakeful.proxy.clock`: the proxy is the lowest package) are shared by all. The front
+door below is what an embedding program needs.
 """
 
+from wakeful.proxy.clock import Clock, FakeClock, SystemClock
 from wakeful.server.core.worker import RunContext, RunHandler
 from wakeful.server.errors import WakefulError
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings, load_settings
-from wakeful.server.store.clock import Clock, FakeClock, SystemClock
 
 __all__ = ["Clock", "FakeClock", "RunContext", "RunHandler", "Runtime", "Settings", "SystemClock", "WakefulError",
            "load_settings"]

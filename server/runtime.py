@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, and_, func, select
 
+from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.computers.handoff import LiveViews
@@ -31,7 +32,6 @@ from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
-from wakeful.server.store.clock import Clock, SystemClock
 from wakeful.server.store.db import make_engine, migrate, read, write
 from wakeful.server.store.tables import TimerState, WaitState
 from wakeful.server.store.tables import tasks as tasks_table

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.users import ensure_user
 

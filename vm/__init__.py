@@ -1,7 +1,11 @@
-"""Tool computers: per-user VMs on libvirt (hypervisor adapter, guest channel, browser, handoff).
+"""Tool computers: per-user VMs on libvirt (hypervisor adapter, guest channel, browser, handoff, guest image).
 
-The front door of the hypervisor layer; the libvirt adapter (`vm.libvirt_adapter.LibvirtHypervisor`) and the fake
-(`vm.fake.FakeHypervisor`) are imported from their modules so that importing `vm` never loads libvirt.
+The front door of the hypervisor layer. Each outside library has one adapter module, imported from its module and
+never from here: `vm.libvirt_adapter.LibvirtHypervisor` (libvirt), `vm.ssh_channel.GuestChannel` (paramiko),
+`vm.cdp_browser.CdpBrowser` (Playwright). Their interfaces (`vm.hypervisor`, `vm.guest`, `vm.browser`) and the
+fakes (`vm.fake`, `vm.fake_guest`, `vm.fake_browser`) import none of those libraries, so importing `vm` or a fake
+loads none (`tests/unit/vm/test_vm_imports.py`). The image build is the package `vm.image`.
+May import: `wakeful.vm` and `wakeful.proxy` (the clock, `proxy.clock`); never `wakeful.server`.
 """
 
 from wakeful.vm.errors import (

@@ -35,6 +35,8 @@ class FakeBrowser:
         self.on_click: dict[int, Callable[[FakeBrowser], None]] = {}
         self.cdp_url: str | None = None
         self.connects = 0
+        self.refuse_connects = 0
+        """The next this many `connect` calls fail, as an attach through a forward whose SSH is not back yet."""
         self._connected = False
         self._next_tab = 2
 
@@ -56,6 +58,10 @@ class FakeBrowser:
     def connect(self, cdp_url: str) -> None:
         self.cdp_url = cdp_url
         self.connects += 1
+        if self.refuse_connects:
+            self.refuse_connects -= 1
+            self._connected = False
+            raise BrowserDisconnected("fake browser: the connection was reset")
         self._connected = True
 
     def reconnect(self) -> None:

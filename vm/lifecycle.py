@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
-from wakeful.vm.clock import Clock, SystemClock
+from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.vm.disks import Disks, QemuImg
 from wakeful.vm.domain_xml import GUEST_PROXY
 from wakeful.vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmError, VmNotFound

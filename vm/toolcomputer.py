@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
 
+from wakeful.proxy.clock import Clock
 from wakeful.vm.browser import (
     Browser,
     BrowserDisconnected,
@@ -38,7 +39,6 @@ from wakeful.vm.browser import (
     NotEditable,
     Tab,
 )
-from wakeful.vm.clock import Clock
 from wakeful.vm.desktop import BadKeys, Desktop, FocusChanged
 from wakeful.vm.errors import VmError
 from wakeful.vm.guest import Channel, ClockSync
@@ -387,7 +387,8 @@ class ToolComputer:
         optionally take the first fresh observation. Every step is timed.
 
         A browser observation does not wait for the clock: it runs on the CDP side while the SSH side resyncs
-        (two command round trips, seconds under TCG), so the restore costs max(SSH + clock, CDP + observation)."""
+        (two command round trips, seconds under TCG), so the restore costs max(SSH + clock, CDP + observation).
+        A CDP attach that failed while SSH was still coming back is made once more after it is back."""
         with self._lock:
             start = self._timer()
             self._state = bump_epoch(self._state, BumpReason.RESTORE)
@@ -400,13 +401,14 @@ class ToolComputer:
                 cdp_seconds: float | None = None
                 first: ObserveResult | None = None
                 first_seconds: float | None = None
+                attach_again = moved  # the CDP forward had to move: attach to the new port
                 if cdp is not None:
                     try:
                         cdp_seconds, first, first_seconds = cdp.result()
                     except BrowserError:
-                        if not moved:
-                            raise
-            if moved and self._browser is not None:  # the CDP forward had to move: attach to the new port
+                        # The forward gave up waiting for SSH (a loaded host, a slow restore); SSH is back now.
+                        attach_again = True
+            if attach_again and self._browser is not None:
                 t = self._timer()
                 self._browser.connect(self._cdp_url())
                 cdp_seconds = (cdp_seconds or 0.0) + self._timer() - t

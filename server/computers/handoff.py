@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.computers.pool import Computers
-from wakeful.server.store.clock import Clock
 
 __all__ = ["CONTROL_VNC_PORT", "NOVNC_DIR", "VIEW_MINUTES", "VIEW_VNC_PORT", "LiveViews", "LiveSession"]
 

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, get_
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.tables import Risk
 from wakeful.vm.observe import ACT_KINDS, Act, DesktopClick, DesktopKey, DesktopType
 
@@ -267,13 +267,13 @@ def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, An
 def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[str], ProxyCredential]) -> VmComputers:
     try:  # the VM stack is an optional extra: a server without it runs, and says what a tool computer needs
         from wakeful.vm.accel import choose_accel
-        from wakeful.vm.browser import CdpBrowser
+        from wakeful.vm.cdp_browser import CdpBrowser
         from wakeful.vm.desktop import XDesktop
         from wakeful.vm.errors import VmError
-        from wakeful.vm.guest import GuestChannel
         from wakeful.vm.hypervisor import Accel
         from wakeful.vm.libvirt_adapter import LibvirtHypervisor
         from wakeful.vm.lifecycle import VmManager, VmSettings
+        from wakeful.vm.ssh_channel import GuestChannel
         from wakeful.vm.toolcomputer import ToolComputer
     except ImportError as exc:
         raise WakefulError("tool_computer_unavailable", f"tool computers need the optional VM packages, and "

@@ -21,8 +21,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, select, update
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.core import faults, sessions
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import bound, connect_nowait, insert_many, sqlite_driver, upsert, write, write_unless_busy
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import EventKind, EventStatus, WaitState, events, session_keys, todos, waits

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import httpx
 from sqlalchemy import ColumnElement, Connection, Engine, and_, bindparam, select, true, update
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.core import control, faults
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OutboxKind, OutboxState, outbox

@@ -24,11 +24,11 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.core import control, faults, outbox, sessions, timers, waits
 from wakeful.server.core.schedule import Misfire
 from wakeful.server.errors import StaleToken
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, upsert, write, write_lock_time
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import EventStatus, RunOutcome, events, runs, usage_daily

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
 
+from wakeful.proxy.clock import Clock
 from wakeful.proxy.contract import REFUSAL_HEADER, EgressRequest, RefusalCode
 from wakeful.proxy.wire import REQUEST_TOO_LARGE
 from wakeful.server.acting.actions import Action, content_hash, load_action
@@ -38,7 +39,6 @@ from wakeful.server.core import faults, inbox, outbox, waits
 from wakeful.server.core.outbox import OutboxDrain
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.errors import WakefulError
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, upsert, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine
 from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
 
+from wakeful.proxy.clock import Clock
 from wakeful.proxy.contract import DecisionRequest, Verdict
 from wakeful.proxy.vault import KEY_ENV, KeyRing, Vault, init_key, keys_from_env
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import WakefulError
 from wakeful.server.settings import Settings, child_environment
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy import Engine, func, select
 
+from wakeful.proxy.clock import SystemClock
 from wakeful.server.acting import approvals, ledger
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.core import control
@@ -33,7 +34,6 @@ from wakeful.server.faces.cli_egress import egress_app, proxy_app, secret_app
 from wakeful.server.faces.cli_image import image_app
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
-from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
 

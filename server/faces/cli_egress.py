@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from wakeful.proxy.clock import SystemClock
 from wakeful.proxy.vault import KEY_ENV, CredentialNotFound, VaultError, rotate_key_file
 from wakeful.server.egress import grants as egress
 from wakeful.server.egress.proxyctl import open_vault, vault_keys
@@ -27,7 +28,6 @@ from wakeful.server.faces.cli_common import (
     settings_or_exit,
 )
 from wakeful.server.store import users
-from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import read, write
 
 __all__ = ["egress_app", "proxy_app", "secret_app"]

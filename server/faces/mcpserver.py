@@ -31,6 +31,7 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from sqlalchemy import Engine, and_, select
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.acting import ledger
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.core import control, outbox, sessions, timers
@@ -39,7 +40,6 @@ from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.routes import check_completion
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import actions, tasks, verdicts
 from wakeful.server.tools.layer import ToolLayer

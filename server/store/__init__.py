@@ -1,6 +1,6 @@
-"""The records' home: every table, the database and its migrations, IDs, the clock, users and their tokens.
+"""The records' home: every table, the database and its migrations, IDs, users and their tokens.
 
 Modules: `tables` (every table, states as `StrEnum`s mirrored by `CHECK` constraints), `db` (engine, transactions,
-migrations), `ids`, `clock` (`Clock`, `SystemClock`, `FakeClock`), `users`, `toml_lines`.
-May import: `server.errors` only.
+migrations), `ids`, `users`, `toml_lines`.
+May import: `server.errors` only (and the clock, `wakeful.proxy.clock`).
 """

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 from sqlalchemy import Connection, Engine, and_, select
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.acting import objects
 from wakeful.server.acting.actions import create_action
 from wakeful.server.acting.policy import Policy
@@ -23,7 +24,6 @@ from wakeful.server.computers.pool import ACT_TOOL, OBSERVE_TOOL, Computers, act
 from wakeful.server.computers.pool import observe as observe_computer
 from wakeful.server.egress.dispatch import add_evidence
 from wakeful.server.errors import Refused, WakefulError
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import Outcome, VerdictKind, actions, attempts
 from wakeful.server.tools.specs import ActOn, Observe, RequestHandoff

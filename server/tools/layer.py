@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Connection, Engine, and_, select
 
+from wakeful.proxy.clock import Clock
 from wakeful.server.acting import objects
 from wakeful.server.acting.actions import create_action
 from wakeful.server.acting.connectors import (
@@ -37,7 +38,6 @@ from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import add_evidence
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.errors import BadRequest, NotFound, Refused, WakefulError
-from wakeful.server.store.clock import Clock
 from wakeful.server.store.db import write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import GrantPurpose, Outcome, Risk, TaskState, actions, task_versions, tasks

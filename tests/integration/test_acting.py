@@ -10,12 +10,12 @@ from sqlalchemy import Engine, select
 
 from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.records import messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting import ledger
 from wakeful.server.acting.objects import UnknownObject
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import control
 from wakeful.server.errors import Conflict, Refused
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, Outcome, attempts, refusals
 

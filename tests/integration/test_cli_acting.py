@@ -12,8 +12,8 @@ from sqlalchemy import Engine
 
 from tests.integration.test_cli import run
 from tests.support.acting import World, world
+from wakeful.proxy.clock import FakeClock, SystemClock
 from wakeful.server.acting.policy import load_policy
-from wakeful.server.store.clock import FakeClock, SystemClock
 from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.tables import Risk
 from wakeful.server.store.users import ensure_user

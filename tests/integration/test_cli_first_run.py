@@ -21,8 +21,8 @@ import pytest
 from tests.integration.test_cli import WAKEFUL, run
 from tests.support.polling import wait_until
 from tests.support.serve import free_port
+from wakeful.proxy.clock import SystemClock
 from wakeful.server.core import control, sessions
-from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import make_engine, write
 from wakeful.server.store.users import user_id_by_name
 
@@ -274,7 +274,7 @@ def test_asking_for_a_tool_computer_without_the_vm_packages_says_what_to_install
     script = ("from wakeful.server.computers.pool import _build_vm_computers\n"
               "from wakeful.server.errors import WakefulError\n"
               "from wakeful.server.settings import Settings\n"
-              "from wakeful.server.store.clock import SystemClock\n"
+              "from wakeful.proxy.clock import SystemClock\n"
               f"try:\n    _build_vm_computers(Settings(data_dir={str(tmp_path)!r}), SystemClock(), print)\n"
               "except WakefulError as exc:\n    print(exc.code, exc.message)\n")
     done = subprocess.run([sys.executable, "-c", script], env=_env(PYTHONPATH=without_vm_packages),

@@ -22,6 +22,7 @@ from starlette.websockets import WebSocketDisconnect
 from tests.support.computers import FakeComputers
 from tests.support.polling import wait_until
 from tests.support.records import messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting import approvals
 from wakeful.server.acting.policy import Policy
 from wakeful.server.computers.handoff import CONTROL_VNC_PORT, VIEW_VNC_PORT
@@ -34,7 +35,6 @@ from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import actions, attempts, refusals, verdicts
 from wakeful.server.store.users import ensure_user

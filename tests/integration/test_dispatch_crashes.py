@@ -41,10 +41,10 @@ from sqlalchemy import Engine, and_, select
 from tests.support.acting import World, world
 from tests.support.dispatch_world import CANCEL_VERIFIED, DispatchWorld, Proposed, dispatch_world, holds_for
 from tests.support.polling import wait_until
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting import ledger
 from wakeful.server.core import control
 from wakeful.server.core.faults import POINTS
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, attempts, evidence
 

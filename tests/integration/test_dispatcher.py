@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import Engine, true
 
 from tests.support.records import messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import control, outbox
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.store.tables import OutboxKind
 

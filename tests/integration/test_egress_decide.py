@@ -18,6 +18,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from tests.support.acting import World, world
+from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import Allow, DecisionRequest, Refuse, Verdict
 from wakeful.proxy.hosts import default_port, normalize_host
 from wakeful.proxy.rewrite import ATTEMPT_HEADER
@@ -28,7 +29,6 @@ from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.egress.proxyctl import DeciderService
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, Outcome, attempts, egress_grant_uses, egress_grants
 

@@ -30,13 +30,13 @@ from tests.support.egress import EgressStack, egress_stack
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess, free_port
 from tests.support.tlsca import make_test_ca
+from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import DecisionRequest
 from wakeful.proxy.rewrite import ATTEMPT_HEADER
 from wakeful.server.acting.actions import load_action
 from wakeful.server.core import control
 from wakeful.server.egress import grants as egress
 from wakeful.server.sims import create_merchant, serve
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, attempts, egress_grants
 

@@ -13,6 +13,7 @@ from sqlalchemy import Engine, select
 
 from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.records import messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import inbox
 from wakeful.server.core.worker import Worker
@@ -21,7 +22,6 @@ from wakeful.server.harness.model_anthropic import request_payload
 from wakeful.server.harness.replay import replay
 from wakeful.server.harness.wake import Harness
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import RunOutcome, actions, decisions, run_contexts, runs, timers, tool_results
 

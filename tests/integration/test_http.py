@@ -20,12 +20,12 @@ from sqlalchemy import Engine
 
 from tests.support.polling import wait_until
 from tests.support.records import event_rows, run_rows
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core.signatures import SignatureKind, sign
 from wakeful.server.faces.http import QuietServer, create_app
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.users import ensure_user
 

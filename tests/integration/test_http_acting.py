@@ -9,12 +9,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from tests.support.acting import CANCEL_VERIFIED, World, world
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core.worker import Binding
 from wakeful.server.faces.http import create_app
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.store.users import ensure_user, issue_token
 

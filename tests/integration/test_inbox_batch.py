@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import IntegrityError
 
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core.inbox import Delivery, GroupCommitter, Recorded, record, record_many
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import (
     bound,
     connect_nowait,

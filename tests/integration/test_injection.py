@@ -12,13 +12,13 @@ from sqlalchemy import Engine, func, select
 
 from tests.support.acting import World, world
 from tests.support.records import messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import inbox
 from wakeful.server.core.worker import Worker
 from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, calls
 from wakeful.server.harness.wake import Harness
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import approvals, control, timers, tool_results, verdicts
 

@@ -21,9 +21,9 @@ from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.computers import FakeComputers
 from tests.support.records import messages
 from tests.support.serve import ServeProcess
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
 from wakeful.server.faces.mcpserver import WakefulMCP
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import task_versions
 from wakeful.server.store.users import ensure_user

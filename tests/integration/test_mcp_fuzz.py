@@ -28,13 +28,13 @@ from sqlalchemy import Engine
 from tests.support.acting import POLICIES, world
 from tests.support.computers import FakeComputers
 from tests.support.model_strategies import JSON, Special, arguments
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.connectors import OBJECT_ID_PATTERN, load_connectors
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.faces.mcpserver import WakefulMCP
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.store.users import ensure_user
 from wakeful.server.tools.specs import TASK_ID_PATTERN, Face, tool_specs

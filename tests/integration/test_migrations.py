@@ -13,9 +13,9 @@ from sqlalchemy import Engine, create_engine, insert, text
 from sqlalchemy.exc import DatabaseError
 
 from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import RefusalCode
 from wakeful.server.egress import grants as egress
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import make_engine, migrate, read, write
 from wakeful.server.store.tables import control, metadata
 

@@ -27,12 +27,12 @@ import pytest
 from sqlalchemy import Connection, Engine, and_, select
 
 from tests.support.acting import World, world
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting import approvals
 from wakeful.server.acting.actions import Action, load_action
 from wakeful.server.core import control
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import ActionDispatcher
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import (
     ControlKind,

@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 
 from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.records import messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.actions import Action, load_action
 from wakeful.server.acting.objects import UnknownObject
 from wakeful.server.acting.policy import Policy
@@ -28,7 +29,6 @@ from wakeful.server.core import control, inbox, sessions
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import reconcile_key
 from wakeful.server.errors import Conflict
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (

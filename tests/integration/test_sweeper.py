@@ -5,10 +5,10 @@ from __future__ import annotations
 from sqlalchemy import Engine, delete, func, select, update
 
 from tests.support.records import event_rows, messages
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import inbox, sessions
 from wakeful.server.core.sweeper import sweep
 from wakeful.server.runtime import Runtime
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import EventStatus, events, todos
 

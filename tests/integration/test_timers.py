@@ -9,11 +9,11 @@ import pytest
 from sqlalchemy import Engine, select, update
 
 from tests.support.records import event_rows
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import control, sessions, timers
 from wakeful.server.core.schedule import Misfire
 from wakeful.server.errors import BadRequest, Refused
 from wakeful.server.runtime import Runtime
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, TimerState
 from wakeful.server.store.tables import timers as timers_table

@@ -18,10 +18,11 @@ from tests.support.chromium import HostChromium
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd
 from tests.support.threaded import serving_on_thread
-from wakeful.server.store.clock import FakeClock
-from wakeful.vm.browser import CdpBrowser, NavigationFailed
-from wakeful.vm.guest import GuestChannel
+from wakeful.proxy.clock import FakeClock
+from wakeful.vm.browser import NavigationFailed
+from wakeful.vm.cdp_browser import CdpBrowser
 from wakeful.vm.observe import BumpReason, Click, Fill, Navigate, NewTab, Press, Refused, Select, SwitchTab
+from wakeful.vm.ssh_channel import GuestChannel
 from wakeful.vm.toolcomputer import ActResult, ObserveResult, ToolComputer
 
 pytestmark = pytest.mark.browser

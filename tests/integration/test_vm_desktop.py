@@ -15,10 +15,10 @@ from tests.support.chromium import HostChromium, Xvfb
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd
 from tests.support.threaded import serving_on_thread
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.desktop import BadKeys, XDesktop, png_size
-from wakeful.vm.guest import GuestChannel
 from wakeful.vm.observe import BumpReason, DesktopClick, DesktopKey, DesktopType, FrameSize, Refused, Surface
+from wakeful.vm.ssh_channel import GuestChannel
 from wakeful.vm.toolcomputer import ActResult, ToolComputer
 
 pytestmark = pytest.mark.browser

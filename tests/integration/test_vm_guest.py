@@ -19,7 +19,8 @@ import pytest
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd, keygen
 from tests.support.threaded import serving_on_thread
-from wakeful.vm.guest import GuestChannel, GuestError
+from wakeful.vm.guest import GuestError
+from wakeful.vm.ssh_channel import GuestChannel
 
 
 class _Hits(ThreadingHTTPServer):

@@ -8,10 +8,10 @@ import pytest
 from sqlalchemy import Engine, select
 
 from tests.support.records import event_rows
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import inbox, sessions, waits
 from wakeful.server.errors import Conflict
 from wakeful.server.runtime import Runtime
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import EventKind, EventStatus, WaitState, todos
 from wakeful.server.store.tables import waits as waits_table

@@ -11,12 +11,12 @@ import pytest
 from sqlalchemy import Engine
 
 from tests.support.records import event_rows, messages, run_rows
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import control, inbox, sessions
 from wakeful.server.core.worker import InboxRate, RunContext, RunShare, Worker, rest_after_run
 from wakeful.server.errors import StaleToken
 from wakeful.server.harness.handlers import EchoHandler, ScriptedHandler
 from wakeful.server.runtime import Runtime
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write, write_lock_time
 from wakeful.server.store.tables import ControlKind, EventStatus, RunOutcome
 

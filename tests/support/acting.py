@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Engine
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting import approvals
 from wakeful.server.acting.connectors import load_connectors
 from wakeful.server.acting.policy import Policy
@@ -22,7 +23,6 @@ from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.sims import Airline, Hotel, Merchant, SimClock, create_airline, create_hotel, create_merchant, serve
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import write
 from wakeful.server.tools.layer import ToolLayer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.fake_browser import FakeBrowser
 from wakeful.vm.fake_guest import FakeChannel, FakeDesktop
 from wakeful.vm.observe import Element

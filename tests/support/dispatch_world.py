@@ -32,6 +32,7 @@ from sqlalchemy import Connection, Engine, and_, select
 
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess
+from wakeful.proxy.clock import SystemClock
 from wakeful.server.acting.connectors import load_connectors
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import control, sessions
@@ -40,7 +41,6 @@ from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import reconcile_key
 from wakeful.server.sims import Merchant, create_merchant, serve
 from wakeful.server.store import users
-from wakeful.server.store.clock import SystemClock
 from wakeful.server.store.db import make_engine, read, write
 from wakeful.server.store.tables import actions, attempts, events, evidence, objects, outbox, waits
 from wakeful.server.tools.layer import ToolLayer

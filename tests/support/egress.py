@@ -26,12 +26,12 @@ from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, free_port
 from tests.support.tlsca import make_test_ca
 from wakeful.proxy.channel import Decide, DeciderServer, Record
+from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import DecisionRequest, Verdict
 from wakeful.server.egress import grants as egress
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.egress.proxyctl import DeciderService, ProxyChild, new_decider_token
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read
 
 __all__ = ["EgressStack", "decider_on_thread", "egress_stack", "proxy_child"]

@@ -20,14 +20,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.accel import AccelChoice
-from wakeful.vm.browser import CdpBrowser
-from wakeful.vm.guest import GuestChannel
+from wakeful.vm.cdp_browser import CdpBrowser
 from wakeful.vm.hypervisor import ProxyCredential
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.lifecycle import AfterRestore, VmInfo, VmManager, VmSettings
 from wakeful.vm.lifecycle_rules import VmSize
+from wakeful.vm.ssh_channel import GuestChannel
 from wakeful.vm.toolcomputer import RestoreReport, ToolComputer
 
 __all__ = ["SAVE_DIR", "ComputerLab", "qemu_pid", "tool_computer"]

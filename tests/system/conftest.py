@@ -19,7 +19,7 @@ import pytest
 from tiny_guest import TinyGuest, build_tiny_guest
 from vm_lab import Lab, Recorder, serve
 
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.accel import AccelChoice, choose_accel
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.lifecycle import AfterRestore, VmManager, VmSettings
@@ -69,7 +69,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"system tests: guests ran under {described}")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def proxy() -> Iterator[Recorder]:
     """Stands in for the egress proxy: the guest reaches it at 10.0.2.100:3128."""
     recorder = Recorder("proxy")
@@ -78,7 +78,7 @@ def proxy() -> Iterator[Recorder]:
     server.shutdown()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def outside() -> Iterator[Recorder]:
     """A host service the guest must NOT reach (through the slirp gateway 10.0.2.2)."""
     recorder = Recorder("outside")
@@ -87,11 +87,14 @@ def outside() -> Iterator[Recorder]:
     server.shutdown()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def lab(libvirtd: None, tiny_guest: TinyGuest, accel: AccelChoice, proxy: Recorder, outside: Recorder,
-        tmp_path: Path) -> Iterator[Lab]:
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """One VM manager (and fake clock) for a module: its guests outlive a test, so a module boots a guest once and
+    its tests restore it (see test_vm_lifecycle.py)."""
     settings = VmSettings(
-        data_dir=tmp_path, base_image=tiny_guest.base, kernel=tiny_guest.kernel, initrd=tiny_guest.initrd,
+        data_dir=tmp_path_factory.mktemp("vms"), base_image=tiny_guest.base, kernel=tiny_guest.kernel,
+        initrd=tiny_guest.initrd,
         cmdline=f"panic=-1 wkegress={outside.port}", accel=accel.accel,
         size=VmSize(memory_mib=256, vcpus=1, disk_gib=1), port_range=(24000, 24999), proxy_port=proxy.port,
         idle_after=timedelta(minutes=5), domain_prefix="wkt-")

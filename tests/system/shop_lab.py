@@ -31,11 +31,11 @@ from pathlib import Path
 from tests.support.egress import decider_on_thread, proxy_child
 from tests.support.serve import free_port
 from tests.support.tlsca import make_test_ca
+from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import DecisionRequest, Verdict
 from wakeful.server.egress import grants as egress
 from wakeful.server.egress.proxyctl import DeciderService, open_vault
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.users import ensure_user
 from wakeful.vm.hypervisor import ProxyCredential

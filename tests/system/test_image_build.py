@@ -21,12 +21,14 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from tests.support.debugfs import debugfs
-from wakeful.vm.image_system import sha256_file
+from wakeful.vm.image.system import sha256_file
 
 if TYPE_CHECKING:
     from tests.system.conftest import GuestImageBuild
 
-pytestmark = pytest.mark.vm
+# The first test here sets up the session's image build: a cold one takes about three minutes on an idle 2-core host and
+# more than pytest's default 300 s on a busy one, so the module's tests get the bound the other image modules have.
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 
 UNITS = ("wakeful-seed", "wakeful-xvfb", "wakeful-wm", "wakeful-x11vnc", "wakeful-x11vnc-view", "wakeful-chromium",
          "bootmarker")

@@ -41,11 +41,11 @@ from tests.support.chromium import CHROMIUM
 from tests.support.polling import wait_until
 from tests.support.serve import ServeProcess
 from tests.support.sink import Sink
-from wakeful.server.store.clock import FakeClock
-from wakeful.vm.guest import GuestChannel
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.lifecycle import VmInfo, VmManager, VmSettings
 from wakeful.vm.lifecycle_rules import VmState
+from wakeful.vm.ssh_channel import GuestChannel
 
 pytestmark = [pytest.mark.vm, pytest.mark.anyio, pytest.mark.timeout(1800)]
 

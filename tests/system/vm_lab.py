@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.lifecycle import AfterRestore, VmManager
 

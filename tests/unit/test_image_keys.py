@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from wakeful.vm.image import DEFAULT_RECIPE
-from wakeful.vm.image_recipe import (
+from wakeful.vm.image.recipe import (
     Plan,
     Recipe,
     Sources,

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from wakeful.vm.image import MANIFEST_FORMAT, image_checksum, make_manifest
-from wakeful.vm.image_recipe import ImageError, Stage, load_ca
-from wakeful.vm.image_stages import Cache
+from wakeful.vm.image.recipe import ImageError, Stage, load_ca
+from wakeful.vm.image.stages import Cache
 
 FILES = {
     "base.qcow2": {"sha256": "a" * 64, "size": 1_500_000_000},

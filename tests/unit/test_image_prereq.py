@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from wakeful.vm.image import BuildEnv, BuildOptions, PrerequisitesMissing, build_image
-from wakeful.vm.image_prereq import GIB, REQUIRED_COMMANDS, check_prerequisites
-from wakeful.vm.image_recipe import Stage
+from wakeful.vm.image.prereq import GIB, REQUIRED_COMMANDS, check_prerequisites
+from wakeful.vm.image.recipe import Stage
 
 
 def fake_bin(tmp_path: Path, commands: list[str]) -> str:

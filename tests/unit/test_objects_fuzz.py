@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine
 
+from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.objects import IssuedObject, UnknownObject, mint, resolve
 from wakeful.server.core import control, sessions
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.users import ensure_user
 

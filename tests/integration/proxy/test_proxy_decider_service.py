@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
+from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import Allow, DecisionRequest, Refuse, Verdict
 from wakeful.server.core import control
 from wakeful.server.egress import grants as egress
 from wakeful.server.egress.proxyctl import DeciderService
 from wakeful.server.settings import Settings
-from wakeful.server.store.clock import FakeClock
 from wakeful.server.store.db import read, write
 from wakeful.server.store.users import ensure_user
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from wakeful.vm.browser import interesting_elements
+from wakeful.vm.accessibility import interesting_elements
 
 
 def ax(node_id: str, role: str, name: str = "", *, children: tuple[str, ...] = (), backend: int | None = None,

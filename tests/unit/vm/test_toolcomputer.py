@@ -9,8 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from wakeful.server.store.clock import FakeClock
-from wakeful.vm.browser import BrowserTimeout, ElementGone
+from wakeful.proxy.clock import FakeClock
+from wakeful.vm.browser import BrowserDisconnected, BrowserTimeout, ElementGone
 from wakeful.vm.fake_browser import FakeBrowser
 from wakeful.vm.fake_guest import FakeChannel, FakeDesktop
 from wakeful.vm.observe import (
@@ -213,6 +213,23 @@ def test_after_restore_reconnects_resyncs_bumps_and_times_every_step(world: Worl
     assert report.observation is not None and report.observation.observation.epoch == 2
     assert refused(world.tc.act(Click(ref=before.ref_for("button", "Pay")))) == "stale_observation"
     done(world.tc.act(Click(ref=report.observation.ref_for("button", "Pay"))))
+
+
+def test_after_restore_attaches_cdp_once_more_when_the_first_attach_failed_before_ssh_was_back(world: World) -> None:
+    world.observe()
+    world.channel.drop()
+    world.browser.refuse_connects = 1
+    report = world.tc.after_restore(observe=True)
+    assert world.browser.connects == 3 and world.browser.connected
+    assert report.observation is not None and report.observation.observation.epoch == 2
+
+
+def test_after_restore_raises_when_the_second_cdp_attach_fails_too(world: World) -> None:
+    world.channel.drop()
+    world.browser.refuse_connects = 2
+    with pytest.raises(BrowserDisconnected):
+        world.tc.after_restore(observe=True)
+    assert world.browser.connects == 3
 
 
 def test_after_restore_retries_until_the_guest_answers(world: World) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.debugfs import debugfs
-from wakeful.server.store.clock import FakeClock
+from wakeful.proxy.clock import FakeClock
 from wakeful.vm.errors import IllegalTransition, ImageMissing, LimitExceeded, NetworkUnusable, VmDead, VmNotFound
 from wakeful.vm.fake import FakeDisks, FakeHypervisor
 from wakeful.vm.hypervisor import DomainState, ProxyCredential

@@ -1,4 +1,8 @@
-"""Time is injected: core code asks a `Clock`, tests drive a `FakeClock`."""
+"""The one clock: time is injected everywhere (proxy, vm, server); code asks a `Clock`, tests drive a `FakeClock`.
+
+It lives in the proxy because the proxy is the lowest package: `vm` and `server` may import it, it imports nothing
+of the project.
+"""
 
 from __future__ import annotations
 

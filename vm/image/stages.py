@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from wakeful.vm.image_recipe import CaCert, ImageError, Recipe, Sources, Stage, sources_text
-from wakeful.vm.image_system import (
+from wakeful.vm.image.recipe import CaCert, ImageError, Recipe, Sources, Stage, sources_text
+from wakeful.vm.image.system import (
     CommandRunner,
     clamp_mtimes,
     copy_overlay,

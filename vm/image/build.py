@@ -3,7 +3,7 @@
     prerequisites → debootstrap → packages → configure → ca → kernel → filesystem → qcow2 → manifest
 
 `build_image` checks everything it needs before doing any work, reuses every stage whose inputs did not
-change (see `vm.image_recipe.stage_keys`), and installs `<data_dir>/images/<name>/` (base.qcow2, vmlinuz,
+change (see `vm.image.recipe.stage_keys`), and installs `<data_dir>/images/<name>/` (base.qcow2, vmlinuz,
 vmlinux, initrd.img, manifest.json) only when the build succeeded. Progress goes to a `Reporter`; the CLI
 draws it, tests record it.
 """
@@ -26,8 +26,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, Protocol
 
-from wakeful.vm.image_prereq import MIN_FREE_BYTES, Problem, check_prerequisites, free_bytes
-from wakeful.vm.image_recipe import (
+from wakeful.vm.image.prereq import MIN_FREE_BYTES, Problem, check_prerequisites, free_bytes
+from wakeful.vm.image.recipe import (
     STAGES,
     CaCert,
     ImageError,
@@ -40,8 +40,8 @@ from wakeful.vm.image_recipe import (
     read_configured_mirror,
     stage_keys,
 )
-from wakeful.vm.image_stages import Cache, StageContext, run_stage, unpack_cached_tree
-from wakeful.vm.image_system import CommandRunner, remove_tree, temp_dir
+from wakeful.vm.image.stages import Cache, StageContext, run_stage, unpack_cached_tree
+from wakeful.vm.image.system import CommandRunner, remove_tree, temp_dir
 
 __all__ = [
     "DEFAULT_RECIPE",

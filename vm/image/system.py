@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from wakeful.vm.image_recipe import ImageError
+from wakeful.vm.image.recipe import ImageError
 
 __all__ = [
     "CommandRunner",

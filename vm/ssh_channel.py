@@ -1,0 +1,430 @@
+"""The guest channel's adapter: SSH to a tool computer with paramiko (the only module that imports it).
+
+It implements `vm.guest.Channel`; the errors it raises are declared there.
+
+    channel = GuestChannel(port=10122, user="root", client_key_path=key, pinned_host_key=pinned)
+    channel.connect()
+    channel.run(["uname", "-r"], timeout=10).stdout
+    cdp_port = channel.forward("127.0.0.1", 9222)     # a local 127.0.0.1 listener tunnelled to the guest
+    ... restore the VM (a new QEMU process: the old transport is dead) ...
+    channel.reconnect()                               # the same local ports keep working
+    channel.resync_clock()
+
+The host key is pinned when the VM is provisioned; the channel accepts exactly that key and refuses anything
+else with `host_key_mismatch` — never trust-on-first-use. Local forward listeners belong to the channel, not to
+one SSH transport: they stay bound across `reconnect()`, and a connection accepted while the transport is down
+waits (bounded) for the next one, so a CDP reconnect can start while SSH is still reconnecting.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import logging
+import select
+import shlex
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import paramiko  # noqa: TID251 - the one module that talks SSH
+
+from wakeful.vm.guest import (
+    AuthFailed,
+    BadKey,
+    ChannelClosed,
+    ClockSync,
+    GuestError,
+    GuestTimeout,
+    GuestUnreachable,
+    HostKeyMismatch,
+    NotConnected,
+    OutputTooLarge,
+    ReconnectReport,
+    RunResult,
+)
+
+__all__ = ["GuestChannel", "parse_public_key"]
+
+_CHUNK = 65536
+
+
+class _TransportErrorsAtDebug(logging.Filter):
+    """paramiko logs, at ERROR and with tracebacks, what is routine here: a guest that resets the connection or
+    sends no banner while it boots or restores (retried until it answers), a forward to a port nothing listens on
+    yet (DevTools while Chromium starts). Each failure also reaches the caller, which reports it with a stable code,
+    so paramiko's own lines go down to DEBUG rather than fill an operator's log with errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("paramiko.transport").addFilter(_TransportErrorsAtDebug())
+
+
+def parse_public_key(line: str) -> paramiko.PKey:
+    """An OpenSSH public key line (`ssh-ed25519 AAAA… comment`) as a paramiko key; `bad_pinned_key` if it is not."""
+    parts = line.split()
+    if len(parts) < 2:
+        raise BadKey("the pinned host key is not an OpenSSH public key line")
+    try:
+        return paramiko.PKey.from_type_string(parts[0], base64.b64decode(parts[1], validate=True))
+    except (binascii.Error, ValueError, paramiko.SSHException) as exc:
+        raise BadKey(f"the pinned host key cannot be read: {exc}") from None
+
+
+class _PinnedOnly(paramiko.RejectPolicy):  # type: ignore[misc]  # paramiko is untyped
+    """Reached when the server offers a key of a type we did not pin: refuse, with our stable code."""
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise HostKeyMismatch(f"{hostname} offered a {key.get_name()} host key, not the one pinned for this VM")
+
+
+@dataclass(eq=False)
+class _Forward:
+    remote: tuple[str, int]
+    listener: socket.socket
+    port: int
+    thread: threading.Thread | None = None
+
+
+@dataclass(eq=False)
+class _Pipe:
+    conn: socket.socket
+    chan: paramiko.Channel | None = None
+
+
+def _local_boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _default_set_clock(ns: int) -> list[str]:
+    return ["date", "-u", "-s", f"@{ns // 10**9}.{ns % 10**9:09d}"]
+
+
+class GuestChannel:
+    def __init__(self, *, host: str = "127.0.0.1", port: int, user: str, client_key_path: Path | str,
+                 pinned_host_key: str, keepalive: float = 15.0, forward_wait: float = 20.0,
+                 max_output: int = 64 * 1024 * 1024, wall_ns: Callable[[], int] = time.time_ns,
+                 set_clock: Callable[[int], Sequence[str]] = _default_set_clock) -> None:
+        """`forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
+        `set_clock`: the guest command that sets its clock to an epoch in ns (tests on a host replace it)."""
+        self.host, self.port, self.user = host, port, user
+        self._pinned = parse_public_key(pinned_host_key)
+        try:
+            self._key = paramiko.PKey.from_path(Path(client_key_path))
+        except (OSError, paramiko.SSHException, ValueError) as exc:
+            raise BadKey(f"cannot read the client key {client_key_path}: {exc}") from None
+        self._keepalive = keepalive
+        self._forward_wait = forward_wait
+        self._max_output = max_output
+        self._wall_ns = wall_ns
+        self._set_clock = set_clock
+        self._client: paramiko.SSHClient | None = None
+        self._cond = threading.Condition()
+        self._connect_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._forwards: dict[tuple[str, int], _Forward] = {}
+        self._pipes: set[_Pipe] = set()
+        self._threads: set[threading.Thread] = set()
+
+    # ------------------------------------------------------------------------------------------ connection
+
+    @property
+    def connected(self) -> bool:
+        transport = self._transport()
+        return transport is not None and transport.is_active()
+
+    def _transport(self) -> paramiko.Transport | None:
+        client = self._client
+        return client.get_transport() if client is not None else None
+
+    def _open_client(self, timeout: float) -> paramiko.SSHClient:
+        client = paramiko.SSHClient()
+        name = self.host if self.port == 22 else f"[{self.host}]:{self.port}"
+        client.get_host_keys().add(name, self._pinned.get_name(), self._pinned)
+        client.set_missing_host_key_policy(_PinnedOnly())
+        try:
+            client.connect(self.host, self.port, username=self.user, pkey=self._key, timeout=timeout,
+                           banner_timeout=timeout, auth_timeout=timeout, look_for_keys=False,
+                           allow_agent=False)
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise HostKeyMismatch(f"{self.host}:{self.port} presented host key {exc.key.fingerprint}, "
+                                  f"not the one pinned for this VM ({self._pinned.fingerprint})") from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            raise AuthFailed(f"the guest refused this VM's client key: {exc}") from None
+        except GuestError:
+            client.close()
+            raise
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            client.close()
+            raise GuestUnreachable(f"cannot reach sshd at {self.host}:{self.port}: {exc}") from None
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(int(max(1, self._keepalive)))
+        return client
+
+    def connect(self, *, timeout: float = 10.0) -> None:
+        """Connect once (no retries); raises GuestError."""
+        self._reconnect(timeout=timeout, retry=False)
+
+    def drop(self) -> None:
+        """Forget the current transport (known dead after a restore, even if it has not noticed yet): commands
+        fail with `not_connected` and forwarded connections wait for the next `reconnect()`."""
+        with self._cond:
+            old, self._client = self._client, None
+        if old is not None:
+            old.close()
+
+    def reconnect(self, *, timeout: float = 30.0) -> ReconnectReport:
+        """Drop the old transport (dead after a restore) and connect again, retrying until `timeout` while the
+        guest is unreachable. Forwards keep their local ports; a listener that died is bound again."""
+        attempts = self._reconnect(timeout=timeout, retry=True)
+        moved: dict[tuple[str, int], int] = {}
+        with self._cond:
+            for remote, fwd in list(self._forwards.items()):
+                if fwd.thread is None or not fwd.thread.is_alive():
+                    old = fwd.port
+                    fwd.listener.close()
+                    self._forwards[remote] = self._listen(remote, prefer=old)
+                    if self._forwards[remote].port != old:
+                        moved[remote] = self._forwards[remote].port
+            ports = {remote: fwd.port for remote, fwd in self._forwards.items()}
+        return ReconnectReport(ports=ports, moved=moved, attempts=attempts)
+
+    def _reconnect(self, *, timeout: float, retry: bool) -> int:
+        if self._closing.is_set():
+            raise ChannelClosed("this guest channel was closed")
+        with self._connect_lock:
+            with self._cond:
+                old, self._client = self._client, None
+            if old is not None:
+                old.close()
+            deadline = time.monotonic() + timeout
+            attempts, delay = 0, 0.05
+            while True:
+                attempts += 1
+                remaining = deadline - time.monotonic()
+                try:
+                    client = self._open_client(max(0.5, min(remaining, 10.0)))
+                    break
+                except GuestError as exc:
+                    if not retry or not isinstance(exc, GuestUnreachable) or time.monotonic() + delay >= deadline:
+                        raise
+                # Back off before the next try; wakes at once if the channel is closed meanwhile.
+                if self._closing.wait(delay):
+                    raise ChannelClosed("this guest channel was closed")
+                delay = min(delay * 2, 1.0)
+            with self._cond:
+                if self._closing.is_set():  # closed while we were connecting: do not leave a live transport
+                    client.close()
+                    raise ChannelClosed("this guest channel was closed")
+                self._client = client
+                self._cond.notify_all()
+            return attempts
+
+    def _live_transport(self, wait: float = 0.0) -> paramiko.Transport:
+        with self._cond:
+            self._cond.wait_for(lambda: self._closing.is_set() or self.connected, timeout=wait)
+            transport = self._transport()
+        if self._closing.is_set():
+            raise ChannelClosed("this guest channel was closed")
+        if transport is None or not transport.is_active():
+            raise NotConnected("the SSH connection to the guest is down; reconnect first")
+        return transport
+
+    # ------------------------------------------------------------------------------------------ commands
+
+    def run(self, cmd: str | Sequence[str], *, input: bytes | None = None, timeout: float) -> RunResult:
+        """Run `cmd` (a shell string, or argv that is quoted here) and collect its output; `guest_timeout` after
+        `timeout` seconds (the channel is closed; the guest process gets SIGHUP only if it reads or writes)."""
+        command = cmd if isinstance(cmd, str) else shlex.join(cmd)
+        deadline = time.monotonic() + timeout
+        transport = self._live_transport()
+        try:
+            chan = transport.open_session(timeout=timeout)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise NotConnected(f"cannot open a session on the guest: {exc}") from None
+        try:
+            chan.exec_command(command)
+            if input is not None:
+                chan.sendall(input)
+            chan.shutdown_write()
+            return self._collect(chan, deadline, timeout, command)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise NotConnected(f"the SSH connection dropped while running a command: {exc}") from None
+        finally:
+            chan.close()
+
+    def _collect(self, chan: paramiko.Channel, deadline: float, timeout: float, command: str) -> RunResult:
+        out, err = bytearray(), bytearray()
+        while True:
+            while chan.recv_ready():
+                out += chan.recv(_CHUNK)
+            while chan.recv_stderr_ready():
+                err += chan.recv_stderr(_CHUNK)
+            if len(out) > self._max_output or len(err) > self._max_output:
+                raise OutputTooLarge(f"the command wrote more than {self._max_output} bytes")
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                if chan.eof_received or chan.closed:
+                    return RunResult(status=chan.recv_exit_status(), stdout=bytes(out), stderr=bytes(err))
+            if chan.closed and not chan.exit_status_ready():
+                raise NotConnected("the SSH channel closed before the command finished")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GuestTimeout(f"no result within {timeout:g} s: {command[:200]}")
+            # Wakes on output or close; the cap re-checks the exit status, which does not wake the pipe.
+            select.select([chan], [], [], min(remaining, 0.05))
+
+    def resync_clock(self, *, timeout: float = 10.0) -> ClockSync:
+        """Set the guest clock from the host's (two round trips): measure, then set and measure again.
+
+        Refuses to set it (`applied=False`) when the "guest" shares this machine's boot id: pointed at the host's own
+        sshd (as in tests), `date -s` would step the host clock that every other process relies on."""
+        t0 = self._wall_ns()
+        first = self.run("cat /proc/sys/kernel/random/boot_id && date +%s%N", timeout=timeout)
+        t1 = self._wall_ns()
+        boot_id, guest_ns = first.check("reading the guest clock").stdout.split()
+        before = int(guest_ns) - (t0 + t1) // 2
+        rtt = t1 - t0
+        if boot_id.decode() == _local_boot_id() and self._set_clock is _default_set_clock:
+            offset = timedelta(microseconds=before / 1000)
+            return ClockSync(before=offset, after=offset, round_trip=timedelta(microseconds=rtt / 1000),
+                             applied=False)
+        t2 = self._wall_ns()
+        setter = shlex.join(self._set_clock(t2 + rtt // 2))  # aim at the moment the command lands
+        second = self.run(f"{setter} >/dev/null && date +%s%N", timeout=timeout).check("setting the guest clock")
+        t3 = self._wall_ns()
+        after = int(second.stdout.split()[-1]) - (t2 + t3) // 2
+        return ClockSync(before=timedelta(microseconds=before / 1000), after=timedelta(microseconds=after / 1000),
+                         round_trip=timedelta(microseconds=rtt / 1000), applied=True)
+
+    # ------------------------------------------------------------------------------------------ forwards
+
+    def forward(self, remote_host: str, remote_port: int) -> int:
+        """A local 127.0.0.1 port whose connections are tunnelled to (remote_host, remote_port) as the guest
+        sees it. Idempotent: asking again for the same remote returns the same port."""
+        if self._closing.is_set():
+            raise ChannelClosed("this guest channel was closed")
+        remote = (remote_host, remote_port)
+        with self._cond:
+            fwd = self._forwards.get(remote)
+            if fwd is None:
+                fwd = self._forwards[remote] = self._listen(remote)
+            return fwd.port
+
+    def _listen(self, remote: tuple[str, int], prefer: int = 0) -> _Forward:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(("127.0.0.1", prefer))
+        except OSError:
+            listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        fwd = _Forward(remote=remote, listener=listener, port=int(listener.getsockname()[1]))
+        fwd.thread = self._spawn(self._accept_loop, fwd, name=f"guest-forward-{remote[1]}")
+        return fwd
+
+    def _spawn(self, target: Callable[..., None], *args: object, name: str) -> threading.Thread:
+        thread = threading.Thread(target=self._tracked, args=(target, *args), name=name, daemon=True)
+        with self._cond:
+            self._threads.add(thread)
+        thread.start()
+        return thread
+
+    def _tracked(self, target: Callable[..., None], *args: object) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._cond:
+                self._threads.discard(threading.current_thread())
+
+    def _accept_loop(self, fwd: _Forward) -> None:
+        while not self._closing.is_set():
+            try:
+                conn, peer = fwd.listener.accept()
+            except OSError:
+                return  # the listener was shut down
+            pipe = _Pipe(conn=conn)
+            with self._cond:
+                if self._closing.is_set():
+                    conn.close()
+                    return
+                self._pipes.add(pipe)
+            self._spawn(self._pump, pipe, fwd.remote, peer, name=f"guest-pipe-{fwd.remote[1]}")
+
+    def _pump(self, pipe: _Pipe, remote: tuple[str, int], peer: tuple[str, int]) -> None:
+        conn = pipe.conn
+        try:
+            transport = self._live_transport(wait=self._forward_wait)
+            chan = pipe.chan = transport.open_channel("direct-tcpip", remote, peer, timeout=self._forward_wait)
+            while True:
+                ready, _, _ = select.select([conn, chan], [], [])
+                if conn in ready:
+                    data = conn.recv(_CHUNK)
+                    if not data:
+                        return
+                    chan.sendall(data)
+                if chan in ready:
+                    data = chan.recv(_CHUNK)
+                    if not data:
+                        return
+                    conn.sendall(data)
+        except (GuestError, paramiko.SSHException, EOFError, OSError, ValueError):
+            return  # the client sees its connection close; the next one tries again
+        finally:
+            if pipe.chan is not None:
+                pipe.chan.close()
+            conn.close()
+            with self._cond:
+                self._pipes.discard(pipe)
+
+    # ------------------------------------------------------------------------------------------ shutdown
+
+    def close(self, *, join_timeout: float = 5.0) -> None:
+        """Stop every listener and tunnelled connection, close SSH, and wait (bounded) for the threads."""
+        self._closing.set()
+        with self._cond:
+            forwards, pipes = list(self._forwards.values()), list(self._pipes)
+            client, self._client = self._client, None
+            self._cond.notify_all()
+        for fwd in forwards:
+            with contextlib.suppress(OSError):
+                fwd.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        for pipe in pipes:
+            with contextlib.suppress(OSError):
+                pipe.conn.shutdown(socket.SHUT_RDWR)  # wakes the pump's select(); the pump closes it
+            if pipe.chan is not None:
+                pipe.chan.close()
+        if client is not None:
+            client.close()
+        deadline = time.monotonic() + join_timeout
+        with self._cond:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for fwd in forwards:
+            fwd.listener.close()
+
+    def forward_threads(self) -> int:
+        """How many forwarding threads are alive (tests check that close() leaves none)."""
+        with self._cond:
+            return sum(1 for t in self._threads if t.is_alive())
+
+    def __enter__(self) -> GuestChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
