@@ -85,20 +85,27 @@ def check_completion(registry: Registry, completion: list[Completion]) -> list[d
 
 @router.post("/v1/control/stop")
 def stop(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
-    with write(rt.engine) as conn:
-        record = control.set_stop(conn, stopped=True, user_id=user, actor=f"user:{user}",
-                                  reason=body.reason if body else "", now=rt.clock.now())
-    rt.signals.wake_all()
-    return {"stopped": True, "record_id": record}
+    return _set_stop(user, rt, stopped=True, reason=body.reason if body else "")
 
 
 @router.post("/v1/control/start")
 def start(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
+    return _set_stop(user, rt, stopped=False, reason=body.reason if body else "")
+
+
+def _set_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str, Any]:
+    """Record the caller's STOP or START and answer what is true afterwards: a START does not lift a STOP over
+    everything, which only the deployment's operator records (`wakeful start`)."""
     with write(rt.engine) as conn:
-        record = control.set_stop(conn, stopped=False, user_id=user, actor=f"user:{user}",
-                                  reason=body.reason if body else "", now=rt.clock.now())
+        record = control.set_stop(conn, stopped=stopped, user_id=user, actor=f"user:{user}", reason=reason,
+                                  now=rt.clock.now())
+        state = control.stop_state(conn)
     rt.signals.wake_all()
-    return {"stopped": False, "record_id": record}
+    answer: dict[str, Any] = {"stopped": state.blocks(user), "global_stop": state.everything, "record_id": record}
+    if not stopped and state.everything:
+        answer["note"] = "your START is recorded, but a STOP over everything is in force: nothing goes out until " \
+                         "the operator lifts it with `wakeful start`"
+    return answer
 
 
 @router.get("/v1/control")

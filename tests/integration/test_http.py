@@ -20,6 +20,7 @@ from sqlalchemy import Engine
 
 from tests.support.polling import wait_until
 from tests.support.records import event_rows, run_rows
+from wakeful.server.core import control
 from wakeful.server.core.signatures import SignatureKind, sign
 from wakeful.server.faces.http import QuietServer, create_app
 from wakeful.server.harness.handlers import EchoHandler
@@ -208,6 +209,20 @@ def test_stop_and_start_through_the_api(client: TestClient, token: str) -> None:
     assert client.get("/v1/control", headers=auth).json() == {"stopped": True, "global_stop": False}
     client.post("/v1/control/start", headers=auth)
     assert client.get("/v1/control", headers=auth).json()["stopped"] is False
+
+
+def test_a_users_start_during_a_global_stop_answers_that_they_are_still_stopped(
+        client: TestClient, app_engine: Engine, token: str, clock: FakeClock) -> None:
+    auth = {"Authorization": f"Bearer {token}"}
+    with write(app_engine) as conn:
+        control.set_stop(conn, stopped=True, user_id=None, actor="cli", reason="incident", now=clock.now())
+    answer = client.post("/v1/control/start", headers=auth).json()
+    assert answer["stopped"] is True and answer["global_stop"] is True and "wakeful start" in answer["note"]
+    assert client.get("/v1/control", headers=auth).json() == {"stopped": True, "global_stop": True}
+    with write(app_engine) as conn:
+        control.set_stop(conn, stopped=False, user_id=None, actor="cli", reason="over", now=clock.now())
+    answer = client.post("/v1/control/start", headers=auth).json()
+    assert (answer["stopped"], answer["global_stop"], "note" in answer) == (False, False, False)
 
 
 def test_one_users_token_never_reaches_another_users_task(client: TestClient, app_engine: Engine, token: str,
