@@ -45,7 +45,8 @@ class ConfigFileError(ValueError):
         self.path = path
         self.problem = problem
 
-SourceKind = Literal["github", "stripe", "slack", "generic"]
+SignatureKind = Literal["github", "stripe", "slack", "generic"]
+"""The webhook signature schemes (`server.core.signatures` verifies them); declared here, where sources are set."""
 
 
 def _seconds(value: Any) -> Any:
@@ -77,7 +78,7 @@ class SourceSettings(BaseModel):
 
     model_config = {"extra": "forbid"}
 
-    kind: SourceKind
+    kind: SignatureKind
     """Which signature scheme the provider uses."""
     secret: SecretStr
     """The shared signing secret. Prefer the environment (`WAKEFUL_SOURCES__<NAME>__SECRET`) to the file."""

@@ -12,11 +12,12 @@ import hmac
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final
+
+from wakeful.server.settings import SignatureKind
 
 __all__ = ["SignatureError", "SignatureKind", "sign", "verify_signature"]
 
-SignatureKind = Literal["github", "stripe", "slack", "generic"]
 
 SIGNATURE_MISSING: Final = "signature_missing"
 SIGNATURE_MALFORMED: Final = "signature_malformed"

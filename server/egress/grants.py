@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import Connection, Row, Select, and_, bindparam, insert, select, update
+from sqlalchemy import Connection, Row, Select, and_, bindparam, insert, or_, select, update
 
 from wakeful.proxy.contract import Allow, DecisionRequest, EgressRequest, RefusalCode, Verdict, refuse
 from wakeful.proxy.decide import AllowRule, decide_by_allowlist
@@ -316,9 +316,17 @@ def store_audit(conn: Connection, records: Iterable[EgressRecord], *, now: datet
 
 
 def audit_rows(conn: Connection, *, user_id: str | None, limit: int = 100, since: datetime | None = None,
-               verdict: str | None = None) -> Sequence[dict[str, Any]]:
-    """The newest audit rows first; `user_id` None means every user (the CLI on the deployment's own machine)."""
+               verdict: str | None = None, before: tuple[str, str] | None = None) -> Sequence[dict[str, Any]]:
+    """The newest audit rows first; `user_id` None means every user (the CLI on the deployment's own machine).
+    `before` is the (time in ISO 8601, request ID) of the last row of the previous page."""
     query = select(egress_audit).order_by(egress_audit.c.at.desc(), egress_audit.c.request_id.desc()).limit(limit)
+    if before is not None:
+        try:
+            at = datetime.fromisoformat(before[0])
+        except ValueError:
+            raise BadRequest("bad_cursor", "the cursor is not one this server gave out") from None
+        query = query.where(or_(egress_audit.c.at < at, and_(egress_audit.c.at == at,
+                                                              egress_audit.c.request_id < before[1])))
     if user_id is not None:
         query = query.where(egress_audit.c.user_id == user_id)
     if since is not None:

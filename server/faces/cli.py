@@ -194,11 +194,15 @@ def _set_stop(stopped: bool, reason: str, user: str | None, data_dir: Path | Non
             user_id = users.user_id_by_name(conn, user) if user else None
             control.set_stop(conn, stopped=stopped, user_id=user_id, actor="cli", reason=reason,
                              now=SystemClock().now())
+            state = control.stop_state(conn)
     except WakefulError as exc:
         _fail(exc)
     nudge(settings)
     scope = f"user {user}" if user else "everything"
     typer.echo(f"{'STOP' if stopped else 'START'} recorded for {scope}.")
+    if not stopped and state.everything:  # the answer says what holds now, not what was asked for
+        typer.echo("A STOP over everything is still in force: lift it with `wakeful start` (no --user).")
+
 
 
 @app.command()

@@ -22,7 +22,7 @@ here is reachable by a model: MCP tools and run handlers have no route to contro
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
@@ -36,6 +36,7 @@ from wakeful.server.core import control, sessions
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.faces.auth import User
+from wakeful.server.faces.pages import Cursor, Limit, decode_cursor, encode_cursor
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, events, outbox
@@ -85,20 +86,27 @@ def check_completion(registry: Registry, completion: list[Completion]) -> list[d
 
 @router.post("/v1/control/stop")
 def stop(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
-    with write(rt.engine) as conn:
-        record = control.set_stop(conn, stopped=True, user_id=user, actor=f"user:{user}",
-                                  reason=body.reason if body else "", now=rt.clock.now())
-    rt.signals.wake_all()
-    return {"stopped": True, "record_id": record}
+    return _set_stop(user, rt, stopped=True, reason=body.reason if body else "")
 
 
 @router.post("/v1/control/start")
 def start(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
+    return _set_stop(user, rt, stopped=False, reason=body.reason if body else "")
+
+
+def _set_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str, Any]:
+    """Record the caller's STOP or START and answer what is true afterwards: a START does not lift a STOP over
+    everything, which only the deployment's operator records (`wakeful start`)."""
     with write(rt.engine) as conn:
-        record = control.set_stop(conn, stopped=False, user_id=user, actor=f"user:{user}",
-                                  reason=body.reason if body else "", now=rt.clock.now())
+        record = control.set_stop(conn, stopped=stopped, user_id=user, actor=f"user:{user}", reason=reason,
+                                  now=rt.clock.now())
+        state = control.stop_state(conn)
     rt.signals.wake_all()
-    return {"stopped": False, "record_id": record}
+    answer: dict[str, Any] = {"stopped": state.blocks(user), "global_stop": state.everything, "record_id": record}
+    if not stopped and state.everything:
+        answer["note"] = "your START is recorded, but a STOP over everything is in force: nothing goes out until " \
+                         "the operator lifts it with `wakeful start`"
+    return answer
 
 
 @router.get("/v1/control")
@@ -194,19 +202,28 @@ def get_event(user: User, rt: Rt, event_id: str) -> dict[str, Any]:
 
 
 @router.get("/v1/messages")
-def messages(user: User, rt: Rt, limit: int = 100) -> dict[str, Any]:
+def messages(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None) -> dict[str, Any]:
+    """The messages sent to the user, newest first, a page at a time."""
+    after = decode_cursor(cursor, parts=1)
+    query = select(outbox).where(and_(outbox.c.user_id == user, outbox.c.kind == "user_message"))
+    if after is not None:
+        query = query.where(outbox.c.id < after[0])
     with read(rt.engine) as conn:
-        rows = conn.execute(select(outbox).where(and_(outbox.c.user_id == user, outbox.c.kind == "user_message"))
-                            .order_by(outbox.c.created_at.desc()).limit(min(limit, 1000))).all()
+        rows = conn.execute(query.order_by(outbox.c.id.desc()).limit(limit + 1)).all()
+    page = rows[:limit]
     return {"messages": [{"id": r.id, "state": r.state, "created_at": r.created_at.isoformat(),
-                          "body": json.loads(r.body)} for r in rows]}
+                          "body": json.loads(r.body)} for r in page],
+            "next": encode_cursor([page[-1].id]) if len(rows) > limit else None}
 
 
 @router.get("/v1/egress")
-def egress_audit(user: User, rt: Rt, limit: int = 100, verdict: str | None = None) -> dict[str, Any]:
+def egress_audit(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None,
+                 verdict: Literal["allow", "refuse"] | None = None) -> dict[str, Any]:
     """What the egress proxy did with this user's requests, newest first (never headers, bodies or queries)."""
-    if verdict not in (None, "allow", "refuse"):
-        raise BadRequest("bad_verdict", "verdict must be allow or refuse")
+    after = decode_cursor(cursor, parts=2)
     with read(rt.engine) as conn:
-        rows = egress.audit_rows(conn, user_id=user, limit=max(1, min(limit, 1000)), verdict=verdict)
-    return {"requests": list(rows)}
+        rows = egress.audit_rows(conn, user_id=user, limit=limit + 1, verdict=verdict,
+                                 before=(after[0], after[1]) if after else None)
+    page = list(rows[:limit])
+    return {"requests": page,
+            "next": encode_cursor([page[-1]["at"], page[-1]["request_id"]]) if len(rows) > limit else None}

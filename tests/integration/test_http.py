@@ -21,12 +21,13 @@ from sqlalchemy import Engine
 from tests.support.polling import wait_until
 from tests.support.records import event_rows, run_rows
 from wakeful.proxy.clock import FakeClock
+from wakeful.server.core import control, outbox
 from wakeful.server.core.signatures import SignatureKind, sign
 from wakeful.server.faces.http import QuietServer, create_app
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
-from wakeful.server.store.db import make_engine, migrate, write
+from wakeful.server.store.db import make_engine, migrate, read, write
 from wakeful.server.store.users import ensure_user
 
 SECRET = "shh-its-a-secret"
@@ -210,6 +211,20 @@ def test_stop_and_start_through_the_api(client: TestClient, token: str) -> None:
     assert client.get("/v1/control", headers=auth).json()["stopped"] is False
 
 
+def test_a_users_start_during_a_global_stop_answers_that_they_are_still_stopped(
+        client: TestClient, app_engine: Engine, token: str, clock: FakeClock) -> None:
+    auth = {"Authorization": f"Bearer {token}"}
+    with write(app_engine) as conn:
+        control.set_stop(conn, stopped=True, user_id=None, actor="cli", reason="incident", now=clock.now())
+    answer = client.post("/v1/control/start", headers=auth).json()
+    assert answer["stopped"] is True and answer["global_stop"] is True and "wakeful start" in answer["note"]
+    assert client.get("/v1/control", headers=auth).json() == {"stopped": True, "global_stop": True}
+    with write(app_engine) as conn:
+        control.set_stop(conn, stopped=False, user_id=None, actor="cli", reason="over", now=clock.now())
+    answer = client.post("/v1/control/start", headers=auth).json()
+    assert (answer["stopped"], answer["global_stop"], "note" in answer) == (False, False, False)
+
+
 def test_one_users_token_never_reaches_another_users_task(client: TestClient, app_engine: Engine, token: str,
                                                           clock: FakeClock) -> None:
     with write(app_engine) as conn:
@@ -279,3 +294,71 @@ def test_a_quiet_server_stamps_every_response_and_stops_at_once_when_idle() -> N
     server.should_exit = True  # asleep with no connection and nothing due: this alone must wake it
     thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+def _user_id(engine: Engine, name: str) -> str:
+    from wakeful.server.store import users
+
+    with read(engine) as conn:
+        return users.user_id_by_name(conn, name)
+
+
+def test_paging_through_the_messages_shows_each_once_newest_first(client: TestClient, app_engine: Engine,
+                                                                 token: str, clock: FakeClock) -> None:
+    auth = {"Authorization": f"Bearer {token}"}
+    user_id = _user_id(app_engine, "second")
+    with write(app_engine) as conn:
+        sent = [outbox.enqueue(conn, user_id=user_id, body={"text": f"m{i}"}, now=clock.now()) for i in range(7)]
+    seen: list[str] = []
+    cursor: str | None = None
+    while True:
+        page = client.get("/v1/messages", params={"limit": 3, **({"cursor": cursor} if cursor else {})},
+                          headers=auth).json()
+        seen += [m["id"] for m in page["messages"]]
+        cursor = page["next"]
+        if cursor is None:
+            break
+        with write(app_engine) as conn:  # a message sent between two pages never shifts the next page
+            outbox.enqueue(conn, user_id=user_id, body={"text": "late"}, now=clock.now())
+    assert seen == sorted(sent, reverse=True)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/egress"])
+@pytest.mark.parametrize("limit", ["-1", "0", "1001", "-9223372036854775809", "99999999999999999999999"])
+def test_a_list_limit_out_of_bounds_is_a_400_never_the_whole_table_or_a_500(client: TestClient, token: str,
+                                                                            path: str, limit: str) -> None:
+    response = client.get(path, params={"limit": limit}, headers={"Authorization": f"Bearer {token}"})
+    assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_parameter")
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/egress"])
+@pytest.mark.parametrize("cursor", ["nope", "WyJhIiwiYiIsImMiXQ", "W10", "eyJhIjoxfQ", "x" * 600])
+def test_a_cursor_the_server_did_not_write_is_a_400(client: TestClient, token: str, path: str, cursor: str) -> None:
+    response = client.get(path, params={"cursor": cursor}, headers={"Authorization": f"Bearer {token}"})
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] in {"bad_cursor", "invalid_parameter"}
+
+
+def test_paging_through_the_egress_audit_keeps_rows_that_share_a_timestamp(client: TestClient, app_engine: Engine,
+                                                                          token: str, clock: FakeClock) -> None:
+    from wakeful.proxy.audit import EgressRecord
+    from wakeful.proxy.contract import RefusalCode
+    from wakeful.server.egress.grants import store_audit
+
+    user_id = _user_id(app_engine, "second")
+    at = clock.now()
+    records = [EgressRecord(request_id=f"req-{i:02d}", at=at, user_id=user_id, client="connector", attempt_id=None,
+                            action_id=None, method="GET", scheme="https", host="shop.test", port=443, path="/",
+                            verdict="refuse", code=RefusalCode.NOT_ADMITTED, rule="r", credential=None, bytes_up=0,
+                            bytes_down=0, upstream_status=None, latency_ms=1.0) for i in range(5)]
+    with write(app_engine) as conn:
+        store_audit(conn, records, now=at)
+    seen: list[str] = []
+    cursor: str | None = None
+    while True:
+        page = client.get("/v1/egress", params={"limit": 2, **({"cursor": cursor} if cursor else {})},
+                          headers={"Authorization": f"Bearer {token}"}).json()
+        seen += [r["request_id"] for r in page["requests"]]
+        if (cursor := page["next"]) is None:
+            break
+    assert seen == [f"req-{i:02d}" for i in reversed(range(5))]

@@ -84,8 +84,9 @@ def test_the_proxy_imports_only_itself_and_the_vm_only_itself_and_the_proxy(top:
 def test_the_clock_is_declared_once_in_the_proxy() -> None:
     # The simulators keep their own simulated time: they stand in for other systems and import nothing of ours.
     declared = sorted(str(p.relative_to(ROOT)) for top in ("server", "vm", "proxy") for p in _modules(top)
-                      if "sims" not in p.parts and any(isinstance(node, ast.ClassDef) and node.name.lstrip("_").endswith("Clock")
-                             for node in ast.walk(ast.parse(p.read_text()))))
+                      if "sims" not in p.parts
+                      and any(isinstance(node, ast.ClassDef) and node.name.lstrip("_").endswith("Clock")
+                              for node in ast.walk(ast.parse(p.read_text()))))
     assert declared == ["proxy/clock.py"]
 
 
