@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from wakeful.vm.image_recipe import load_recipe
+from wakeful.vm.image.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("server", "vm", "proxy", "policies", "images")  # each ships as wakeful.<name>
@@ -98,7 +98,7 @@ def test_the_wheel_carries_every_file_of_the_code_policies_and_image_recipe_and_
 def test_the_installed_image_recipe_is_the_checkout_s_with_its_executable_bits(venv: Path) -> None:
     """The recipe's hashes cover each file's executable bit: equal hashes mean the same recipe, runnable."""
     script = ("import dataclasses, json; from wakeful.vm.image import DEFAULT_RECIPE; "
-              "from wakeful.vm.image_recipe import load_recipe; r = load_recipe(DEFAULT_RECIPE); "
+              "from wakeful.vm.image.recipe import load_recipe; r = load_recipe(DEFAULT_RECIPE); "
               "print(json.dumps({'path': str(r.path), **{k: v for k, v in dataclasses.asdict(r).items() "
               "if k.endswith('_hash')}}))")
     installed = json.loads(_run(venv / "bin" / "python", "-c", script, cwd=venv.parent,
