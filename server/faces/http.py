@@ -43,6 +43,7 @@ from wakeful.server.core.inbox import Delivery
 from wakeful.server.core.signatures import SignatureError, verify_signature
 from wakeful.server.egress.proxyctl import serve_egress
 from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, Unauthorized, WakefulError
+from wakeful.server.faces import bodies
 from wakeful.server.faces.liveview import live_router
 from wakeful.server.faces.mcpserver import TokenVerifier, WakefulMCP
 from wakeful.server.faces.routes import router
@@ -317,10 +318,7 @@ class WebhookInbox:
                              tolerance_seconds=config.tolerance_seconds)
         except SignatureError as exc:
             raise Unauthorized(exc.code, str(exc), source=source) from None
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise BadRequest("malformed_body", "the body is not valid JSON") from None
+        payload = bodies.loads(body)  # depth, number length and duplicate keys bounded before anything recurses
         if not isinstance(payload, dict):
             raise BadRequest("malformed_body", "the body must be a JSON object")
         if config.kind == "slack" and payload.get("type") == "url_verification":

@@ -131,12 +131,18 @@ def test_fifty_concurrent_identical_deliveries_are_one_row(client: TestClient, a
     assert len(event_rows(app_engine)) == 1
 
 
-@pytest.mark.parametrize(("body", "code"), [(b"not json", "malformed_body"), (b"[1, 2]", "malformed_body")])
-def test_a_malformed_body_is_a_400_with_a_stable_code(client: TestClient, clock: FakeClock, body: bytes,
-                                                      code: str) -> None:
+@pytest.mark.parametrize(("body", "code"), [
+    (b"not json", "malformed_body"), (b"[1, 2]", "malformed_body"), (b'{"a": NaN}', "malformed_body"),
+    (b'{"a": ' + b"[" * 100 + b"]" * 100 + b"}", "json_too_deep"),
+    (b'{"n": ' + b"9" * 4000 + b"}", "number_too_long"),
+    (b'{"session_key": "mine", "session_key": "yours"}', "duplicate_key"),
+], ids=["not json", "not an object", "NaN", "too deep", "a 4000-digit number", "a key twice"])
+def test_a_malformed_body_is_a_400_with_a_stable_code(client: TestClient, app_engine: Engine, clock: FakeClock,
+                                                      body: bytes, code: str) -> None:
     headers = sign("generic", secret=SECRET.encode(), body=body, now=clock.now().timestamp())
     response = client.post("/v1/hooks/generic", content=body, headers=headers | {"X-Wakeful-Delivery": "d"})
     assert (response.status_code, response.json()["error"]["code"]) == (400, code)
+    assert event_rows(app_engine) == []  # a signed but absurd body is refused whole, nothing recorded
 
 
 def test_a_delivery_without_its_delivery_id_is_refused(client: TestClient, clock: FakeClock) -> None:
