@@ -13,9 +13,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from wakeful.server.errors import BadRequest
+from starlette.types import Receive
 
-__all__ = ["JsonLimits", "loads"]
+from wakeful.server.errors import BadRequest, PayloadTooLarge
+
+__all__ = ["Disconnected", "JsonLimits", "loads", "read"]
 
 # A JSON string (with its escapes), or one bracket. Everything else cannot change the depth.
 _TOKENS: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)
@@ -44,6 +46,26 @@ def loads(raw: bytes, limits: JsonLimits = JsonLimits()) -> Any:
         raise BadRequest(exc.code, exc.message) from None
     except (json.JSONDecodeError, ValueError, RecursionError):
         raise BadRequest("malformed_body", "the body is not valid JSON") from None
+
+
+class Disconnected(Exception):
+    """The client went away before its whole body arrived."""
+
+
+async def read(receive: Receive, limit: int) -> bytes:
+    """A request's whole body from its ASGI messages, refused (`payload_too_large`) as soon as it passes `limit`."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise Disconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge("payload_too_large", f"bodies over {limit} bytes are refused")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 class _Refused(Exception):

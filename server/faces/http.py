@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from email.utils import formatdate
+from functools import partial
 from http import HTTPStatus
 from typing import Any
 
@@ -44,6 +45,8 @@ from wakeful.server.core.signatures import SignatureError, verify_signature
 from wakeful.server.egress.proxyctl import serve_egress
 from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, Unauthorized, WakefulError
 from wakeful.server.faces import bodies
+from wakeful.server.faces.auth import user_of
+from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.liveview import live_router
 from wakeful.server.faces.mcpserver import TokenVerifier, WakefulMCP
 from wakeful.server.faces.routes import router
@@ -257,7 +260,7 @@ class WebhookInbox:
             if scope["method"] != "POST":
                 raise MethodNotAllowed("method_not_allowed", "webhook deliveries are POSTed")
             answer = await self.receive(source, Headers(scope=scope), receive)
-        except _Disconnected:
+        except bodies.Disconnected:
             return  # nobody to answer; nothing was recorded
         except WakefulError as exc:
             await self._refuse(exc, scope, receive, send)
@@ -286,21 +289,6 @@ class WebhookInbox:
         source: str = scope["path"][len(self.PREFIX):]
         return source if source and "/" not in source else None
 
-    @staticmethod
-    async def _body(receive: Receive, limit: int) -> bytes:
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Disconnected
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge("payload_too_large", f"bodies over {limit} bytes are refused")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
     async def receive(self, source: str, headers: Headers, receive: Receive) -> dict[str, Any]:
         """Verify, parse and persist one delivery; answers (the JSON to send) once it is durable."""
         runtime = self.runtime
@@ -311,7 +299,7 @@ class WebhookInbox:
         config = settings.sources.get(source)
         if config is None:
             raise NotFound("unknown_source", f"no webhook source named {source!r} is configured", source=source)
-        body = await self._body(receive, settings.max_body_bytes)
+        body = await bodies.read(receive, settings.max_body_bytes)
         try:
             verify_signature(config.kind, secret=config.secret.get_secret_value().encode(), body=body,
                              headers=headers, now=clock.now().timestamp(),
@@ -332,10 +320,6 @@ class WebhookInbox:
         )
         recorded = await runtime.committer.persist(delivery)
         return {"event_id": recorded.event_id, "duplicate": recorded.duplicate, "status": recorded.status.value}
-
-
-class _Disconnected(Exception):
-    """The client went away before its whole body arrived."""
 
 
 def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
@@ -403,4 +387,5 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
     for route in mcp_app.routes:
         assert isinstance(route, Route), route
         app.router.add_route(route.path, mcp_errors_as_ours, methods=route.methods)  # type: ignore[arg-type]
-    return WebhookInbox(app, runtime=runtime)
+    gate = ControlGate(app, authenticate=partial(user_of, runtime.engine), respond=error_response)
+    return WebhookInbox(gate, runtime=runtime)

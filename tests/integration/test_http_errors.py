@@ -162,3 +162,43 @@ def test_the_one_mapping_function_codes_framework_errors_by_their_status() -> No
         "code": "gone", "message": "link used"}
     invalid = RequestValidationError([{"type": "int_parsing", "loc": ("path", "n"), "msg": "not an int"}])
     assert json.loads(bytes(error_response(invalid).body))["error"]["code"] == "invalid_parameter"
+
+
+def _raw_head(server: Server, head: str) -> bytes:
+    """Send a request head only (no body follows) and read what the server answers to it."""
+    import socket
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(65536)  # a server waiting for the promised body would time this out
+            if not chunk:
+                break
+            answer += chunk
+        return answer
+
+
+def test_a_control_request_without_a_token_is_refused_before_its_body_is_read(server: Server) -> None:
+    answer = _raw_head(server, "POST /v1/tasks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               "Content-Length: 52428800\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 401")
+
+
+def test_a_control_body_over_the_limit_is_refused_from_its_declared_length(server: Server) -> None:
+    answer = _raw_head(server, f"POST /v1/tasks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.token}\r\n"
+                               "Content-Type: application/json\r\nContent-Length: 8388608\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413")
+
+
+def test_eight_megabytes_of_constraints_are_a_413_and_a_deep_body_a_400(server: Server) -> None:
+    huge = server.request("POST", "/v1/tasks", token=server.token,
+                          json={"title": "t", "constraints": {"pad": "x" * (8 << 20)}})
+    assert (huge.status_code, error_of(huge)["code"]) == (413, "payload_too_large")
+    deep = server.request("POST", "/v1/tasks", token=server.token, content=b'{"title": "t", "constraints": ' +
+                          b'{"a":' * 200 + b"1" + b"}" * 200 + b"}", headers={"Content-Type": "application/json"})
+    assert (deep.status_code, error_of(deep)["code"]) == (400, "json_too_deep")
+    fine = server.request("POST", "/v1/tasks", token=server.token, json={"title": "t", "constraints": {"a": 1}})
+    assert fine.status_code == 201, fine.text
