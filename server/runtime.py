@@ -20,7 +20,7 @@ from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.computers.handoff import LiveViews
-from wakeful.server.computers.pool import Computers, LazyVmComputers
+from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm_packages
 from wakeful.server.core import control, faults, outbox, timers, waits
 from wakeful.server.core.inbox import GroupCommitter
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
@@ -74,8 +74,12 @@ def load_registry(settings: Settings) -> Registry:
     """The declared connectors (none when the policies folder has no `connectors/`)."""
     directory = settings.policies / "connectors"
     if not directory.is_dir():
+        log.warning("no connectors: %s does not exist (copy the repository's policies/ there, or set policies_dir); "
+                    "the agent has no connector tools", directory)
         return Registry(connectors={})
-    return load_connectors(directory, base_urls=settings.connector_urls)
+    registry = load_connectors(directory, base_urls=settings.connector_urls)
+    log.info("connectors from %s: %s", directory, ", ".join(sorted(registry.connectors)) or "none")
+    return registry
 
 
 def make_handler(settings: Settings, registry: Registry) -> RunHandler:
@@ -119,6 +123,10 @@ class Runtime:
                                         backoff=settings.dispatch_backoff)
         if computers is None and settings.computers:
             computers = LazyVmComputers(settings, self.clock, self._computer_credential)
+            if missing := missing_vm_packages():
+                log.warning("tool computers are on (computers = true) but the VM packages are missing (%s): the "
+                            "agent's computer tools will answer tool_computer_unavailable (./scripts/install "
+                            "--computers, or computers = false)", ", ".join(missing))
         self.computers = computers
         self.live = LiveViews(computers, self.clock) if computers is not None else None
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import logging
 import operator
 import re
@@ -262,6 +263,21 @@ def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, An
                                                f"address on {network.name} is {network.host.ip}: tool computers would "
                                                "look for the egress proxy where it is not")
     return {"network": network.name, "network_proxy_port": listen[1], "address_book": settings.address_book}
+
+
+VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
+"""What the `computers` extra installs (`./scripts/install --computers`)."""
+
+
+def missing_vm_packages() -> list[str]:
+    """The VM stack's libraries that are not installed (looked up, not imported)."""
+    def missing(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except ImportError:  # a finder that refuses the name outright
+            return True
+
+    return [name for name in VM_PACKAGES if missing(name)]
 
 
 def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[str], ProxyCredential]) -> VmComputers:

@@ -149,8 +149,10 @@ def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraint
     if row is None:
         raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
     if row.state in (TaskState.CLOSED.value, TaskState.REVOKED.value):
-        raise Conflict("invalid_transition", f"task {task_id} is {row.state}; reopen it before steering it",
-                       task_id=task_id, state=row.state)
+        hint = "reopen it before steering it" if row.state == TaskState.CLOSED.value else \
+            "a revoked task is final: delegate a new one"
+        raise Conflict("invalid_transition", f"task {task_id} is {row.state}; {hint}", task_id=task_id,
+                       state=row.state)
     version = int(row.current_version) + 1
     conn.execute(task_versions.insert().values(
         id=new_id("tv"), task_id=task_id, version=version, goal=goal, created_by=actor, created_at=now,

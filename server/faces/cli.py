@@ -365,7 +365,10 @@ def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID, or `export` 
                 if output is None:
                     typer.echo(text, nl=False)
                 else:
-                    output.write_text(text)
+                    try:
+                        output.write_text(text)
+                    except OSError as exc:
+                        raise WakefulError("cannot_write", f"cannot write {output}: {exc.strerror}") from None
                     err.print(f"wrote {len(lines)} entries for {len(task_ids)} tasks to {output}")
                 return
             entries = ledger.entries(conn, task_id=task, user_id=user_id)

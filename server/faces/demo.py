@@ -155,8 +155,8 @@ def _script(runtime: Runtime, merchant: Merchant, out: Callable[[str], None]) ->
         out("  " + ledger.describe(entry))
     out("\nfour facts: " + ", ".join(f"{k}={v}" for k, v in facts.items()))
     count = len(merchant.effects_of("cancel_renewal"))
-    out(f"merchant's own records: {count} cancellation(s) of sub_1; renewal is now "
-        f"{merchant.subscription('sub_1')['renewal']}")
+    sub = merchant.subscription("sub_1") or {}
+    out(f"merchant's own records: {count} cancellation(s) of sub_1; renewal is now {sub.get('renewal')}")
     return count
 
 

@@ -181,6 +181,7 @@ def test_version_and_short_help_are_answered(tmp_path: Path) -> None:
     ["approve", "act_nope"], ["deny", "act_nope"], ["replay", "run_nope"], ["egress", "log", "--user", "nobody"],
     ["egress", "log", "--verdict", "maybe"], ["egress", "client", "vm", "--user", "nobody"], ["secret", "rm", "nope"],
     ["user-add"], ["status", "--bogus"], ["bogus"], ["egress", "log", "--limit", "0"], ["status", "--data-dir"],
+    ["ledger", "export", "-o", "/nonexistent/dir/ledger.jsonl"],
 ], ids=" ".join)
 def test_wrong_input_is_one_clear_line_and_a_nonzero_exit_never_a_traceback(tmp_path: Path, args: list[str]) -> None:
     run(tmp_path, "token")  # the owner exists, as after the first `wakeful serve`
@@ -245,12 +246,17 @@ def test_the_data_directory_is_created_owner_only_and_the_database_0600(tmp_path
 
 @pytest.fixture
 def without_vm_packages(tmp_path: Path) -> str:
-    """A PYTHONPATH on which libvirt, paramiko and Playwright cannot be imported, as on a machine without them."""
+    """A PYTHONPATH on which libvirt, paramiko and Playwright cannot be found, as on a machine without them."""
     blocked = tmp_path / "blocked"
-    (blocked / "playwright").mkdir(parents=True)
-    for module, path in (("libvirt", "libvirt.py"), ("paramiko", "paramiko.py"),
-                         ("playwright", "playwright/__init__.py")):
-        (blocked / path).write_text(f"raise ModuleNotFoundError({f'No module named {module}'!r}, name={module!r})\n")
+    blocked.mkdir()
+    (blocked / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Absent:\n"
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('libvirt', 'paramiko', 'playwright'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Absent())\n")
     return str(blocked)
 
 
@@ -266,7 +272,10 @@ def test_serve_runs_a_delegation_without_the_vm_packages(tmp_path: Path, without
                                      timeout=5).json()["facts"]["run_ended"], 30, "the delegation's run to end")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) in CLEAN_EXIT
-    assert "Traceback" not in _said(tmp_path, "stderr")
+    said = _said(tmp_path, "stderr")
+    assert "Traceback" not in said
+    assert "the VM packages are missing (libvirt, paramiko, playwright)" in said  # said at the start, not at first use
+    assert "no connectors:" in said  # and that the agent has no connector tools, with what to do about it
 
 
 def test_asking_for_a_tool_computer_without_the_vm_packages_says_what_to_install(tmp_path: Path,

@@ -231,6 +231,15 @@ def test_a_users_start_during_a_global_stop_answers_that_they_are_still_stopped(
     assert (answer["stopped"], answer["global_stop"], "note" in answer) == (False, False, False)
 
 
+def test_steering_a_revoked_task_says_it_is_final_not_to_reopen_it(client: TestClient, token: str) -> None:
+    auth = {"Authorization": f"Bearer {token}"}
+    task = client.post("/v1/tasks", json={"title": "t"}, headers=auth).json()["task_id"]
+    assert client.post(f"/v1/tasks/{task}/revoke", headers=auth).status_code == 200
+    steer = client.post(f"/v1/tasks/{task}/steer", json={"goal": "again"}, headers=auth)
+    assert steer.status_code == 409 and "final" in steer.json()["error"]["message"]
+    assert client.post(f"/v1/tasks/{task}/reopen", headers=auth).status_code == 409  # what it says is so
+
+
 def test_one_users_token_never_reaches_another_users_task(client: TestClient, app_engine: Engine, token: str,
                                                           clock: FakeClock) -> None:
     with write(app_engine) as conn:
