@@ -29,6 +29,7 @@ import mcp_types as types
 from mcp.server.auth.provider import AccessToken
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
 from sqlalchemy import Engine, and_, select
 
 from wakeful.proxy.clock import Clock
@@ -229,7 +230,10 @@ class WakefulMCP:
                              params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
         user = await anyio.to_thread.run_sync(self._user, ctx)
         uri = str(params.uri)
-        data = await anyio.to_thread.run_sync(self.read_resource, user, uri)
+        try:
+            data = await anyio.to_thread.run_sync(self.read_resource, user, uri)
+        except WakefulError as exc:  # anything else than MCPError is logged with a traceback and said opaquely
+            raise MCPError(types.INVALID_PARAMS, f"{exc.code}: {exc.message}", {"code": exc.code}) from None
         return types.ReadResourceResult(contents=[types.TextResourceContents(
             uri=uri, mime_type="application/json", text=json.dumps(data, sort_keys=True, default=str))])
 

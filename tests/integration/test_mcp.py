@@ -88,6 +88,17 @@ async def test_every_tool_has_schemas_and_honest_annotations(w: World, settings:
     assert "task_id" in cancel.input_schema["required"]
 
 
+@pytest.mark.parametrize("uri", ["wakeful://tasks/tsk_nope", "wakeful://tasks/tsk_nope/ledger", "wakeful://nothing"])
+async def test_reading_an_unknown_resource_is_a_coded_error_not_an_internal_one(w: World, settings: Any,
+                                                                                uri: str) -> None:
+    from mcp.shared.exceptions import MCPError
+
+    async with Client(mcp_for(w, settings).server) as client:
+        with pytest.raises(MCPError) as refused:
+            await client.read_resource(uri)
+    assert refused.value.error.message.startswith(("unknown_task: ", "unknown_resource: ")), refused.value.error
+
+
 async def test_control_operations_are_not_tools(w: World, settings: Any) -> None:
     async with Client(mcp_for(w, settings).server) as client:
         names = [t.name for t in (await client.list_tools()).tools]
