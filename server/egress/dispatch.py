@@ -469,8 +469,7 @@ class ActionDispatcher:
                              now=now)
                 outbox.enqueue(conn, user_id=task.user_id, session_id=task.session_id, now=now, message_id=receipt_id,
                                body={"kind": "receipt", "task_id": task.id, "proof": proof,
-                                     "text": f"Done: {task.goal}. Verified against the provider's own records "
-                                             f"({', '.join(p['action_id'] for p in proof)})."})
+                                     "text": _receipt_text(task.goal, proof)})
         return done
 
     def _tell_timed_out(self) -> None:
@@ -512,6 +511,20 @@ def _accepted_actions(conn: Connection) -> set[str]:
     by_reconcile = select(evidence.c.action_id).where(and_(evidence.c.source == "reconcile",
                                                            evidence.c.verdict == Outcome.ACCEPTED.value))
     return set(conn.execute(by_answer.union(by_reconcile)).scalars()) - {None}
+
+
+def _receipt_text(goal: str, proof: list[dict[str, Any]]) -> str:
+    """What the receipt says is exactly what its proof shows: a fresh read of the provider's records, or only the
+    provider's acceptance of the request where the task declared no read to verify it with."""
+    verified = [p["action_id"] for p in proof if p["verified"]]
+    accepted = [p["action_id"] for p in proof if not p["verified"]]
+    parts = [f"Done: {goal}."]
+    if verified:
+        parts.append(f"Verified against the provider's own records ({', '.join(verified)}).")
+    if accepted:
+        parts.append(f"Accepted by the provider ({', '.join(accepted)}), not verified by a fresh read: the task "
+                     "declares no read to check it with.")
+    return " ".join(parts)
 
 
 def _completion_proof(conn: Connection, task: Any, conditions: list[dict[str, Any]], accepted: set[str],

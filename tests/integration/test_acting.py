@@ -173,9 +173,21 @@ def test_completion_is_judged_on_a_fresh_read_and_the_receipt_is_sent_once(w: Wo
     assert w.dispatcher.verify_due() == 0 and w.dispatcher.complete_due() == 0  # once
     receipts = [m for m in messages(w.engine) if m.get("kind") == "receipt"]
     assert len(receipts) == 1 and receipts[0]["proof"][0]["verified"] is True
+    assert "Verified against the provider's own records" in receipts[0]["text"]
     with read(w.engine) as conn:
         facts = ledger.four_facts(conn, task_id=task.task_id)
     assert facts["goal_verified"] is not None and facts["receipt_delivered"] is None  # not dispatched yet
+
+
+def test_a_receipt_for_an_effect_no_read_verifies_does_not_say_verified(w: World) -> None:
+    task = w.task(completion=[{"effect": "merchant__cancel_renewal"}])  # no verify read declared
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    approve(w, w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"])
+    w.dispatcher.drain()
+    w.dispatcher.complete_due()
+    (receipt,) = [m for m in messages(w.engine) if m.get("kind") == "receipt"]
+    assert receipt["proof"][0]["verified"] is False
+    assert "Verified" not in receipt["text"] and "not verified by a fresh read" in receipt["text"]
 
 
 def test_an_accepted_effect_that_the_fresh_read_does_not_show_is_not_complete(w: World) -> None:
