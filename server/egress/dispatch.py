@@ -61,7 +61,7 @@ from wakeful.server.store.tables import tasks as tasks_table
 from wakeful.server.store.tables import waits as waits_table
 from wakeful.vm.observe import Refused as ActRefused
 
-__all__ = ["ActionDispatcher", "add_evidence", "classify", "reconcile_key"]
+__all__ = ["ActionDispatcher", "add_evidence", "classify", "proxy_refusal", "reconcile_key"]
 
 HELD, SETTLED = "held", "settled"
 _PROXY_REFUSALS = frozenset(code.value for code in RefusalCode) | {REQUEST_TOO_LARGE}
@@ -85,6 +85,20 @@ class Result:
     body: Any = None
 
 
+def proxy_refusal(response: httpx.Response) -> tuple[str, str] | None:
+    """The egress proxy's own (code, reason) when it refused the request before dialling anything, else None (it
+    strips its refusal header from upstream answers, so a remote cannot pose as the proxy)."""
+    code = response.headers.get(REFUSAL_HEADER)
+    if code not in _PROXY_REFUSALS:
+        return None
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    return code, str(error.get("message", "")) if isinstance(error, dict) else ""
+
+
 def classify(response: httpx.Response | None, error: Exception | None) -> Result:
     """Normalise what came back to exactly one of accepted, blocked, unknown."""
     if error is not None:
@@ -99,12 +113,11 @@ def classify(response: httpx.Response | None, error: Exception | None) -> Result
     except ValueError:
         body = None
     status = response.status_code
-    refusal = response.headers.get(REFUSAL_HEADER)
-    if refusal in _PROXY_REFUSALS:
-        # The egress proxy refused before dialling anything (it strips this header from upstream answers).
-        reason = body.get("error", {}).get("message", "") if isinstance(body, dict) else ""
+    refused = proxy_refusal(response)
+    if refused is not None:
+        code, reason = refused
         return Result(outcome=Outcome.BLOCKED, status_code=status, external_ref=None, body=body,
-                      detail=f"refused by the egress proxy ({refusal}): {reason}".strip())
+                      detail=f"refused by the egress proxy ({code}): {reason}".strip())
     if 200 <= status < 300:
         ref = next((str(body[k]) for k in _REF_FIELDS if isinstance(body, dict) and body.get(k)), None)
         return Result(outcome=Outcome.ACCEPTED, status_code=status, external_ref=ref, body=body,

@@ -35,7 +35,7 @@ from wakeful.server.acting.verdicts import admit_and_record, lock_task, verdict_
 from wakeful.server.computers.pool import COMPUTER_TOOLS, Computers
 from wakeful.server.core import sessions
 from wakeful.server.core.worker import Binding
-from wakeful.server.egress.dispatch import add_evidence
+from wakeful.server.egress.dispatch import add_evidence, proxy_refusal
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.errors import BadRequest, NotFound, Refused, WakefulError
 from wakeful.server.store.db import write
@@ -132,6 +132,10 @@ class ToolLayer:
             response = self._http.send(prepared, grant)
         except httpx.HTTPError as exc:
             raise WakefulError("remote_unreachable", f"{op.tool_name}: {type(exc).__name__}: {exc}") from None
+        refused = proxy_refusal(response)
+        if refused is not None:  # the proxy's own code and reason, as its audit has them, not the status it used
+            raise WakefulError(refused[0], f"{op.tool_name}: refused by the egress proxy: {refused[1]}",
+                               status_code=response.status_code)
         if not response.is_success:
             raise WakefulError("remote_error", f"{op.tool_name}: the remote answered HTTP {response.status_code}",
                                status_code=response.status_code)

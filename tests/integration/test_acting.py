@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 
+import httpx
 import pytest
 from sqlalchemy import Engine, select
 
@@ -201,3 +202,26 @@ def test_an_accepted_effect_that_the_fresh_read_does_not_show_is_not_complete(w:
     w.merchant.clock.advance(timedelta(hours=2))
     w.dispatcher.verify_due()
     assert [m["kind"] for m in messages(w.engine) if m.get("kind") == "receipt"] == ["receipt"]
+
+
+@pytest.mark.parametrize("answer, code", [
+    (httpx.Response(403, headers={"X-Wakeful-Refusal": "credential_unavailable"},
+                    json={"error": {"code": "credential_unavailable", "message": "no credential named merchant"}}),
+     "credential_unavailable"),
+    (httpx.Response(403, json={"error": "forbidden"}), "remote_error"),  # the remote's 403 stays the remote's
+], ids=["the proxy refused", "the remote refused"])
+def test_a_read_the_proxy_refused_tells_the_agent_the_proxys_own_code_and_reason(
+        engine: Engine, clock: FakeClock, owner: str, answer: httpx.Response, code: str) -> None:
+    from wakeful.proxy.contract import REFUSAL_HEADER
+    from wakeful.server.egress.outbound import ConnectorHTTP
+    from wakeful.server.errors import WakefulError
+
+    assert REFUSAL_HEADER == "X-Wakeful-Refusal"
+    http = ConnectorHTTP(timeout=5, transport=httpx.MockTransport(lambda request: answer))
+    with world(engine, clock, owner, http=http) as w:
+        task = w.task(title="cancel")
+        with pytest.raises(WakefulError) as refused:
+            w.call(task, "merchant__list_subscriptions")
+    assert refused.value.code == code
+    if code == "credential_unavailable":
+        assert "no credential named merchant" in refused.value.message
