@@ -199,10 +199,14 @@ async def live_view_shot(page: Page, link: str) -> bytes:
     return await page.locator("#screen canvas").screenshot()
 
 
-async def rfb_pointer(ws_url: str, x: int, y: int) -> None:
-    """A raw VNC viewer over the live view's websocket: handshake, move the pointer to (x, y), then wait for the
-    answer to an update request sent after it (x11vnc handles a client's messages in order)."""
-    async with websockets.connect(ws_url, subprotocols=["binary"], max_size=None, open_timeout=60) as ws:
+async def rfb_pointer(page: Page, x: int, y: int) -> None:
+    """A raw VNC viewer over the live view's websocket, as the page's own browser (its binder cookie, its origin):
+    handshake, move the pointer to (x, y), then wait for the answer to an update request sent after it (x11vnc
+    handles a client's messages in order)."""
+    cookies = "; ".join(f"{c['name']}={c['value']}" for c in await page.context.cookies(page.url))
+    origin = "/".join(page.url.split("/")[:3])
+    async with websockets.connect(ws_url(page.url), subprotocols=["binary"], max_size=None, open_timeout=60,
+                                  origin=origin, additional_headers={"Cookie": cookies}) as ws:
         pending = bytearray()
 
         async def take(n: int) -> bytes:
@@ -291,7 +295,7 @@ async def test_a_handoff_link_shows_the_guest_desktop_and_takes_input_while_agen
 
             # The user's input reaches the guest through the live view (the server taking input: x11vnc :5900).
             with served.guest() as guest:
-                await rfb_pointer(ws_url(page.url), 101, 77)
+                await rfb_pointer(page, 101, 77)
                 assert pointer(guest) == (101, 77)
             served.story["live_session"] = page.url
 
@@ -327,7 +331,7 @@ async def test_a_view_only_link_from_the_docs_shows_the_screen_and_carries_no_in
         with served.guest() as guest:
             before = pointer(guest)
             assert before != (333, 222)
-            await rfb_pointer(ws_url(page.url), 333, 222)
+            await rfb_pointer(page, 333, 222)
             assert pointer(guest) == before, "x11vnc -viewonly dropped the viewer's pointer"
         await browser.close()
 
