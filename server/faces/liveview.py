@@ -63,8 +63,10 @@ _RETURN = ('<form method="post" action="/v1/live/s/{session}/return"><button>Ret
 
 def _same_origin(origin: str | None, url: URL, *, required: bool) -> bool:
     """Whether a browser request came from a page of this server: its `Origin` is this URL's scheme and host.
-    Browsers always send it on websockets; on a form POST an older browser may leave it out."""
-    if origin is None:
+    Browsers always send it on websockets. A form POST from our page says `null` (the page's `no-referrer` policy
+    hides its origin) or nothing: there the binder cookie, which is SameSite=Lax and so never rides a cross-site
+    POST, is what proves the page; a foreign origin is still refused outright."""
+    if origin is None or (origin == "null" and not required):
         return not required
     scheme = {"ws": "http", "wss": "https"}.get(url.scheme, url.scheme)
     return origin == f"{scheme}://{url.netloc}"
