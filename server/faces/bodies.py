@@ -17,7 +17,7 @@ from starlette.types import Receive
 
 from wakeful.server.errors import BadRequest, PayloadTooLarge
 
-__all__ = ["Disconnected", "JsonLimits", "loads", "read"]
+__all__ = ["Disconnected", "JsonLimits", "loads", "read", "refuse_declared"]
 
 # A JSON string (with its escapes), or one bracket. Everything else cannot change the depth.
 _TOKENS: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)
@@ -50,6 +50,12 @@ def loads(raw: bytes, limits: JsonLimits = JsonLimits()) -> Any:
 
 class Disconnected(Exception):
     """The client went away before its whole body arrived."""
+
+
+def refuse_declared(declared: str | None, limit: int) -> None:
+    """Refuse (`payload_too_large`) a body whose `Content-Length` says it is over `limit`, before reading any of it."""
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise PayloadTooLarge("payload_too_large", f"bodies over {limit} bytes are refused")
 
 
 async def read(receive: Receive, limit: int) -> bytes:

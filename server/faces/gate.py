@@ -15,7 +15,7 @@ import anyio
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wakeful.server.errors import PayloadTooLarge, WakefulError
+from wakeful.server.errors import WakefulError
 from wakeful.server.faces import bodies
 
 __all__ = ["CONTROL_BODY_LIMIT", "GUARDED_PREFIXES", "ControlGate"]
@@ -43,9 +43,7 @@ class ControlGate:
         headers = Headers(scope=scope)
         try:
             await anyio.to_thread.run_sync(self.authenticate, headers.get("authorization"))
-            declared = headers.get("content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-                raise PayloadTooLarge("payload_too_large", f"control requests carry at most {self.limit} bytes")
+            bodies.refuse_declared(headers.get("content-length"), self.limit)
             body = await bodies.read(receive, self.limit)
             if body:
                 bodies.loads(body)  # the routes parse it again; this one is bounded, theirs never sees a hostile one

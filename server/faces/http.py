@@ -43,7 +43,7 @@ from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.inbox import Delivery
 from wakeful.server.core.signatures import SignatureError, verify_signature
 from wakeful.server.egress.proxyctl import serve_egress
-from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge, Unauthorized, WakefulError
+from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, WakefulError
 from wakeful.server.faces import bodies
 from wakeful.server.faces.auth import user_of
 from wakeful.server.faces.gate import ControlGate
@@ -293,9 +293,7 @@ class WebhookInbox:
         """Verify, parse and persist one delivery; answers (the JSON to send) once it is durable."""
         runtime = self.runtime
         settings, clock = runtime.settings, runtime.clock
-        declared = headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > settings.max_body_bytes:
-            raise PayloadTooLarge("payload_too_large", f"bodies over {settings.max_body_bytes} bytes are refused")
+        bodies.refuse_declared(headers.get("content-length"), settings.max_body_bytes)
         config = settings.sources.get(source)
         if config is None:
             raise NotFound("unknown_source", f"no webhook source named {source!r} is configured", source=source)
