@@ -367,10 +367,16 @@ def test_revoking_a_task_does_not_abandon_the_reconciliation_of_a_sent_request(e
         with write(w.engine) as conn:  # revoked before the first reconcile round: "effects already sent stand"
             control.set_task_state(conn, user_id=w.owner, task_id=task.task_id, kind=ControlKind.REVOKE,
                                    actor="user:test", reason="never mind", now=w.clock.now())
-        assert w.dispatcher.reconcile_due() == 1, "the sent request's unknown outcome is no longer reconciled"
-        with read(w.engine) as conn:
-            found = conn.execute(select(evidence.c.verdict).where(and_(
-                evidence.c.action_id == action_id, evidence.c.source == "reconcile"))).scalars().all()
+        # A round whose read times out on a loaded machine adds no evidence and leaves the wait for the next round,
+        # which is what the reconciler does in service; a few rounds make the test independent of the load.
+        found: list[str] = []
+        for _ in range(5):
+            assert w.dispatcher.reconcile_due() == 1, "the sent request's unknown outcome is no longer reconciled"
+            with read(w.engine) as conn:
+                found = list(conn.execute(select(evidence.c.verdict).where(and_(
+                    evidence.c.action_id == action_id, evidence.c.source == "reconcile"))).scalars())
+            if found:
+                break
         assert found == ["accepted"]
 
 
