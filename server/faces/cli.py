@@ -188,7 +188,7 @@ def start(reason: Annotated[str, typer.Option(help="Why, for the record.")] = ""
 
 
 def _set_stop(stopped: bool, reason: str, user: str | None, data_dir: Path | None, database_url: str | None) -> None:
-    settings = _settings(data_dir, database_url)
+    settings = _settings(data_dir, database_url, existing=True)
     try:
         with write(_engine(settings)) as conn:
             user_id = users.user_id_by_name(conn, user) if user else None
@@ -234,7 +234,7 @@ def user_add(name: str, data_dir: DataDir = None, database_url: DbUrl = None) ->
 @app.command()
 def status(as_json: Json = False, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Counts of events, runs and outbox messages by state, and whether STOP is in force."""
-    engine = _engine(_settings(data_dir, database_url))
+    engine = _engine(_settings(data_dir, database_url, existing=True))
     counted: dict[str, dict[str, int]] = {}
     with read(engine) as conn:
         stop_state = control.stop_state(conn)
@@ -264,7 +264,7 @@ Reason = Annotated[str, typer.Option(help="Why, for the record.")]
 
 
 def _as_user(data_dir: Path | None, database_url: str | None, user: str) -> tuple[Settings, Engine, str]:
-    settings = _settings(data_dir, database_url)
+    settings = _settings(data_dir, database_url, existing=True)
     engine = _engine(settings)
     with read(engine) as conn:
         return settings, engine, users.user_id_by_name(conn, user)
@@ -427,7 +427,7 @@ def replay(run_id: Annotated[str, typer.Argument(help="The run to re-run from it
     from wakeful.server.harness.replay import replay as replay_run
     from wakeful.server.runtime import load_registry
 
-    settings = _settings(data_dir, database_url)
+    settings = _settings(data_dir, database_url, existing=True)
     try:
         registry = load_registry(settings)
         with read(_engine(settings)) as conn:

@@ -44,8 +44,13 @@ def print_json(value: Any) -> None:
     typer.echo(json.dumps(value, sort_keys=True, default=str))
 
 
-def settings_or_exit(data_dir: Path | None, database_url: str | None, **more: object) -> Settings:
-    """The resolved settings, or exit 2 with what is wrong and where; the data directory exists and is private."""
+def settings_or_exit(data_dir: Path | None, database_url: str | None, *, existing: bool = False,
+                     **more: object) -> Settings:
+    """The resolved settings, or exit 2 with what is wrong and where; the data directory exists and is private.
+
+    A command that reads or controls work already there says `existing=True`: on SQLite it then stops with
+    `no_data` when the data directory holds no database, instead of creating an empty one in a mistyped directory.
+    """
     flags = {"data_dir": data_dir, "database_url": database_url, **more}
     try:
         settings = load_settings(**flags)
@@ -56,6 +61,10 @@ def settings_or_exit(data_dir: Path | None, database_url: str | None, **more: ob
         for problem in exc.errors():
             say("invalid_settings", _describe(problem, data_dir, {k for k, v in flags.items() if v is not None}))
         raise typer.Exit(2) from None
+    if existing and settings.database_url is None and not (settings.data_dir / "wakeful.db").exists():
+        say("no_data", f"{settings.data_dir} holds no wakeful database: check --data-dir or WAKEFUL_DATA_DIR, "
+                       f"or start `wakeful serve --data-dir {settings.data_dir}` there first")
+        raise typer.Exit(2)
     _private_data_dir(settings)
     return settings
 

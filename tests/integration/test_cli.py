@@ -28,6 +28,7 @@ def test_token_prints_only_a_new_token_and_the_old_one_stops_working(tmp_path: P
 
 
 def test_stop_and_start_are_recorded_and_reported_by_status(tmp_path: Path) -> None:
+    run(tmp_path, "migrate")
     assert "STOP recorded for everything" in run(tmp_path, "stop", "--reason", "going on holiday").stdout
     assert "stop: in force for everything" in run(tmp_path, "status").stdout
     assert "START recorded for everything" in run(tmp_path, "start").stdout

@@ -192,7 +192,20 @@ def test_wrong_input_is_one_clear_line_and_a_nonzero_exit_never_a_traceback(tmp_
     assert len(problems) == 1, result.stderr
 
 
+@pytest.mark.parametrize("args", [["status"], ["stop"], ["approve", "act_x"], ["ledger", "export"], ["replay", "r"]],
+                         ids=" ".join)
+def test_a_mistyped_data_directory_is_refused_and_left_uncreated(tmp_path: Path, args: list[str]) -> None:
+    run(tmp_path / "wakeful", "token")  # the real one
+    mistyped = tmp_path / "wakefull"
+    result = subprocess.run([WAKEFUL, *args, "--data-dir", str(mistyped)], env=_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"wakeful: no_data: {mistyped} holds no wakeful database"), result.stderr
+    assert not mistyped.exists()
+
+
 def test_an_unknown_user_hint_names_the_real_command(tmp_path: Path) -> None:
+    run(tmp_path, "migrate")
     hint = run(tmp_path, "stop", "--user", "nobody", check=False).stderr
     command = re.search(r"`wakeful ([a-z-]+)", hint)
     assert command and command[1] == "user-add"
@@ -211,6 +224,7 @@ def _a_task(data_dir: Path) -> str:
 
 
 def test_status_json_parses_and_counts_by_state(tmp_path: Path) -> None:
+    run(tmp_path, "migrate")
     run(tmp_path, "stop")
     status = json.loads(run(tmp_path, "status", "--json").stdout)
     assert status["stop"] == {"everything": True, "users": []} and status["events"]["pending"] == 0
@@ -237,7 +251,7 @@ def test_secret_list_json_parses_and_never_holds_a_value(tmp_path: Path) -> None
 
 def test_the_data_directory_is_created_owner_only_and_the_database_0600(tmp_path: Path) -> None:
     data = tmp_path / "fresh" / "wakeful"
-    run(data, "status")
+    run(data, "migrate")
     assert (data.stat().st_mode & 0o777, (data / "wakeful.db").stat().st_mode & 0o777) == (0o700, 0o600)
 
 
