@@ -1,8 +1,9 @@
 """The audit ledger: a task's whole history in order, from the records alone.
 
-Events, runs, decisions, task versions, control decisions, actions with their content hashes, admission verdicts
-with reasons, approvals with their approver, attempts with outcomes, evidence from responses and reconciliation,
-refusals, and messages to the user. Enough to answer "why did this effect happen, and on whose authority".
+Events, runs, decisions, task versions, steers the agent proposed and the user's answer, control decisions, actions
+with their content hashes, admission verdicts with reasons, approvals with their approver, attempts with outcomes,
+evidence from responses and reconciliation, refusals, and messages to the user. Enough to answer "why did this
+effect happen, and on whose authority".
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from wakeful.server.store.tables import (
     outbox,
     refusals,
     runs,
+    steer_proposals,
     task_versions,
     tasks,
     verdicts,
@@ -34,7 +36,8 @@ from wakeful.server.store.tables import (
 
 __all__ = ["describe", "entries", "four_facts", "task_status"]
 
-_JSON = {"content", "payload", "reasons", "observed", "request", "proposal", "constraints", "completion", "body"}
+_JSON = {"content", "payload", "reasons", "observed", "request", "proposal", "constraints", "completion", "body",
+         "widens"}
 
 
 def _row(kind: str, at: datetime, row: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -63,6 +66,11 @@ def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
         yield _row("task_version", r.created_at, r)
     for r in conn.execute(select(control).where(control.c.task_id == task.id)):
         yield _row("control", r.created_at, r)
+    for r in conn.execute(select(steer_proposals).where(steer_proposals.c.task_id == task.id)):
+        yield _row("steer_proposal", r.created_at, r, skip=("decided_by", "decided_at"))
+        if r.decided_at is not None:
+            yield {"at": r.decided_at.isoformat(), "type": "steer_decision", "id": r.id, "state": r.state,
+                   "decided_by": r.decided_by, "base_version": r.base_version}
     for r in conn.execute(select(events).where(events.c.session_id == task.session_id)):
         yield _row("event", r.received_at, r)
     run_ids = []
@@ -120,6 +128,10 @@ def describe(entry: dict[str, Any]) -> str:
         "task": lambda e: f"{e['id']} {e['title']!r}",
         "task_version": lambda e: f"v{e['version']}: {e['goal']} (by {e['created_by']})",
         "control": lambda e: f"{e['kind']} by {e['actor']} {e.get('reason', '')}".rstrip(),
+        "steer_proposal": lambda e: f"{e['id']} by {e['proposed_by']} against v{e['base_version']}: "
+                                    + "; ".join(e["widens"])[:200],
+        "steer_decision": lambda e: f"{e['id']} {e['state']} by {e['decided_by']}"
+                                    + (f" → v{e['base_version'] + 1}" if e["state"] == "confirmed" else ""),
         "event": lambda e: f"{e['source']}:{e['source_id']} [{e['status']}] trust={e['trust']}",
         "run": lambda e: f"{e['id']} token={e['fencing_token']} → {e['outcome']} ({e.get('reason', '')})",
         "decision": lambda e: f"run {e['run_id']} step {e['step']}: {json.dumps(e['proposal'])[:100]}",
@@ -142,7 +154,8 @@ def describe(entry: dict[str, Any]) -> str:
 
 
 def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, Any]:
-    """A task's state from its records: the four facts, pending waits, actions with verdicts and outcomes."""
+    """A task's state from its records: the four facts, pending waits, actions with verdicts and outcomes, and the
+    agent's proposed steers."""
     row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
     if row is None:
         raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
@@ -161,4 +174,13 @@ def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, An
             "version": row.current_version, "facts": four_facts(conn, task_id=task_id),
             "waits": [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key,
                        "deadline": w.deadline.isoformat() if w.deadline else None} for w in pending],
-            "actions": action_rows}
+            "actions": action_rows, "proposed_steers": _proposed_steers(conn, task_id)}
+
+
+def _proposed_steers(conn: Connection, task_id: str) -> list[dict[str, Any]]:
+    """The agent's steers that asked for more than the task had, each with its state (awaiting_user until the user
+    answers)."""
+    rows = conn.execute(select(steer_proposals).where(steer_proposals.c.task_id == task_id)
+                        .order_by(steer_proposals.c.created_at, steer_proposals.c.id)).all()
+    return [{"steer_id": r.id, "state": r.state, "against_version": r.base_version, "widens": json.loads(r.widens)}
+            for r in rows]

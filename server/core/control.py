@@ -1,5 +1,8 @@
 """Control state: STOP and task pause / resume / close. Written only by the user (CLI or authenticated HTTP).
 
+A delegation and a steer may also come from the agent (`core.steers` decides what it may write): they carry its
+actor and trust `agent`, never the user's.
+
 Every decision is an append-only row in `control`; the current state is derived from the latest row, so the
 history of who stopped what, and why, is never overwritten. Pausing or closing a task also preempts its
 session: a control event is persisted first, and a run in progress stops at its next step.
@@ -21,10 +24,12 @@ from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
     ControlKind,
     EventKind,
+    SteerState,
     TaskState,
     TimerState,
     WaitState,
     control,
+    steer_proposals,
     task_versions,
     tasks,
     timers,
@@ -76,8 +81,8 @@ def stop_state(conn: Connection) -> StopState:
 
 def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, now: datetime,
                 goal: str | None = None, constraints: Mapping[str, Any] | None = None,
-                completion: Sequence[Mapping[str, Any]] = (), actor: str = "user") -> str:
-    """A responsibility (the whole delegation) with its first task version."""
+                completion: Sequence[Mapping[str, Any]] = (), actor: str = "user", trust: str = "user") -> str:
+    """A responsibility (the whole delegation) with its first task version; `trust` says whose word it is."""
     task_id = new_id("task")
     conn.execute(tasks.insert().values(id=task_id, user_id=user_id, session_id=session_id, title=title,
                                        state=TaskState.ACTIVE.value, current_version=1, created_at=now))
@@ -87,7 +92,7 @@ def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, 
     ))
     # The delegation itself is the first event: it wakes the agent, and its time is "request received".
     inbox.record(conn, inbox.Delivery(user_id=user_id, source="delegation", source_id=task_id, kind=EventKind.CONTROL,
-                                      trust="user", session_id=session_id,
+                                      trust=trust, session_id=session_id,
                                       payload={"task_id": task_id, "title": title, "goal": goal or title,
                                                "constraints": dict(constraints or {})}), now=now)
     return task_id
@@ -141,9 +146,10 @@ def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: Contro
 
 
 def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraints: Mapping[str, Any] | None = None,
-          completion: Sequence[Mapping[str, Any]] = (), actor: str, now: datetime) -> int:
+          completion: Sequence[Mapping[str, Any]] = (), actor: str, now: datetime, trust: str = "user") -> int:
     """The user changed the goal: a new task version. The old version's actions, approvals and objects stop
-    counting (admission and dispatch check the version), and its pending approval waits are cancelled."""
+    counting (admission and dispatch check the version), its pending approval waits are cancelled, and the agent's
+    steers still awaiting the user are superseded (they asked against the old version)."""
     row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))
                        .with_for_update()).first()
     if row is None:
@@ -163,10 +169,13 @@ def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraint
     conn.execute(update(waits).where(and_(waits.c.task_id == task_id, waits.c.state == WaitState.PENDING.value,
                                           waits.c.kind == "approval"))
                  .values(state=WaitState.CANCELLED.value, resolved_at=now))
+    conn.execute(update(steer_proposals).where(and_(steer_proposals.c.task_id == task_id,
+                                                    steer_proposals.c.state == SteerState.AWAITING_USER.value))
+                 .values(state=SteerState.SUPERSEDED.value, decided_by=actor, decided_at=now))
     record_id = record(conn, user_id=user_id, task_id=task_id, kind=ControlKind.STEER, actor=actor,
                        reason=f"version {version}: {goal}", now=now)
     inbox.record(conn, inbox.Delivery(user_id=user_id, source="control", source_id=record_id, kind=EventKind.CONTROL,
-                                      trust="user", session_id=row.session_id, preempt=True,
+                                      trust=trust, session_id=row.session_id, preempt=True,
                                       payload={"control": "steer", "task_id": task_id, "version": version,
                                                "goal": goal}), now=now)
     return version

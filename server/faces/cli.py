@@ -23,7 +23,7 @@ from sqlalchemy import Engine, func, select
 from wakeful.proxy.clock import SystemClock
 from wakeful.server.acting import approvals, ledger
 from wakeful.server.acting.policy import load_policy
-from wakeful.server.core import control
+from wakeful.server.core import control, steers
 from wakeful.server.core.nudge import nudge
 from wakeful.server.errors import WakefulError
 from wakeful.server.faces.cli_common import DataDir, DbUrl, Json, err, print_json, say
@@ -345,6 +345,33 @@ def deny(action: Target, reason: Reason = "", user: UserOpt = "owner", data_dir:
          database_url: DbUrl = None) -> None:
     """Deny an action waiting for approval."""
     _decide(action, False, reason, user, data_dir, database_url)
+
+
+def _answer_steer(steer: str, confirmed: bool, user: str, data_dir: Path | None, database_url: str | None) -> None:
+    answer = steers.confirm if confirmed else steers.reject
+    try:
+        settings, engine, user_id = _as_user(data_dir, database_url, user)
+        with write(engine) as conn:
+            decided = answer(conn, user_id=user_id, steer_id=steer, actor=f"cli:{user}", now=SystemClock().now())
+    except WakefulError as exc:
+        _fail(exc)
+    nudge(settings)
+    typer.echo(f"{steer}: {decided.state.value}; {decided.task_id} is at version {decided.version}.")
+
+
+SteerId = Annotated[str, typer.Argument(help="The proposed steer's ID (stp_…), from its card or `wakeful ledger`.")]
+
+
+@app.command()
+def confirm(steer: SteerId, user: UserOpt = "owner", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """Confirm a steer the agent proposed (it asked for more than the task had): it becomes the next version."""
+    _answer_steer(steer, True, user, data_dir, database_url)
+
+
+@app.command()
+def reject(steer: SteerId, user: UserOpt = "owner", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """Reject a steer the agent proposed: the task stays as it is."""
+    _answer_steer(steer, False, user, data_dir, database_url)
 
 
 @app.command("ledger")

@@ -14,7 +14,10 @@ control channel (`server.routes`, the CLI), so no model, however persuaded, can 
 is an error result whose text starts with a stable code (`unknown_object: …`, `paused: …`).
 
 Over stdio the caller is the local user the process was started for; over streamable HTTP it is the user whose
-bearer token came with the request, and a missing or unknown token never reaches a handler.
+bearer token came with the request, and a missing or unknown token never reaches a handler. Either way the caller
+is that user's agent, not the user (principle 9): what it records is labelled `agent:<user> via mcp` with trust
+`agent`, and what it may write to a delegation is `server.core.steers`'s to decide (a steer that widens a task
+waits for the user's confirmation on the control channel).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from sqlalchemy import Engine, and_, select
 from wakeful.proxy.clock import Clock
 from wakeful.server.acting import ledger
 from wakeful.server.acting.connectors import Registry
-from wakeful.server.core import control, outbox, sessions, timers
+from wakeful.server.core import outbox, steers, timers
 from wakeful.server.core.worker import Binding
 from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.routes import check_completion
@@ -159,21 +162,24 @@ class WakefulMCP:
 
     def _create(self, user: str, args: CreateResponsibility) -> dict[str, Any]:
         completion = check_completion(self.registry, list(args.completion))
-        now = self.clock.now()
+        # The one ceiling a user sets for what a task may spend per action is the policy's.
+        ceilings = {"max_amount_cents": self.tools.policy.per_action_cents}
         with write(self.engine) as conn:
-            session_id = sessions.create_session(conn, user_id=user, now=now)
-            task_id = control.create_task(conn, user_id=user, session_id=session_id, title=args.title,
-                                          goal=args.goal, constraints=args.constraints, completion=completion,
-                                          now=now, actor=f"user:{user} via mcp")
+            task_id = steers.delegate(conn, user_id=user, title=args.title, goal=args.goal,
+                                      constraints=args.constraints, completion=completion, ceilings=ceilings,
+                                      actor=agent_actor(user), now=self.clock.now())
         return {"task_id": task_id, "version": 1}
 
     def _steer(self, user: str, args: Any) -> dict[str, Any]:
         completion = check_completion(self.registry, list(args.completion))
         with write(self.engine) as conn:
-            version = control.steer(conn, user_id=user, task_id=args.task_id, goal=args.goal,
-                                    constraints=args.constraints, completion=completion,
-                                    actor=f"user:{user} via mcp", now=self.clock.now())
-        return {"task_id": args.task_id, "version": version}
+            steered = steers.steer(conn, user_id=user, task_id=args.task_id, goal=args.goal,
+                                   constraints=args.constraints, completion=completion, actor=agent_actor(user),
+                                   now=self.clock.now())
+        answer: dict[str, Any] = {"task_id": steered.task_id, "version": steered.version, "state": steered.state}
+        if steered.steer_id is not None:
+            answer |= {"steer_id": steered.steer_id, "widens": list(steered.widens)}
+        return answer
 
     def _status(self, user: str, args: Any) -> dict[str, Any]:
         with read(self.engine) as conn:
@@ -247,6 +253,11 @@ class WakefulMCP:
             if len(parts) == 3 and parts[0] == "tasks" and parts[2] == "ledger":
                 return {"entries": ledger.entries(conn, task_id=parts[1], user_id=user)}
         raise NotFound("unknown_resource", f"no resource {uri}")
+
+
+def agent_actor(user: str) -> str:
+    """Who an MCP call's records name: the user's agent, never the user."""
+    return f"agent:{user} via mcp"
 
 
 def pending_approvals(conn: Any, user: str) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@
     GET  /v1/control
     POST /v1/tasks                              delegate: title, goal, constraints, completion conditions
     POST /v1/tasks/{id}/steer                   a new task version
+    POST /v1/tasks/{id}/steers/{steer}/confirm|reject   answer a steer the agent proposed (it asked for more)
     POST /v1/tasks/{id}/pause|resume|revoke|close|reopen
     GET  /v1/tasks/{id}                         status: the four facts, waits, actions with verdicts and outcomes
     GET  /v1/tasks/{id}/ledger                  the whole history in order
@@ -32,7 +33,7 @@ from wakeful.server.acting import approvals, ledger
 from wakeful.server.acting.actions import load_action
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.acting.verdicts import gather_facts, render_card
-from wakeful.server.core import control, sessions
+from wakeful.server.core import control, sessions, steers
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.faces.auth import User
@@ -137,6 +138,19 @@ def steer(user: User, rt: Rt, task_id: str, body: SteerIn) -> dict[str, Any]:
                                 completion=completion, actor=f"user:{user}", now=rt.clock.now())
     rt.signals.wake_all()
     return {"task_id": task_id, "version": version}
+
+
+@router.post("/v1/tasks/{task_id}/steers/{steer_id}/{decision}")
+def decide_steer(user: User, rt: Rt, task_id: str, steer_id: str, decision: str) -> dict[str, Any]:
+    """The user's answer to a steer the agent proposed: confirmed, it becomes the task's next version."""
+    if decision not in ("confirm", "reject"):
+        raise NotFound("unknown_operation", f"proposed steers have no operation {decision!r}; confirm or reject")
+    answer = steers.confirm if decision == "confirm" else steers.reject
+    with write(rt.engine) as conn:
+        decided = answer(conn, user_id=user, steer_id=steer_id, task_id=task_id, actor=f"user:{user}",
+                         now=rt.clock.now())
+    rt.signals.wake_all()
+    return {"steer_id": steer_id, "task_id": task_id, "state": decided.state.value, "version": decided.version}
 
 
 def transition(rt: Runtime, user: str, task_id: str, kind: ControlKind, reason: str) -> dict[str, Any]:

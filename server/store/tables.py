@@ -43,6 +43,7 @@ __all__ = [
     "OutboxKind",
     "OutboxState",
     "RunOutcome",
+    "SteerState",
     "TaskState",
     "TimerKind",
     "Risk",
@@ -71,6 +72,7 @@ __all__ = [
     "runs",
     "session_keys",
     "sessions",
+    "steer_proposals",
     "task_versions",
     "tasks",
     "timers",
@@ -136,6 +138,13 @@ class TaskState(StrEnum):
     PAUSED = "paused"
     REVOKED = "revoked"   # the user withdrew the delegation: nothing more is dispatched for it
     CLOSED = "closed"
+
+
+class SteerState(StrEnum):
+    AWAITING_USER = "awaiting_user"  # the agent asked for more: nothing changes unless the user confirms
+    CONFIRMED = "confirmed"          # the user confirmed it: it became the task's next version
+    REJECTED = "rejected"
+    SUPERSEDED = "superseded"        # the task got a newer version first: it asked against an old one
 
 
 class TimerKind(StrEnum):
@@ -275,6 +284,26 @@ task_versions = Table(
     Column("created_by", String(100), nullable=False),
     _now_col("created_at", nullable=False),
     UniqueConstraint("task_id", "version"),
+)
+
+steer_proposals = Table(
+    "steer_proposals",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("base_version", Integer, nullable=False),             # the version it was proposed against
+    Column("goal", Text, nullable=False),
+    Column("constraints", Text, nullable=False),                 # JSON
+    Column("completion", Text, nullable=False),                  # JSON
+    Column("widens", Text, nullable=False),                      # JSON: each widening, in plain words
+    Column("proposed_by", String(120), nullable=False),
+    Column("state", String(16), nullable=False, default=SteerState.AWAITING_USER.value),
+    Column("decided_by", String(120)),
+    _now_col("created_at", nullable=False),
+    _now_col("decided_at"),
+    Index(None, "task_id", "state"),
+    _check("state", SteerState),
 )
 
 events = Table(

@@ -113,6 +113,15 @@ class TaskVersion(BaseModel):
     version: int
 
 
+class Steered(TaskVersion):
+    """A steer's answer: `applied` as `version`, or `awaiting_user` (the task stays at `version` until the user
+    confirms `steer_id`; `widens` says what it asks for beyond it)."""
+
+    state: Literal["applied", "awaiting_user"]
+    steer_id: str | None = None
+    widens: list[str] = Field(default_factory=list)
+
+
 class TaskStatus(_Args):
     pass
 
@@ -213,11 +222,16 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
     ToolSpec(name="create_responsibility", args=CreateResponsibility, hints=_RECORD, faces=frozenset({Face.MCP}),
              task_scoped=False, returns=TaskVersion,
              description="Record a delegation from the user: a goal, constraints and the conditions under which it "
-                         "is complete. Returns the task ID every other tool takes."),
-    ToolSpec(name="steer_responsibility", args=SteerResponsibility, faces=frozenset({Face.MCP}), returns=TaskVersion,
+                         "is complete. Recorded as yours (the agent's); refused while a STOP is in force, and with a "
+                         "max_ limit above the user's policy. Returns the task ID every other tool takes."),
+    ToolSpec(name="steer_responsibility", args=SteerResponsibility, faces=frozenset({Face.MCP}), returns=Steered,
              hints=Hints(read_only=False, destructive=True, idempotent=False, open_world=False),  # voids approvals
-             description="The user changed what they want: record a new task version. Approvals, objects and "
-                         "pending actions of the old version stop counting."),
+             description="The user changed what they want: record a new task version (goal, constraints and "
+                         "completion replace the current ones). Approvals, objects and pending actions of the old "
+                         "version stop counting. A steer that only narrows (a lower max_ limit) applies at once; one "
+                         "that widens anything (another goal, a higher or dropped limit, other completion "
+                         "conditions) answers awaiting_user with a steer_id, and applies only when the user "
+                         "confirms it themselves. Refused on a paused, revoked or closed task and under STOP."),
     ToolSpec(name="task_status", args=TaskStatus, faces=frozenset({Face.MCP}),
              hints=Hints(read_only=True, destructive=False, idempotent=True, open_world=False),
              description="A task's state from its records: the four facts (request received, run ended, goal "
