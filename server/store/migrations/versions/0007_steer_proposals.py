@@ -1,6 +1,6 @@
 """steer proposals
 
-Revision ID: 0009
+Revision ID: 0007
 Revises: 0006
 
 A steer from the agent that would widen its task (a higher limit, another goal, other completion conditions) is
@@ -12,7 +12,7 @@ from alembic import op
 
 import wakeful.server.store.tables
 
-revision = '0009'
+revision = '0007'
 down_revision = '0006'
 branch_labels = None
 depends_on = None
