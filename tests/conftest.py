@@ -1,4 +1,5 @@
-"""Shared fixtures: a migrated SQLite file per test, a fake clock, and a runtime wired to both."""
+"""Shared fixtures: a migrated SQLite file per test (or a PostgreSQL database, where a test asks for both), a fake
+clock, and a runtime wired to both."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine
 
+from tests.support.postgres import postgres_cluster, postgres_database
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
@@ -27,9 +29,20 @@ def settings(tmp_path: Path) -> Settings:
                     poll_interval=0.05, sweep_interval=3600, proxy=False)
 
 
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A PostgreSQL server on loopback for the whole session (started by the first test that asks for it)."""
+    with postgres_cluster() as url:
+        yield url
+
+
 @pytest.fixture
-def engine(settings: Settings) -> Iterator[Engine]:
-    engine = make_engine(settings.db_url)
+def engine(request: pytest.FixtureRequest, settings: Settings) -> Iterator[Engine]:
+    """A migrated SQLite file; a test that must hold on PostgreSQL too parametrizes it:
+    `@pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)` (a database of its own)."""
+    backend = getattr(request, "param", "sqlite")
+    url = settings.db_url if backend == "sqlite" else postgres_database(request.getfixturevalue("postgres_server"))
+    engine = make_engine(url)
     migrate(engine)
     yield engine
     engine.dispose()

@@ -489,7 +489,9 @@ actions = Table(
     Column("amount_cents", BigInteger),
     Column("currency", String(8)),
     _now_col("created_at", nullable=False),
+    Column("operation_hash", String(64)),  # the same operation (`acting.actions`); NULL for tool-computer acts
     Index(None, "task_id", "created_at"),
+    Index(None, "task_id", "task_version", "operation_hash"),
     _check("risk", Risk),
 )
 

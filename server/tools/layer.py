@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, and_, select
 
 from wakeful.proxy.clock import Clock
 from wakeful.server.acting import objects
-from wakeful.server.acting.actions import create_action
+from wakeful.server.acting.actions import ActionState, create_action, operation_hash, standing_action
 from wakeful.server.acting.connectors import (
     OBJECT_ID_PATTERN,
     ObjectParam,
@@ -48,7 +48,12 @@ __all__ = ["Completion", "ToolLayer"]  # Completion: also what `server.faces.rou
 
 _OBJECT_ID = re.compile(OBJECT_ID_PATTERN)
 
-
+_SAID = {
+    ActionState.PENDING: "waiting for the user's approval",
+    ActionState.ADMITTED: "admitted and on its way",
+    ActionState.UNKNOWN: "sent with an outcome not yet known (it is being reconciled, never sent blindly again)",
+    ActionState.DONE: "done (the remote accepted it)",
+}
 
 
 class ToolLayer:
@@ -173,10 +178,14 @@ class ToolLayer:
             version = conn.execute(select(task_versions).where(and_(
                 task_versions.c.task_id == task.id, task_versions.c.version == task.current_version))).one()
             content, amount, currency = self._content(op, valid, resolved, version)
+            operation = operation_hash(connector=op.connector, tool=op.tool_name, request=content["request"])
+            standing = standing_action(conn, task_id=task.id, task_version=task.current_version, operation=operation)
+            if standing is not None:  # under the task's lock (`_fence`): two identical proposals cannot both miss
+                return self._same_operation(conn, *standing)
             action = create_action(conn, user_id=binding.user_id, task_id=task.id, task_version=task.current_version,
                                    run_id=binding.run_id, tool=op.tool_name, content=content,
                                    risk=op.risk or Risk.ASK.value, amount_cents=amount, currency=currency, now=now,
-                                   decision_id=binding.decision_id)
+                                   decision_id=binding.decision_id, operation=operation)
             admit_and_record(conn, action, policy=self.policy, now=now, session_id=task.session_id)
             return self._status(conn, action.id)
 
@@ -218,3 +227,9 @@ class ToolLayer:
 
     def _status(self, conn: Connection, action_id: str) -> dict[str, Any]:
         return verdict_status(conn, action_id)
+
+    def _same_operation(self, conn: Connection, action_id: str, state: ActionState) -> dict[str, Any]:
+        """The answer to a proposal that is an action already standing: that action, and no second one."""
+        return {**verdict_status(conn, action_id), "state": state.value, "same_operation": True,
+                "reason": f"the same operation as {action_id}, proposed earlier in this task version, which is "
+                          f"{_SAID[state]}: it is that action, not a second one"}

@@ -263,8 +263,9 @@ COMPUTER: Final[tuple[ToolSpec, ...]] = (
 )
 
 _CONNECTOR_READ: Final = Hints(read_only=True, destructive=False, idempotent=True, open_world=True)
-_CONNECTOR_WRITE: Final = Hints(read_only=False, destructive=True, idempotent=False, open_world=True)
-"""Every call of a write proposes a new action (admitted or held for approval), so it is not idempotent."""
+_CONNECTOR_WRITE: Final = Hints(read_only=False, destructive=True, idempotent=True, open_world=True)
+"""A write proposes an action (admitted or held for approval); the same call again in the same task version is that
+action while it stands (`acting.actions.standing_action`), so a repeat has no further effect: idempotent."""
 
 
 def spec(name: str) -> ToolSpec:

@@ -57,9 +57,9 @@ ANNOTATIONS = {  # read-only, destructive, idempotent, open-world
     "schedule_followup": (False, False, False, False),       # a new timer on every call
     **dict.fromkeys(["merchant__list_subscriptions", "merchant__get_subscription", "airline__get_booking",
                      "airline__search_flights", "hotel__quote_stay", "hotel__get_quote"], (True, False, True, True)),
-    # a write proposes a new action on every call (admitted or held for the user's approval)
+    # a write proposes an action (admitted or held for the user's approval); the same call again is that action
     **dict.fromkeys(["merchant__cancel_renewal", "airline__order_flight", "hotel__book_quote"],
-                    (False, True, False, True)),
+                    (False, True, True, True)),
     "computer__observe": (True, False, True, True),
     "computer__act": (False, True, False, True),
     "computer__request_handoff": (False, False, False, True),  # the user gets a link; nothing is lost

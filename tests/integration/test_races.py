@@ -3,8 +3,9 @@
 One world (the simulators on loopback, one SQLite file) per test, so a thousand interleavings stay fast. Each trial
 proposes a hotel booking (a new action, with its own idempotency key) that awaits approval, then runs approve /
 pause / dispatcher drain in an order drawn from a seeded `random.Random` (the seed is printed; set WAKEFUL_RACE_SEED
-to replay one), and ends with the user resuming or closing the task. A task (and the quote it read) is reused by
-the next trial until a trial closes it, so pause/resume cycles pile up on one task too. Bookings are told apart in
+to replay one), and ends with the user resuming or closing the task. A task is reused by the next trial until a
+trial closes it, so pause/resume cycles pile up on one task too; each trial books a quote of its own (booking one
+quote again in the same task version would be the same operation, so the same action). Bookings are told apart in
 the hotel's own records by their idempotency key.
 
 The invariant: once a pause has committed, nothing more leaves for that task until it is resumed — no attempt row,
@@ -65,21 +66,19 @@ def seeded(name: str) -> tuple[int, random.Random]:
 
 @dataclass(frozen=True)
 class Desk:
-    """A task and a hotel quote it read (a server-issued object ID), reused until a trial closes the task."""
+    """A task, reused until a trial closes it."""
 
     task: Binding
-    quote: str
 
 
 def open_desk(w: World, title: str) -> Desk:
-    task = w.task(title=title)
-    (quote,) = w.call(task, "hotel__quote_stay", hotel="Grand", nights=2)["objects"]
-    return Desk(task=task, quote=quote["id"])
+    return Desk(task=w.task(title=title))
 
 
 def propose_booking(w: World, desk: Desk) -> tuple[str, str]:
-    """(action ID, its idempotency key) of a new booking of the desk's quote, awaiting the user's approval."""
-    proposed = w.call(desk.task, "hotel__book_quote", quote_id=desk.quote)
+    """(action ID, its idempotency key) of a new booking of a fresh quote, awaiting the user's approval."""
+    (quote,) = w.call(desk.task, "hotel__quote_stay", hotel="Grand", nights=2)["objects"]
+    proposed = w.call(desk.task, "hotel__book_quote", quote_id=quote["id"])
     assert proposed["status"] == VerdictKind.NEEDS_APPROVAL
     with read(w.engine) as conn:
         key = load_action(conn, proposed["action_id"]).content["idempotency_key"]
