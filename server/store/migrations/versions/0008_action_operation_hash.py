@@ -1,7 +1,7 @@
 """action operation hash
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 
 The same operation twice is one action: each action records the hash of the operation it asks of the world (the
 connector, the tool, and the request without its headers; see `acting.actions`), indexed per task version so a
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0008'
-down_revision = '0006'
+down_revision = '0007'
 branch_labels = None
 depends_on = None
 
