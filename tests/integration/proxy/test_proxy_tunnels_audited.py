@@ -63,7 +63,8 @@ async def test_an_intercepted_connect_whose_client_never_speaks_tls_is_recorded_
     async with recorded_world(tmp_path, engine, clock, settings) as w:
         reader, writer = await open_tunnel(w, "merchant.test", credential(engine, clock, owner, "laptop"))
         writer.write(b"GET / HTTP/1.1\r\nHost: merchant.test\r\n\r\n")  # plain HTTP where a ClientHello belongs
-        assert await reader.read() == b""  # the proxy closes the tunnel
+        async with asyncio.timeout(10):
+            assert await reader.read() == b""  # the proxy closes the tunnel
         writer.close()
         [row] = await audited(w, engine)
     assert (row["method"], row["host"], row["verdict"], row["user_id"]) == ("CONNECT", "merchant.test", "refuse", owner)
@@ -82,8 +83,9 @@ async def test_a_tunnel_that_is_not_intercepted_records_the_server_name_check_an
         reader, writer = await open_tunnel(w, "pinned.test", auth)
         fronted = ssl.create_default_context(cafile=str(w.ca_file))
         with pytest.raises((ssl.SSLError, ConnectionError)):
-            await writer.start_tls(fronted, server_hostname="other.test")  # another name through the pinned tunnel
-            await reader.read()
+            async with asyncio.timeout(10):  # another name through the pinned tunnel: closed, nothing relayed
+                await writer.start_tls(fronted, server_hostname="other.test")
+                await reader.read()
         writer.close()
         fronting, tunnelled = await audited(w, engine)
     assert (tunnelled["method"], tunnelled["host"], tunnelled["verdict"], tunnelled["user_id"]) == (
