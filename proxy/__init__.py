@@ -1,8 +1,8 @@
 """The egress proxy: a policy decision per request, credential rewriting and the credential vault.
 
 The pure core (`contract`, `decide`, `rewrite`, `credential`, `hosts`, `wire`, `audit`, `clock`) does no I/O;
-`vault` and `tls` read and write their files; `channel` (the decider link, both ends) and `server` (with `exchange` and
-`upstream`) are the asyncio shell. Errors: `ProxyRefusal` (code, reason) ← `HeaderRejected`,
+`vault` and `tls` read and write their files; `channel` (the decider link, both ends) and `server` (with `exchange`,
+`upstream` and `malformed`) are the asyncio shell. Errors: `ProxyRefusal` (code, reason) ← `HeaderRejected`,
 `InjectionRefused`; `ContractError` for values that break the contract; `VaultError` ← `CredentialNotFound`,
 `DecryptFailed`, `VaultFileError`, `CAError`; `ChannelError` for a broken decider-channel frame.
 

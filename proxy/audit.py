@@ -1,11 +1,13 @@
-"""One egress audit record per request the proxy handled, and its strict JSON wire form.
+"""One egress audit record per request the proxy read (and per CONNECT it accepted), and its strict JSON wire form.
 
 A record says who asked for what and what became of it. It never holds headers, bodies, queries or tokens: the
-path is kept without its query because a query can carry secrets.
+path is kept without its query because a query can carry secrets. Every field fits the column the server stores it
+in (`fit_path`, `clip`), so a record is never refused for its size: a request is recorded however long its path.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -13,6 +15,7 @@ from typing import Final, Literal, get_args
 
 from wakeful.proxy.contract import (
     CREDENTIAL_NAME,
+    MAX_TARGET_PART,
     Client,
     ContractError,
     RefusalCode,
@@ -22,13 +25,29 @@ from wakeful.proxy.contract import (
     _optional_text,
     _text,
     check_destination,
+    clip,
 )
 
-__all__ = ["EgressRecord", "encode_record", "parse_record"]
+__all__ = ["METHOD_WIDTH", "RULE_WIDTH", "USER_WIDTH", "EgressRecord", "clip", "encode_record", "fit_path",
+           "parse_record"]
 
 VerdictKind = Literal["allow", "refuse"]
 _CLIENTS: Final = frozenset(get_args(Client))
 _VERDICTS: Final = frozenset(get_args(VerdictKind))
+
+METHOD_WIDTH: Final = 16
+USER_WIDTH: Final = 40
+RULE_WIDTH: Final = 1000
+"""The widest method, user ID and rule a record holds: the server's `egress_audit` columns are no wider."""
+
+
+def fit_path(path: str) -> str:
+    """`path` if a record can hold it, else its start and, after a space (which no path holds), how long it was and
+    its digest: ` [cut from 9217 chars, sha256:…]`."""
+    if len(path) <= MAX_TARGET_PART:
+        return path
+    marker = f" [cut from {len(path)} chars, sha256:{hashlib.sha256(path.encode('utf-8')).hexdigest()}]"
+    return path[:MAX_TARGET_PART - len(marker)] + marker
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,15 +63,18 @@ class EgressRecord:
     attempt_id: str | None
     action_id: str | None
     method: str
+    """"" when no request line could be read."""
     scheme: Literal["http", "https"]
     host: str
+    """Normalised; "" (and `port` 0) for a refusal that named no destination the proxy could read."""
     port: int
     path: str
-    """Without the query; "" for a raw tunnel."""
+    """Without the query (see `fit_path` for a long one); "" for a CONNECT, or when no path could be read."""
     verdict: VerdictKind
     """`allow` when the request was forwarded (even if the upstream then failed), else `refuse`."""
     code: RefusalCode | None
-    """The refusal's code; None for an allow, and for a refusal that has no code (an oversized body)."""
+    """The refusal's code; None for an allow, and for a request that was not refused but not completed either (the
+    client left, or its TLS handshake in an intercepted tunnel failed)."""
     rule: str
     """The allow's rule, or the refusal's reason."""
     credential: str | None
@@ -70,14 +92,19 @@ class EgressRecord:
         _text(self.request_id, "request_id", limit=128)
         if not isinstance(self.at, datetime) or self.at.utcoffset() != timedelta(0):
             raise ContractError("at must be a UTC datetime")
-        _optional_text(self.user_id, "user_id")
+        if self.user_id is not None:
+            _text(self.user_id, "user_id", limit=USER_WIDTH)
         if self.client not in _CLIENTS:
             raise ContractError("client must be connector or tool_computer")
         _optional_text(self.attempt_id, "attempt_id")
         _optional_text(self.action_id, "action_id")
-        _text(self.method, "method", limit=32)
-        check_destination(self.scheme, self.host, self.port)
-        _text(self.path, "path", limit=8192, empty=True)
+        _text(self.method, "method", limit=METHOD_WIDTH, empty=True)
+        if (self.host, self.port) == ("", 0):
+            if self.verdict != "refuse":
+                raise ContractError("only a refusal may name no destination")
+        else:
+            check_destination(self.scheme, self.host, self.port)
+        _text(self.path, "path", limit=MAX_TARGET_PART, empty=True)
         if "?" in self.path or "#" in self.path or (self.path and not self.path.startswith("/")):
             raise ContractError("path must start with / and carry no query or fragment")
         if self.verdict not in _VERDICTS:
@@ -86,7 +113,7 @@ class EgressRecord:
             raise ContractError("code must be a RefusalCode or None")
         if self.verdict == "allow" and self.code is not None:
             raise ContractError("an allow has no refusal code")
-        _text(self.rule, "rule", limit=1000)
+        _text(self.rule, "rule", limit=RULE_WIDTH)
         if self.credential is not None and (
                 not isinstance(self.credential, str) or not CREDENTIAL_NAME.fullmatch(self.credential)):
             raise ContractError("credential must be a credential name")

@@ -81,6 +81,15 @@ class ProxyConfig:
     """Idle upstream connections kept per (address, port, scheme, TLS host)."""
     leaf_cache_size: int = 1024
     """Hosts whose leaf certificate and TLS context are kept ready."""
+    malformed_rows_burst: int = 20
+    """Connections that send no readable HTTP/1.1 request (400 `malformed_request`) recorded one row each before
+    `malformed_rows_every` applies; past it the rest are counted (see `malformed_summary_every`)."""
+    malformed_rows_every: float = 10.0
+    """Seconds per further `malformed_request` row written one by one, once the burst is spent."""
+    malformed_summary_every: float = 60.0
+    """Seconds after the first `malformed_request` connection that got no row of its own until one row counts it
+    and every other one since: a flood writes about one row per `malformed_rows_every` and one per this, not one
+    per connection."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_private", _hosts(self.allowed_private))
@@ -91,5 +100,7 @@ class ProxyConfig:
             raise ValueError("client_timeout, request_head_timeout and request_body_timeout must be > 0")
         if self.max_connections < 1 or min(self.max_buffered_bytes, self.max_client_buffered_bytes) < 0:
             raise ValueError("max_connections must be ≥ 1 and the buffered-byte caps ≥ 0")
+        if self.malformed_rows_burst < 0 or min(self.malformed_rows_every, self.malformed_summary_every) <= 0:
+            raise ValueError("malformed_rows_burst must be ≥ 0, malformed_rows_every and malformed_summary_every > 0")
         if (self.address_listen is None) != (self.address_book is None):
             raise ValueError("address_listen and address_book go together: one is set without the other")

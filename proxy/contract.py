@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from wakeful.proxy.hosts import default_port, normalize_host
 
 __all__ = [
+    "MAX_TARGET_PART",
     "REASONS",
     "REFUSAL_HEADER",
     "Allow",
@@ -34,6 +35,7 @@ __all__ = [
     "Refuse",
     "Verdict",
     "check_destination",
+    "clip",
     "encode_request",
     "encode_verdict",
     "parse_request",
@@ -42,6 +44,8 @@ __all__ = [
 ]
 
 MAX_MESSAGE_BYTES: Final = 64 * 1024
+MAX_TARGET_PART: Final = 8192
+"""The longest path, and the longest query, a request may have: a longer one is refused (`target_too_long`)."""
 CREDENTIAL_NAME: Final = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 """How a credential binding is named: in the vault, in an `Allow`, in a `{{credential:NAME}}` placeholder."""
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -72,6 +76,9 @@ class RefusalCode(StrEnum):
     REQUEST_TIMEOUT = "request_timeout"
     TOO_MANY_CONNECTIONS = "too_many_connections"
     PROXY_BUSY = "proxy_busy"
+    REQUEST_TOO_LARGE = "request_too_large"
+    TARGET_TOO_LONG = "target_too_long"
+    MALFORMED_REQUEST = "malformed_request"
 
 
 REASONS: Final[dict[RefusalCode, str]] = {
@@ -90,6 +97,10 @@ REASONS: Final[dict[RefusalCode, str]] = {
     RefusalCode.REQUEST_TIMEOUT: "the client did not send its whole request head or body in time",
     RefusalCode.TOO_MANY_CONNECTIONS: "the proxy holds as many client connections as it may; retry later",
     RefusalCode.PROXY_BUSY: "the proxy holds as many request bodies as it may, for this client or in all; retry later",
+    RefusalCode.REQUEST_TOO_LARGE: "the request body is larger than the proxy reads; it was not read, decided or sent",
+    RefusalCode.TARGET_TOO_LONG: f"the request's path or query is longer than {MAX_TARGET_PART} characters",
+    RefusalCode.MALFORMED_REQUEST: "no HTTP/1.1 request could be read: bytes that are not one, or another protocol "
+                                   "(HTTP/2 with prior knowledge, TLS without CONNECT)",
 }
 """A default reason per code, in words a user can act on."""
 
@@ -108,6 +119,12 @@ class ProxyRefusal(Exception):
 
     def refuse(self) -> Refuse:
         return Refuse(code=self.code, reason=self.reason)
+
+
+def clip(text: str, width: int) -> str:
+    """`text`, or its start and `…` when it is longer than `width` characters: for text that quotes what a client
+    sent (a path, a name) in a field of bounded width."""
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def _text(value: object, what: str, *, limit: int = 256, empty: bool = False) -> str:
@@ -139,12 +156,12 @@ def _check_request_line(method: object, scheme: str, host: str, port: int, path:
     if not isinstance(method, str) or not _TOKEN.fullmatch(method) or method != method.upper():
         raise ContractError("method must be an upper-case token")
     check_destination(scheme, host, port)
-    _text(path, "path", limit=8192, empty=True)
+    _text(path, "path", limit=MAX_TARGET_PART, empty=True)
     assert isinstance(path, str)
     path_ok = path.startswith("/") or (method == "CONNECT" and path == "")
     if not path_ok or "?" in path or "#" in path:
         raise ContractError("path must start with / and carry no query or fragment")
-    _text(query, "query", limit=8192, empty=True)
+    _text(query, "query", limit=MAX_TARGET_PART, empty=True)
     if not isinstance(body_sha256, str) or not _SHA256.fullmatch(body_sha256):
         raise ContractError("body_sha256 must be 64 lower-case hex digits")
 

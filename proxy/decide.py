@@ -21,6 +21,7 @@ from wakeful.proxy.contract import (
     RefusalCode,
     Refuse,
     Verdict,
+    clip,
     refuse,
 )
 from wakeful.proxy.hosts import default_port, is_ip, normalize_host, parse_authority
@@ -220,9 +221,9 @@ def decide_by_allowlist(req: DecisionRequest, rules: Iterable[AllowRule]) -> Ver
     if req.client != "tool_computer":
         return refuse(RefusalCode.NOT_ADMITTED, "connector calls are decided by their attempt, not the allowlist")
     rule = match_allowlist(rules, req.host, req.port, req.method, req.path)
-    if rule is None:
-        return refuse(RefusalCode.HOST_NOT_ALLOWED,
-                      f"no egress rule allows {req.method} {req.scheme}://{req.host}:{req.port}{req.path}")
+    if rule is None:  # the path is cut: a reason is at most 1000 characters, a path up to 8192
+        return refuse(RefusalCode.HOST_NOT_ALLOWED, f"no egress rule allows {req.method} "
+                                                    f"{req.scheme}://{req.host}:{req.port}{clip(req.path, 200)}")
     return Allow(credential=rule.credential, rule=rule.name, attempt_id=None, action_id=None)
 
 

@@ -1,10 +1,11 @@
 """One request through the proxy: read it, check it, ask the decider, and only then resolve, inject and forward.
 
-Order, for every request: head (whole within a deadline) → path made canonical → a client that names no one
-refused before its body → body read (bounded in size, time and bytes held) → no placeholder in query or body →
-Host/SNI/CONNECT agreement → method → decider → verdict fits → resolve → addresses checked → placeholders only in
-the declared header → client credentials stripped → credential injected → dial the checked address → forward →
-stream the answer back → one audit record. Nothing is resolved or dialled before an allow.
+Order, for every request: head (whole within a deadline) → path and query not too long → path made canonical → a
+client that names no one refused before its body → body read (bounded in size, time and bytes held) → no
+placeholder in query or body → Host/SNI/CONNECT agreement → method → decider → verdict fits → resolve → addresses
+checked → placeholders only in the declared header → client credentials stripped → credential injected → dial the
+checked address → forward → stream the answer back → one audit record. Nothing is resolved or dialled before an
+allow.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Final
 
 import h11
 
-from wakeful.proxy.audit import EgressRecord
+from wakeful.proxy.audit import METHOD_WIDTH, RULE_WIDTH, USER_WIDTH, EgressRecord, clip, fit_path
 from wakeful.proxy.channel import DeciderClient
 from wakeful.proxy.config import ProxyConfig
 from wakeful.proxy.contract import (
+    MAX_TARGET_PART,
     REFUSAL_HEADER,
     Allow,
     Client,
@@ -62,8 +64,10 @@ from wakeful.proxy.wire import (
     UPSTREAM_TIMEOUT,
     Identity,
     IdentityChanged,
+    RequestLine,
     attempt_token,
     error_body,
+    parse_connect_target,
     parse_proxy_authorization,
     parse_target,
     refusal_status,
@@ -71,7 +75,7 @@ from wakeful.proxy.wire import (
 )
 
 __all__ = ["ClientConnection", "Credentials", "Exchange", "ProxyFailure", "Shared", "Tunnel", "answer_error",
-           "authorize", "handle_request"]
+           "authorize", "handle_request", "head_exchange", "request_line"]
 
 log = logging.getLogger("wakeful.proxy")
 
@@ -185,21 +189,27 @@ class Exchange:
         self.verdict, self.rule = "allow", allow.rule
         self.attempt_id, self.action_id = allow.attempt_id, allow.action_id
 
+    def accepted(self, rule: str) -> None:
+        """What needed no decision went ahead (an intercepted CONNECT: each request inside is decided)."""
+        self.verdict, self.rule = "allow", rule
+
     def refused(self, code: RefusalCode | None, reason: str) -> None:
         self.verdict, self.code, self.rule, self.credential = "refuse", code, reason, None
 
     def record(self, decider: DeciderClient) -> None:
-        if self.host is None or self.port is None:
-            log.debug("no egress record for a request that named no host")
-            return
+        """Queue the one record of this request, fitted to what the audit stores (a destination the proxy could not
+        read is recorded as none: host "" and port 0)."""
+        host, port = (self.host, self.port) if self.host is not None and self.port is not None else ("", 0)
         try:
             record = EgressRecord(
-                request_id=self.request_id, at=self.at, user_id=self.user_id, client=self.client,
-                attempt_id=self.attempt_id, action_id=self.action_id, method=self.method,
-                scheme="https" if self.scheme == "https" else "http", host=self.host, port=self.port, path=self.path,
-                verdict="allow" if self.verdict == "allow" else "refuse", code=self.code, rule=self.rule,
-                credential=self.credential, bytes_up=self.bytes_up, bytes_down=self.bytes_down,
-                upstream_status=self.upstream_status, latency_ms=(time.perf_counter() - self.started) * 1000.0)
+                request_id=self.request_id, at=self.at,
+                user_id=None if self.user_id is None else clip(self.user_id, USER_WIDTH), client=self.client,
+                attempt_id=self.attempt_id, action_id=self.action_id, method=clip(self.method, METHOD_WIDTH),
+                scheme="https" if self.scheme == "https" else "http", host=host, port=port, path=fit_path(self.path),
+                verdict="allow" if self.verdict == "allow" else "refuse", code=self.code,
+                rule=clip(self.rule, RULE_WIDTH), credential=self.credential, bytes_up=self.bytes_up,
+                bytes_down=self.bytes_down, upstream_status=self.upstream_status,
+                latency_ms=(time.perf_counter() - self.started) * 1000.0)
         except ContractError as exc:
             log.warning("egress record %s could not be written: %s", self.request_id, exc)
             return
@@ -208,6 +218,42 @@ class Exchange:
                       record.port, record.path, record.verdict, record.code or "", record.rule,
                       record.upstream_status)
         decider.audit(record)
+
+
+def request_line(request: h11.Request) -> RequestLine:
+    """The request line of a head h11 read."""
+    return RequestLine(method=request.method.decode("ascii"), target=request.target.decode("latin-1"),
+                       http1=request.http_version in (b"1.0", b"1.1"))
+
+
+def head_exchange(line: RequestLine | None, connection: Tunnel | ClientConnection) -> Exchange:
+    """The audit facts of a request refused before `handle_request` read it: its method and whatever of its
+    destination and path its request line names (nothing guessed; none without one), and whom the connection
+    speaks for so far."""
+    inside = connection if isinstance(connection, Tunnel) else None
+    method = line.method if line is not None else ""
+    ex = Exchange(method=method, scheme="https" if inside or method == "CONNECT" else "http",
+                  host=inside.host if inside else None, port=inside.port if inside else None)
+    identity = inside.identity if inside else connection.identity
+    if identity is not None:
+        ex.user_id = identity.user_id
+    if line is not None:
+        try:
+            _name_target(ex, line.target, inside=inside is not None)
+        except ProxyRefusal:
+            pass  # a target that does not parse names nothing
+    return ex
+
+
+def _name_target(ex: Exchange, target: str, *, inside: bool) -> None:
+    if ex.method == "CONNECT":
+        if not inside:
+            ex.host, ex.port = parse_connect_target(target)
+        return
+    parsed = parse_target(target, in_tunnel=inside)
+    if not inside:
+        ex.host, ex.port = parsed.host, parsed.port
+    ex.path = parsed.path
 
 
 _REFUSAL: Final = REFUSAL_HEADER.lower().encode("ascii")
@@ -310,7 +356,7 @@ async def handle_request(shared: Shared, client: H11Stream, request: h11.Request
         return await answer_error(client, refusal.code, refusal.reason, close=close)
     except ProxyFailure as failure:
         if failure.code == REQUEST_TOO_LARGE:
-            ex.refused(None, failure.message)
+            ex.refused(RefusalCode.REQUEST_TOO_LARGE, failure.message)
         return await answer_error(client, failure.code, failure.message, close=failure.code == REQUEST_TOO_LARGE)
     except h11.RemoteProtocolError:
         ex.refused(RefusalCode.HEADER_MISMATCH, "the request body is not well-formed HTTP/1.1")
@@ -332,6 +378,8 @@ async def _handle(shared: Shared, client: H11Stream, request: h11.Request, conne
     target = parse_target(request.target.decode("latin-1"), in_tunnel=tunnel is not None)
     host, port = (tunnel.host, tunnel.port) if tunnel else (target.host, target.port)
     ex.host, ex.port, ex.path = host, port, target.path
+    if max(len(target.path), len(target.query)) > MAX_TARGET_PART:
+        raise ProxyRefusal(RefusalCode.TARGET_TOO_LONG)
     try:
         path = normalize_path(target.path).wire  # what the decider judges is what the upstream gets
     except AmbiguousPath as exc:

@@ -1,15 +1,19 @@
-"""How many request-body bytes the proxy holds at once: per client and over every client. Pure bookkeeping.
+"""How much the proxy holds or writes on a client's say-so: request-body bytes (per client and over every client)
+and audit rows for connections that send no request. Pure bookkeeping.
 
 A body is read whole before it is decided (its digest is part of the decision) and kept until its request is
 answered. Without a bound, a few clients parking large uploads hold the proxy's memory; with it, one more body
 than the proxy may hold is answered 503 `proxy_busy`, before any of it is read when its length is declared.
+
+A connection that sends bytes that are not a request costs its sender nothing, so a row for each could fill the
+disk: `RowBudget` lets a burst of them be recorded one by one, then one per interval; the shell counts the rest.
 """
 
 from __future__ import annotations
 
 from wakeful.proxy.contract import ProxyRefusal, RefusalCode
 
-__all__ = ["BodyBudget", "Held"]
+__all__ = ["BodyBudget", "Held", "RowBudget"]
 
 
 class BodyBudget:
@@ -69,3 +73,26 @@ class Held:
     def release(self) -> None:
         self.budget.release(self.client, self.size)
         self.size = 0
+
+
+class RowBudget:
+    """A token bucket of audit rows: `burst` at once, then one more every `every` seconds. The caller passes the
+    (monotonic) time, so the bookkeeping stays pure."""
+
+    def __init__(self, *, burst: int, every: float) -> None:
+        if burst < 0 or every <= 0:
+            raise ValueError("burst is ≥ 0 and every > 0")
+        self.burst = burst
+        self.every = every
+        self._tokens = float(burst)
+        self._at: float | None = None
+
+    def take(self, now: float) -> bool:
+        """Whether one more row may be written at `now`; if so, it is counted."""
+        if self._at is not None:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) / self.every)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True

@@ -3,6 +3,10 @@
 `serve_proxy(config)` starts it and returns a `ProxyServer`; `run(config)` serves until SIGTERM or SIGINT. What
 happens to each request is in `proxy.exchange`. With `address_listen` it listens twice: on the loopback listener a
 client names itself with Proxy-Authorization; on the address listener its source address names it (`AddressBook`).
+
+Every request read leaves one audit record, one refused while its head was still being read included, and so does
+every CONNECT: its own record once its tunnel is open (or refused), beside those of the requests inside it. A
+connection that sends nothing leaves none; one that sends no readable request is recorded as `proxy.malformed` says.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ from wakeful.proxy.exchange import (
     answer_error,
     authorize,
     handle_request,
+    head_exchange,
+    request_line,
 )
 from wakeful.proxy.hosts import normalize_host
 from wakeful.proxy.limits import BodyBudget
+from wakeful.proxy.malformed import MalformedRows
 from wakeful.proxy.rewrite import HeaderRejected
 from wakeful.proxy.sni import NEED_MORE, ClientHello, MalformedHello, client_hello_sni
 from wakeful.proxy.tls import LeafCertificates, load_or_create_ca, sni_of
@@ -44,8 +51,10 @@ from wakeful.proxy.wire import (
     Identity,
     attempt_token,
     describe,
+    head_problem,
     parse_connect_target,
     parse_proxy_authorization,
+    read_request_line,
     refusal_response,
     settle_identity,
 )
@@ -76,6 +85,7 @@ class ProxyServer:
         self.address_host = config.address_listen[0] if config.address_listen else None
         self.address_port = 0
         self._book = AddressBook(config.address_book) if config.address_book is not None else None
+        self._malformed = MalformedRows(config, shared.decider)
 
     @property
     def open_connections(self) -> int:
@@ -111,6 +121,7 @@ class ProxyServer:
             await server.wait_closed()
         self._servers = []
         self._shared.pool.close()
+        self._malformed.close()
         if not await self.decider.flush(audit_grace):
             log.warning("%d egress audit records were not acknowledged at shutdown", self.decider.audit_pending)
         await self.decider.close()
@@ -168,71 +179,133 @@ class ProxyServer:
                 event = await client.next_head(timeout, self.config.request_head_timeout)
             except DeadlinePassed:
                 if not client.answered:
-                    await _refuse_raw(client.reader, client.writer, RefusalCode.REQUEST_TIMEOUT,
-                                      f"the request head did not arrive whole within "
-                                      f"{self.config.request_head_timeout:g} s")
+                    await self._head_late(client, connection)
                 return
-            except h11.RemoteProtocolError:
-                await answer_error(client, RefusalCode.HEADER_MISMATCH,
-                                   "the request is not well-formed HTTP/1.1 (duplicate Host, bad framing or syntax)",
-                                   close=True)
+            except h11.RemoteProtocolError as exc:
+                await self._head_refused(client, connection, head_problem(str(exc)))
                 return
             except OSError:  # TimeoutError included: an idle or stalled client
                 return
             if not isinstance(event, h11.Request):
                 return
+            if event.http_version not in (b"1.0", b"1.1"):
+                await self._refuse(client, head_exchange(request_line(event), connection),
+                                   RefusalCode.MALFORMED_REQUEST, f"HTTP/{event.http_version.decode('ascii')} is "
+                                   "not spoken here (HTTP/2 with prior knowledge, h2c, included): send HTTP/1.1, and "
+                                   "HTTPS through CONNECT")
+                return
             if event.method == b"CONNECT":
                 if isinstance(connection, ClientConnection):
                     await self._connect(client, event, connection)
                 else:
-                    await answer_error(client, RefusalCode.HEADER_MISMATCH, "CONNECT inside a tunnel", close=True)
+                    await self._refuse(client, head_exchange(request_line(event), connection),
+                                       RefusalCode.HEADER_MISMATCH, "CONNECT inside a tunnel")
                 return
             if not await handle_request(self._shared, client, event, connection) or not client.reusable():
                 return
             client.start_next_cycle()
 
+    async def _refuse(self, client: H11Stream, ex: Exchange, code: RefusalCode, reason: str) -> None:
+        """Answer a refusal, close, and record it (`malformed_request` as `MalformedRows` bounds it)."""
+        ex.refused(code, reason)
+        await answer_error(client, code, reason, close=True)
+        if code is RefusalCode.MALFORMED_REQUEST:
+            self._malformed.record(ex)
+        else:
+            ex.record(self.decider)
+
+    async def _head_refused(self, client: H11Stream, connection: Tunnel | ClientConnection, problem: str) -> None:
+        """A head h11 would not read: `header_mismatch` if it began with an HTTP/1.x request line, the client's
+        departure if it left before the head ended, else `malformed_request`. The head itself is never quoted."""
+        line = read_request_line(bytes(client.head_start))
+        ex = head_exchange(line, connection)
+        if line is None or not line.http1:
+            await self._refuse(client, ex, RefusalCode.MALFORMED_REQUEST,
+                               "the client sent bytes that are not an HTTP/1.1 request line")
+        elif client.conn.trailing_data[1]:
+            ex.refused(None, "the client closed before its request head was complete")
+            ex.record(self.decider)
+        else:
+            await self._refuse(client, ex, RefusalCode.HEADER_MISMATCH, problem)
+
+    async def _head_late(self, client: H11Stream, connection: Tunnel | ClientConnection) -> None:
+        ex = head_exchange(read_request_line(bytes(client.head_start)), connection)
+        ex.refused(RefusalCode.REQUEST_TIMEOUT, f"the request head did not arrive whole within "
+                                                f"{self.config.request_head_timeout:g} s")
+        ex.record(self.decider)
+        await _refuse_raw(client.reader, client.writer, RefusalCode.REQUEST_TIMEOUT, ex.rule)
+
     async def _connect(self, client: H11Stream, request: h11.Request, connection: ClientConnection) -> None:
-        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw_items()]
+        ex = head_exchange(request_line(request), connection)
         try:
-            host, port = parse_connect_target(request.target.decode("latin-1"))
-            identity = settle_identity(connection.identity, parse_proxy_authorization(
-                [value for name, value in headers if name.lower() == "proxy-authorization"]))
-            token = attempt_token(headers)
-            event = await client.next_event(self.config.client_timeout)
+            host, port, identity, token = await self._read_connect(client, request, connection, ex)
         except ProxyRefusal as refusal:
-            await answer_error(client, refusal.code, refusal.reason, close=True)
+            await self._refuse(client, ex, refusal.code, refusal.reason)
             return
         except (OSError, h11.RemoteProtocolError):
-            return
-        if not isinstance(event, h11.EndOfMessage):
-            await answer_error(client, RefusalCode.HEADER_MISMATCH, "a CONNECT request carries no body", close=True)
+            ex.refused(None, "the client left before its CONNECT request was complete")
+            ex.record(self.decider)
             return
         if host in self.config.no_intercept:
-            await self._raw_tunnel(client, host, port, identity, token)
-            return
+            await self._raw_tunnel(client, ex, host, port, identity, token)
+        else:
+            await self._intercept(client, ex, host, port, identity)
+
+    async def _read_connect(self, client: H11Stream, request: h11.Request, connection: ClientConnection,
+                            ex: Exchange) -> tuple[str, int, Identity, str | None]:
+        """The CONNECT's target, identity and attempt token, each also put on `ex` as soon as it is read. Raises
+        `ProxyRefusal`, `OSError`, `h11.RemoteProtocolError`."""
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw_items()]
+        presented = parse_proxy_authorization([value for name, value in headers
+                                               if name.lower() == "proxy-authorization"])
+        ex.user_id = presented.user_id or ex.user_id
+        host, port = parse_connect_target(request.target.decode("latin-1"))
+        identity = settle_identity(connection.identity, presented)
+        token = attempt_token(headers)
+        ex.user_id = identity.user_id
+        ex.client = "connector" if token is not None else "tool_computer"
+        event = await client.next_event(self.config.client_timeout)
+        if not isinstance(event, h11.EndOfMessage):
+            raise HeaderRejected("a CONNECT request carries no body")
+        return host, port, identity, token
+
+    async def _intercept(self, client: H11Stream, ex: Exchange, host: str, port: int, identity: Identity) -> None:
+        """An intercepted tunnel: its own record once its TLS session with the client is up (or failed), then each
+        request inside it read, decided and recorded on its own. The CONNECT itself is not decided: nothing leaves
+        on it."""
+        # The server's connector calls open their tunnels naming no one; each request inside names its grant.
+        ex.client = "tool_computer" if identity.token is not None else "connector"
         client.send(h11.Response(status_code=200, headers=[], reason=b"Connection established"))
         try:
             await client.drain()
         except OSError:
+            ex.refused(None, "the client left before its tunnel was open")
+            ex.record(self.decider)
             return
         if client.conn.trailing_data[0]:
-            log.debug("a client spoke before its tunnel to %s was open; closing", host)
+            ex.refused(RefusalCode.HEADER_MISMATCH, f"the client spoke before its tunnel to {host} was open; closed")
+            ex.record(self.decider)
             return
         try:
             context = self._leaves.context_for(host)
             await client.writer.start_tls(context, ssl_handshake_timeout=self.config.client_timeout)
         except (OSError, ssl.SSLError, ValueError) as exc:
             log.info("a client's TLS handshake for %s failed: %s", host, describe(exc))
+            ex.refused(None, f"the client's TLS handshake for {host} failed ({type(exc).__name__}): a client that "
+                             "does not trust the deployment CA, or that does not speak TLS in its tunnel")
+            ex.record(self.decider)
             return
         sni = sni_of(client.writer.get_extra_info("ssl_object"))
+        ex.accepted(f"intercepted: TLS server name {sni or '(none)'}; each request inside is decided and recorded "
+                    "on its own")
+        ex.record(self.decider)
         tunnel = Tunnel(host=host, port=port, sni=sni, identity=identity)
         await self._requests(H11Stream(h11.SERVER, client.reader, client.writer), tunnel)
 
-    async def _raw_tunnel(self, client: H11Stream, host: str, port: int, identity: Identity,
+    async def _raw_tunnel(self, client: H11Stream, ex: Exchange, host: str, port: int, identity: Identity,
                           token: str | None) -> None:
-        """A host that is not intercepted: decided once as a CONNECT, then bytes both ways, nothing injected."""
-        ex = Exchange(method="CONNECT", scheme="https", host=host, port=port)
-        ex.user_id, ex.client = identity.user_id, "connector" if token is not None else "tool_computer"
+        """A host that is not intercepted: decided once as a CONNECT, then bytes both ways, nothing injected. Its
+        record, written when the tunnel closes, says whether the ClientHello named the CONNECT target."""
         try:
             try:
                 req = DecisionRequest(
@@ -268,6 +341,7 @@ class ProxyServer:
                 ex.refused(RefusalCode.HEADER_MISMATCH, f"the TLS server name ({'none' if named is None else named})"
                            f" is not the CONNECT target {host}; nothing was relayed")
                 return
+            ex.rule = f"{ex.rule}; TLS server name {named} matches the CONNECT target"
             upstream_writer.write(first)
             ex.bytes_up += len(first)
             up, down = await asyncio.gather(_pipe(client.reader, upstream_writer),

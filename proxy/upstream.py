@@ -46,6 +46,9 @@ class H11Stream:
         self._out: list[bytes] = []
         self.answered = False
         """The response went out as bytes written past h11 (see `write_raw`): h11's own state no longer tells."""
+        self.head_start = bytearray()
+        """The first bytes of the request head being read, up to its first line's end (or 64 KiB): h11 drops a head
+        it refuses, and the audit still names that request's method and target (`wire.read_request_line`)."""
 
     async def next_event(self, idle: float, *, deadline: float | None = None) -> h11.Event:
         """The next event other than NEED_DATA, each read within `idle` seconds and all of them before `deadline`
@@ -62,18 +65,25 @@ class H11Stream:
         requests); from that byte on, the whole head must be in within `whole` seconds, however short each pause.
         Raises `DeadlinePassed` once any of the head arrived and it is late, else as `next_event`."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + whole if self.conn.trailing_data[0] else None
+        buffered = self.conn.trailing_data[0]
+        deadline = loop.time() + whole if buffered else None
+        self.head_start.clear()
+        self._keep_head_start(buffered)
         while True:
             event = self.conn.next_event()
             if event is not h11.NEED_DATA:
                 return event  # type: ignore[return-value]
             if deadline is None:
-                await self._receive(idle, None)
+                self._keep_head_start(await self._receive(idle, None))
                 deadline = loop.time() + whole
             else:
-                await self._receive(min(idle, deadline - loop.time()), deadline)
+                self._keep_head_start(await self._receive(min(idle, deadline - loop.time()), deadline))
 
-    async def _receive(self, wait: float, deadline: float | None) -> None:
+    def _keep_head_start(self, data: bytes) -> None:
+        if b"\n" not in self.head_start and len(self.head_start) < _MAX_HEAD:
+            self.head_start += data[:_MAX_HEAD - len(self.head_start)]
+
+    async def _receive(self, wait: float, deadline: float | None) -> bytes:
         if wait <= 0:
             raise DeadlinePassed()
         try:
@@ -85,6 +95,7 @@ class H11Stream:
             raise
         self.received += len(data)
         self.conn.receive_data(data)
+        return data
 
     def send(self, event: h11.Event) -> None:
         """Queue an event's bytes; `flush` writes everything queued at once (one TLS record, one syscall)."""

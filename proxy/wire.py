@@ -26,12 +26,15 @@ __all__ = [
     "UPSTREAM_TIMEOUT",
     "Identity",
     "IdentityChanged",
+    "RequestLine",
     "Target",
     "attempt_token",
     "error_body",
+    "head_problem",
     "parse_connect_target",
     "parse_proxy_authorization",
     "parse_target",
+    "read_request_line",
     "refusal_response",
     "refusal_status",
     "settle_identity",
@@ -162,15 +165,59 @@ def parse_connect_target(target: str) -> tuple[str, int]:
     return host, port
 
 
+@dataclass(frozen=True, kw_only=True)
+class RequestLine:
+    """The first line of a request head, read without h11: what the audit can still say of a head h11 refused."""
+
+    method: str
+    target: str
+    http1: bool
+    """HTTP/1.0 or HTTP/1.1, the only versions the proxy speaks."""
+
+
+_REQUEST_LINE: Final = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([\x21-\x7e]+) HTTP/([0-9])\.([0-9])\r?")
+
+
+def read_request_line(head: bytes) -> RequestLine | None:
+    """The request line at the start of `head`, or None when its first line is not one (or has not ended)."""
+    line, newline, _ = head.partition(b"\n")
+    match = _REQUEST_LINE.fullmatch(line) if newline else None
+    if match is None:
+        return None
+    method, target, major, minor = (part.decode("ascii") for part in match.groups())
+    return RequestLine(method=method, target=target, http1=major == "1" and minor in ("0", "1"))
+
+
+_HEAD_PROBLEMS: Final = (
+    ("conflicting Content-Length", "the request has conflicting Content-Length headers"),
+    ("Found multiple Host", "the request has more than one Host header"),
+    ("Missing mandatory Host", "an HTTP/1.1 request needs a Host header"),
+    ("Only Transfer-Encoding: chunked", "the request's Transfer-Encoding is not chunked alone"),
+    ("illegal header line", "a header line is not `name: value` (it holds a CR, NUL or other control character, or "
+                            "a bad name)"),
+    ("Receive buffer too long", "the request head is longer than 64 KiB"),
+)
+
+
+def head_problem(message: str) -> str:
+    """What is wrong with a request head h11 refused, from h11's message, in words that never quote the head: h11's
+    own message can hold a header line, and so a credential."""
+    for prefix, problem in _HEAD_PROBLEMS:
+        if message.startswith(prefix):
+            return problem
+    return "the request head is not well-formed HTTP/1.1"
+
+
 UPSTREAM_TIMEOUT: Final = "upstream_timeout"
 UPSTREAM_FAILED: Final = "upstream_failed"
-REQUEST_TOO_LARGE: Final = "request_too_large"
-"""Codes of the proxy's own errors, beside the `RefusalCode`s: the request was allowed, or never decided."""
+"""Codes of the proxy's own errors, beside the `RefusalCode`s: the request was allowed and the upstream failed."""
+REQUEST_TOO_LARGE: Final = RefusalCode.REQUEST_TOO_LARGE
 
 _STATUS: Final[dict[str, int]] = {
     RefusalCode.DECIDER_UNAVAILABLE: 502, RefusalCode.MALFORMED_VERDICT: 502,
     UPSTREAM_TIMEOUT: 504, UPSTREAM_FAILED: 502, REQUEST_TOO_LARGE: 413,
     RefusalCode.REQUEST_TIMEOUT: 408, RefusalCode.TOO_MANY_CONNECTIONS: 503, RefusalCode.PROXY_BUSY: 503,
+    RefusalCode.MALFORMED_REQUEST: 400, RefusalCode.TARGET_TOO_LONG: 414,
 }
 
 
@@ -183,8 +230,9 @@ def error_body(code: str, message: str) -> bytes:
     return json.dumps({"error": {"code": code, "message": message}}, separators=(",", ":")).encode("utf-8")
 
 
-_REASON_PHRASES: Final = {403: b"Forbidden", 408: b"Request Timeout", 413: b"Content Too Large",
-                          502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout"}
+_REASON_PHRASES: Final = {400: b"Bad Request", 403: b"Forbidden", 408: b"Request Timeout", 413: b"Content Too Large",
+                          414: b"URI Too Long", 502: b"Bad Gateway", 503: b"Service Unavailable",
+                          504: b"Gateway Timeout"}
 
 
 def refusal_response(code: str, message: str) -> bytes:

@@ -8,6 +8,9 @@
   revoke, an attempt that already has an outcome, task version, stale objects) and matches the request byte for
   byte (method, scheme, host, port, path, query, body digest). Tool-computer traffic is matched against the egress
   allowlist (`policies/egress.toml`), deny by default, after the tool computer's proxy credential is checked.
+- Tool-computer credentials: one live credential per user and label. Issuing one for a label revokes the label's
+  earlier one in the same transaction; `revoke_label` revokes without issuing. The decider reads the records at
+  every request, so a revoked credential is refused from the next request on, and its verdict names the label.
 - Audit: one append-only row per request the proxy saw, queryable by user.
 """
 
@@ -17,7 +20,7 @@ import hashlib
 import secrets
 import tomllib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import Connection, Row, Select, and_, bindparam, insert, or_, select, update
 
-from wakeful.proxy.contract import Allow, DecisionRequest, EgressRequest, RefusalCode, Verdict, refuse
+from wakeful.proxy.contract import Allow, DecisionRequest, EgressRequest, RefusalCode, Verdict, clip, refuse
 from wakeful.proxy.decide import AllowRule, decide_by_allowlist
 from wakeful.server.acting.actions import load_action
 from wakeful.server.acting.leave import Leave, LeaveFacts, leave_check
@@ -64,6 +67,7 @@ __all__ = [
     "issue_grant",
     "load_egress_rules",
     "revoke_client",
+    "revoke_label",
     "store_audit",
     "tool_computer_verdict",
 ]
@@ -198,13 +202,37 @@ def load_egress_rules(path: Path) -> EgressRules:
     return EgressRules(tuple(built))
 
 
+_LABEL_WIDTH = 100
+_REASON_WIDTH = 1000
+
+
+def _check_label(label: str) -> None:
+    if not 0 < len(label) <= _LABEL_WIDTH or not label.isprintable() or label != label.strip():
+        raise BadRequest("invalid_label", f"a tool computer's label is 1 to {_LABEL_WIDTH} printable characters, "
+                                          "without spaces around them")
+
+
 def issue_client_token(conn: Connection, *, user_id: str, label: str, now: datetime) -> tuple[str, str]:
-    """A proxy credential for one of the user's tool computers: (client ID, token). The token is shown once."""
+    """A proxy credential for one of the user's tool computers: (client ID, token). The token is shown once. The
+    user's earlier credential under the same label is revoked in the same transaction: a label has one at a time."""
+    _check_label(label)
+    # The user's row is locked (PostgreSQL; SQLite's writer lock serialises anyway): two issues for one label
+    # cannot both leave a live credential.
+    if conn.execute(select(users.c.id).where(users.c.id == user_id).with_for_update()).first() is None:
+        raise NotFound("unknown_user", f"no user {user_id}")
+    revoke_label(conn, user_id=user_id, label=label, now=now)
     token = secrets.token_urlsafe(32)
     client_id = new_id("egc")
     conn.execute(insert(egress_clients).values(id=client_id, user_id=user_id, label=label,
                                                token_sha256=_digest(token), created_at=now))
     return client_id, token
+
+
+def revoke_label(conn: Connection, *, user_id: str, label: str, now: datetime) -> int:
+    """Revoke the user's live credentials under `label`; how many there were (0: none)."""
+    return conn.execute(update(egress_clients).where(and_(
+        egress_clients.c.user_id == user_id, egress_clients.c.label == label,
+        egress_clients.c.revoked_at.is_(None))).values(revoked_at=now)).rowcount
 
 
 def revoke_client(conn: Connection, client_id: str, *, now: datetime) -> None:
@@ -219,9 +247,13 @@ class ClientState:
     """What the records say about one tool-computer proxy credential at the moment of the request."""
 
     user_id: str
-    """The user the (unrevoked) credential belongs to."""
+    """The user the credential belongs to."""
     user_name: str
     """Whose egress rules apply (`users` in egress.toml names users)."""
+    label: str
+    """What it was issued for (`wakeful egress client LABEL`): named in every verdict, so in the audit."""
+    revoked: bool
+    """Revoked, or replaced by a newer credential for the same label."""
     stopped: bool
     """A STOP is in force for this user or for the whole deployment."""
 
@@ -235,17 +267,19 @@ def _latest_stop_kind(scope: Any) -> Any:
 
 
 _CLIENT_STATE = (
-    select(egress_clients.c.user_id, users.c.name.label("user_name"),
+    select(egress_clients.c.user_id, users.c.name.label("user_name"), egress_clients.c.label,
+           egress_clients.c.revoked_at.is_not(None).label("revoked"),
            _latest_stop_kind(control_records.c.user_id.is_(None)).label("stop_all"),
            _latest_stop_kind(control_records.c.user_id == egress_clients.c.user_id).label("stop_user"))
     .join_from(egress_clients, users, users.c.id == egress_clients.c.user_id)
-    .where(egress_clients.c.token_sha256 == bindparam("digest", ""), egress_clients.c.revoked_at.is_(None))
+    .where(egress_clients.c.token_sha256 == bindparam("digest", ""))
 )
 
 
 def client_state_statement() -> Select[Any]:
-    """One statement, one snapshot: the credential's user (unrevoked only), that user's name and both STOP scopes.
-    Bind `digest` to `client_digest(req)`. Every lookup is by index (the credential's digest, the user's id)."""
+    """One statement, one snapshot: the credential's user, label and whether it is revoked, that user's name and
+    both STOP scopes. Bind `digest` to `client_digest(req)`. Every lookup is by index (the credential's digest, the
+    user's id)."""
     return _CLIENT_STATE
 
 
@@ -257,23 +291,32 @@ def client_digest(req: DecisionRequest) -> str | None:
 
 
 def client_state(row: Row[Any] | tuple[Any, ...] | None) -> ClientState | None:
-    """The state from a row of `client_state_statement` (None: no such credential, or revoked)."""
+    """The state from a row of `client_state_statement` (None: no such credential)."""
     if row is None:
         return None
-    user_id, user_name, stop_all, stop_user = row
+    user_id, user_name, label, revoked, stop_all, stop_user = row
     stop = ControlKind.STOP.value
-    return ClientState(user_id=user_id, user_name=user_name, stopped=stop in (stop_all, stop_user))
+    return ClientState(user_id=user_id, user_name=user_name, label=label, revoked=bool(revoked),
+                       stopped=stop in (stop_all, stop_user))
 
 
 def tool_computer_verdict(req: DecisionRequest, state: ClientState | None, rules: EgressRules) -> Verdict:
-    """The decision for tool-computer traffic, given what the records say about its credential. Pure."""
+    """The decision for tool-computer traffic, given what the records say about its credential. Pure. Once the
+    credential is known, the verdict names it by its label (the audit row says which tool computer it was)."""
     if not req.user_id or not req.client_token:
         return _not_admitted("a tool computer authenticates to the proxy (Proxy-Authorization)")
     if state is None or state.user_id != req.user_id:
-        return _not_admitted("this tool computer's proxy credential is unknown or revoked")
+        return _not_admitted("this tool computer's proxy credential is unknown")
+    label = clip(state.label if state.label.isprintable() else repr(state.label), _LABEL_WIDTH)
+    if state.revoked:
+        return _not_admitted(f"tool computer {label}: its proxy credential was revoked (issued again for this label, "
+                             "or `wakeful egress client --revoke`)")
     if state.stopped:
-        return _not_admitted("STOP is in force; nothing new goes out until the user lifts it")
-    return decide_by_allowlist(req, rules.for_user(state.user_name))
+        return _not_admitted(f"tool computer {label}: STOP is in force; nothing new goes out until the user lifts it")
+    verdict = decide_by_allowlist(req, rules.for_user(state.user_name))
+    if isinstance(verdict, Allow):
+        return replace(verdict, rule=f"{verdict.rule}, for tool computer {label}")
+    return replace(verdict, reason=clip(f"tool computer {label}: {verdict.reason}", _REASON_WIDTH))
 
 
 def _decide_tool_computer(conn: Connection, req: DecisionRequest, rules: EgressRules) -> Verdict:

@@ -10,12 +10,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+from sqlalchemy import Engine
 
 from wakeful.proxy.clock import SystemClock
 from wakeful.proxy.vault import KEY_ENV, CredentialNotFound, VaultError, rotate_key_file
 from wakeful.server.egress import grants as egress
 from wakeful.server.egress.proxyctl import open_vault, vault_keys
-from wakeful.server.errors import WakefulError
+from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.cli_common import (
     DataDir,
     DbUrl,
@@ -206,26 +208,51 @@ def egress_log(
     table = Table("at", "verdict", "code", "method", "url", "status", "ms", "credential", "rule / reason")
     for r in rows:
         port = "" if (r["scheme"], r["port"]) in (("https", 443), ("http", 80)) else f":{r['port']}"
-        table.add_row(r["at"][:19], r["verdict"], r["code"] or "", r["method"],
-                      f"{r['scheme']}://{r['host']}{port}{r['path']}", str(r["upstream_status"] or ""),
-                      f"{r['latency_ms']:.1f}", r["credential"] or "", r["rule"])
+        url = f"{r['scheme']}://{r['host']}{port}{r['path']}" if r["host"] else "(no destination read)"
+        cells = (r["at"][:19], r["verdict"], r["code"] or "", r["method"], url, str(r["upstream_status"] or ""),
+                 f"{r['latency_ms']:.1f}", r["credential"] or "", r["rule"])
+        table.add_row(*(Text(cell) for cell in cells))  # as recorded: a path or a reason is never read as markup
     Console(width=200).print(table)
 
 
 @egress_app.command("client")
 def egress_client(
-    label: Annotated[str, typer.Argument(help="What this is for, e.g. the tool computer's name.")],
+    label: Annotated[str | None, typer.Argument(help="What this is for, e.g. the tool computer's name.")] = None,
+    revoke: Annotated[str | None, typer.Option(
+        "--revoke", metavar="LABEL", help="Revoke the credential issued for LABEL instead of issuing one: the proxy "
+                                          "refuses it (not_admitted) from its next request on.")] = None,
     user: Annotated[str, typer.Option(help="Whose tool computer.")] = "owner",
     data_dir: DataDir = None, database_url: DbUrl = None,
 ) -> None:
-    """Issue a proxy credential for a tool computer (Proxy-Authorization: Basic user_id:token). Shown once."""
+    """Issue a proxy credential for a tool computer (Proxy-Authorization: Basic user_id:token). Shown once.
+    Issuing again for the same LABEL revokes the earlier credential at once; `--revoke LABEL` revokes it without
+    issuing another."""
+    if label is not None and revoke is not None or label is None and revoke is None:
+        say("bad_arguments", "give a LABEL to issue a credential for, or --revoke LABEL; one of the two")
+        raise typer.Exit(2)
     engine = open_engine(settings_or_exit(data_dir, database_url))
     try:
-        with write(engine) as conn:
-            user_id = users.user_id_by_name(conn, user)
-            client_id, token = egress.issue_client_token(conn, user_id=user_id, label=label,
-                                                         now=SystemClock().now())
+        if revoke is not None:
+            _revoke_client(engine, user, revoke)
+        elif label is not None:
+            _issue_client(engine, user, label)
     except WakefulError as exc:
         fail(exc)
-    err.print(f"egress client {client_id} for {user} ({label}); the proxy credential, shown once:")
+
+
+def _issue_client(engine: Engine, user: str, label: str) -> None:
+    with write(engine) as conn:
+        user_id = users.user_id_by_name(conn, user)
+        client_id, token = egress.issue_client_token(conn, user_id=user_id, label=label, now=SystemClock().now())
+    err.print(f"egress client {client_id} for {user} ({label}); any earlier credential for {label} no longer works; "
+              "the proxy credential, shown once:", soft_wrap=True, markup=False, highlight=False)
     typer.echo(f"{user_id}:{token}")
+
+
+def _revoke_client(engine: Engine, user: str, label: str) -> None:
+    with write(engine) as conn:
+        user_id = users.user_id_by_name(conn, user)
+        if egress.revoke_label(conn, user_id=user_id, label=label, now=SystemClock().now()) == 0:
+            raise NotFound("unknown_client", f"{user} has no live egress client labelled {label}")
+    typer.echo(f"revoked the proxy credential of {user}'s tool computer {label}: the proxy refuses it from its next "
+               "request on")

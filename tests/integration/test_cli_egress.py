@@ -93,7 +93,7 @@ def test_serve_runs_the_proxy_and_its_refusals_are_in_the_audit(tmp_path: Path) 
     env = {"WAKEFUL_DATA_DIR": str(tmp_path), "WAKEFUL_PROXY": "true", "WAKEFUL_PROXY_PORT": str(proxy_port)}
     with ServeProcess(env, log_path=tmp_path / "serve.log") as server:
         token = run(tmp_path, "token").stdout.strip()
-        (client_block,) = [b for b in BLOCKS if "egress client" in b]
+        (client_block,) = [b for b in BLOCKS if "egress client" in b and "--revoke" not in b]
         credential = _bash(tmp_path, client_block).stdout.strip()
         user_id, _, secret = credential.partition(":")
         assert user_id.startswith("usr_") and secret and secret.encode() not in (tmp_path / "wakeful.db").read_bytes()

@@ -322,7 +322,8 @@ def test_tool_computer_traffic_is_allowed_only_by_a_rule_and_only_with_a_valid_p
     with write(engine) as conn:
         client_id, token = egress.issue_client_token(conn, user_id=owner, label="vm", now=clock.now())
     allowed = rules_service.decide_now(_tc(owner, token, "shop.example.com", "POST", "/cart"))
-    assert isinstance(allowed, Allow) and allowed.credential == "shop_session" and allowed.rule == "shop"
+    assert isinstance(allowed, Allow) and allowed.credential == "shop_session"
+    assert allowed.rule == "shop, for tool computer vm"  # the audit row says which tool computer
     for refused, code in [
         (_tc(owner, token, "evil.example.net"), "host_not_allowed"),
         (_tc(owner, token, "shop.example.com", "DELETE"), "host_not_allowed"),

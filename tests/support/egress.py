@@ -60,11 +60,13 @@ class EgressStack:
         return httpx.Client(proxy=self.proxy_url, verify=ssl.create_default_context(cafile=self.deployment_ca),
                             timeout=10.0)
 
-    def audit(self, count: int, *, timeout: float = 10.0) -> list[dict[str, object]]:
-        """The newest `count` audit rows, once that many have arrived (the proxy sends them asynchronously)."""
+    def audit(self, count: int, *, timeout: float = 10.0, tunnels: bool = False) -> list[dict[str, object]]:
+        """The audit rows of requests, newest first, once `count` have arrived (the proxy sends them
+        asynchronously); with `tunnels`, the rows of CONNECTs too (every tunnel has one of its own)."""
         def rows() -> list[dict[str, object]] | None:
             with read(self.world.engine) as conn:
-                found = list(egress.audit_rows(conn, user_id=None, limit=1000))
+                found = [r for r in egress.audit_rows(conn, user_id=None, limit=1000)
+                         if tunnels or r["method"] != "CONNECT"]
             return found if len(found) >= count else None
         return wait_until(rows, timeout, f"{count} egress audit rows")
 

@@ -15,15 +15,21 @@ from typing import Any
 
 import h11
 import httpx
+from sqlalchemy import Engine
 
 from tests.support.tlsca import make_test_ca
 from wakeful.proxy.audit import EgressRecord
-from wakeful.proxy.channel import DeciderServer
+from wakeful.proxy.channel import DeciderServer, Record
+from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.config import ProxyConfig
 from wakeful.proxy.contract import Allow, DecisionRequest, RefusalCode, Refuse, Verdict, refuse
 from wakeful.proxy.server import ProxyServer, serve_proxy
 from wakeful.proxy.tls import CA_CERT_FILE
 from wakeful.proxy.vault import KeyRing, Vault, generate_key
+from wakeful.server.egress import grants as egress
+from wakeful.server.egress.proxyctl import DeciderService
+from wakeful.server.settings import Settings
+from wakeful.server.store.db import read
 
 SECRET = "sk_live_canary_4f9a1e7c2b"
 TOKEN = "decider-channel-token"
@@ -231,10 +237,18 @@ class Decider:
             self.batches += 1
             self.changed.notify_all()
 
-    async def wait_records(self, count: int, within: float = 5.0) -> list[EgressRecord]:
+    @property
+    def requests_recorded(self) -> list[EgressRecord]:
+        """The records of requests, without those of CONNECTs (every tunnel has one of its own)."""
+        return [r for r in self.records if r.method != "CONNECT"]
+
+    async def wait_records(self, count: int, within: float = 5.0, *, tunnels: bool = False) -> list[EgressRecord]:
+        """Once there are `count`: the records of requests, or with `tunnels` of CONNECTs too."""
+        def recorded() -> list[EgressRecord]:
+            return list(self.records) if tunnels else self.requests_recorded
         async with asyncio.timeout(within), self.changed:
-            await self.changed.wait_for(lambda: len(self.records) >= count)
-        return list(self.records)
+            await self.changed.wait_for(lambda: len(recorded()) >= count)
+        return recorded()
 
 
 # --- the world -----------------------------------------------------------------------------------------------------
@@ -262,17 +276,19 @@ class World:
         return f"{scheme}://{host}:{self.port_of(host)}{path}"
 
     async def raw(self, data: bytes, *, connect: str | None = "merchant.test", sni: str | None = None,
-                  handshake_after: float = 0.0) -> tuple[int, dict[str, str], bytes]:
-        """Send hand-written bytes through the proxy (inside a CONNECT tunnel to `connect`, the TLS name `sni`, whose
-        handshake starts `handshake_after` seconds after the tunnel opened), and read one response."""
+                  handshake_after: float = 0.0, auth: str = f"usr_1:{CLIENT_TOKEN}",
+                  ) -> tuple[int, dict[str, str], bytes]:
+        """Send hand-written bytes through the proxy (inside a CONNECT tunnel to `connect` presenting `auth`, the TLS
+        name `sni`, whose handshake starts `handshake_after` seconds after the tunnel opened), and read one
+        response."""
         async with asyncio.timeout(10):
             reader, writer = await asyncio.open_connection("127.0.0.1", self.proxy.port)
             try:
                 if connect is not None:
-                    auth = base64.b64encode(f"usr_1:{CLIENT_TOKEN}".encode()).decode()
+                    basic = base64.b64encode(auth.encode()).decode()
                     target = f"{connect}:{self.port_of(connect)}"
                     writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
-                                 f"Proxy-Authorization: Basic {auth}\r\n\r\n".encode())
+                                 f"Proxy-Authorization: Basic {basic}\r\n\r\n".encode())
                     head = await reader.readuntil(b"\r\n\r\n")
                     assert head.startswith(b"HTTP/1.1 200"), head
                     context = ssl.create_default_context(cafile=str(self.deployment_ca))
@@ -318,7 +334,10 @@ def short_socket_dir() -> Path:
 
 @contextlib.asynccontextmanager
 async def world(tmp_path: Path, decide: Decide | None = None, *, start_decider: bool = True,
-                decider_token: str = TOKEN, proxy_token: str = TOKEN, **config: Any) -> AsyncIterator[World]:
+                decider_token: str = TOKEN, proxy_token: str = TOKEN, record: Record | None = None,
+                **config: Any) -> AsyncIterator[World]:
+    """The world; `record` stores the proxy's audit records instead of the in-memory `Decider` (e.g. the server's
+    `DeciderService.record`, into the database)."""
     tls, ca_file = upstream_tls(tmp_path, HOSTS)
     merchant, other, pinned, plain = Upstream(tls), Upstream(tls), RawUpstream(tls), Upstream(None)
     upstreams: tuple[Upstream | RawUpstream, ...] = (merchant, other, pinned, plain)
@@ -331,7 +350,7 @@ async def world(tmp_path: Path, decide: Decide | None = None, *, start_decider: 
     sock_dir = short_socket_dir()
     socket_path = sock_dir / "run" / "decider.sock"
     decider = Decider(decide or allow_tool())
-    server = DeciderServer(socket_path, decider_token, decider.on_decide, decider.on_record)
+    server = DeciderServer(socket_path, decider_token, decider.on_decide, record or decider.on_record)
     if start_decider:
         await server.start()
     settings: dict[str, Any] = {
@@ -356,10 +375,43 @@ async def world(tmp_path: Path, decide: Decide | None = None, *, start_decider: 
             sock_dir.rmdir()
 
 
+@contextlib.asynccontextmanager
+async def recorded_world(tmp_path: Path, engine: Engine, clock: FakeClock, settings: Settings,
+                         **config: Any) -> AsyncIterator[World]:
+    """The world with the server's own decider in place of the scripted one: `DeciderService` over the database
+    behind `engine` (tool computers' credentials, the egress allowlist in `settings.policies`, the audit rows)."""
+    service = DeciderService(engine, clock, settings)
+    (tmp_path / "world").mkdir()
+    try:
+        async with world(tmp_path / "world", service.decide, record=service.record, **config) as w:
+            yield w
+    finally:
+        service.close()
+
+
+def allow_rules(settings: Settings, w: World, *rules: tuple[str, str, str]) -> None:
+    """Write the egress allowlist: one rule per (name, host, methods as TOML), on the host's port in this world."""
+    settings.policies.mkdir(parents=True, exist_ok=True)
+    (settings.policies / "egress.toml").write_text("".join(
+        f'[[allow]]\nname = "{name}"\nhost = "{host}"\nports = [{w.port_of(host)}]\nmethods = {methods}\n'
+        for name, host, methods in rules))
+
+
+async def audited(w: World, engine: Engine) -> list[dict[str, Any]]:
+    """Every audit row, newest first, through the reader `GET /v1/egress` and `wakeful egress log` use: read once
+    every connection the proxy had is over and the decider has stored every record the proxy sent."""
+    async with asyncio.timeout(10):
+        while w.proxy.open_connections:  # the proxy notices a client's close on its own time
+            await asyncio.sleep(0.01)
+    assert await w.proxy.decider.flush(10), "the decider did not store every audit record"
+    with read(engine) as conn:
+        return list(egress.audit_rows(conn, user_id=None, limit=10_000))
+
+
 def refusal_code(response: httpx.Response) -> str:
     assert response.headers["x-wakeful-refusal"] == response.json()["error"]["code"]
     return str(response.json()["error"]["code"])
 
 
-__all__ = ["CLIENT_TOKEN", "SECRET", "TOKEN", "Decider", "Received", "RecordingMap", "Refuse", "World", "allow_tool",
-           "refusal_code", "refuse_all", "world"]
+__all__ = ["CLIENT_TOKEN", "SECRET", "TOKEN", "Decider", "Received", "RecordingMap", "Refuse", "World", "allow_rules",
+           "allow_tool", "audited", "recorded_world", "refusal_code", "refuse_all", "world"]

@@ -132,5 +132,5 @@ async def test_after_the_decider_comes_back_requests_are_decided_again(tmp_path:
         await w.decider_server.start()
         # The refusal's audit record makes the proxy reconnect on its own; once it is acknowledged, the channel is up.
         assert await w.proxy.decider.flush(5)
-        assert [r.code for r in w.decider.records] == ["decider_unavailable"]
+        assert [r.code for r in w.decider.requests_recorded] == ["decider_unavailable"]
         assert (await client.get(w.url("merchant.test", "/"))).status_code == 200

@@ -49,7 +49,7 @@ async def test_a_client_hello_naming_another_host_or_none_is_refused_before_anyt
         answer = await through_pinned_tunnel(w, sni)
         assert b"pinned ok" not in answer
         assert w.pinned.connections == 0 and bytes(w.pinned.received) == b""
-        [record] = await w.decider.wait_records(1)
+        [record] = await w.decider.wait_records(1, tunnels=True)
         assert (record.method, record.verdict, record.code) == ("CONNECT", "refuse", "header_mismatch")
         assert record.bytes_up == 0
 
@@ -58,5 +58,5 @@ async def test_a_client_hello_naming_the_connect_target_is_relayed(tmp_path: Pat
     async with world(tmp_path, allow_tool(None)) as w:
         answer = await through_pinned_tunnel(w, "PINNED.test")
         assert b"pinned ok" in answer and b"GET /fronted" in bytes(w.pinned.received)
-        [record] = await w.decider.wait_records(1)
+        [record] = await w.decider.wait_records(1, tunnels=True)
         assert (record.method, record.verdict) == ("CONNECT", "allow")

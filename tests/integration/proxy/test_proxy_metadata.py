@@ -58,5 +58,5 @@ async def test_a_pinned_tunnel_to_a_metadata_address_is_refused_before_any_dial(
             with pytest.raises(httpx.ProxyError, match="403"):
                 await client.get(w.url("pinned.test", "/"))
         assert dials == [] and w.pinned.connections == 0
-        [record] = await w.decider.wait_records(1)
+        [record] = await w.decider.wait_records(1, tunnels=True)
         assert (record.method, record.verdict, record.code) == ("CONNECT", "refuse", "address_not_allowed")

@@ -31,7 +31,7 @@ async def test_a_pinned_host_is_decided_once_as_connect_and_tunnelled_without_in
         assert asked.client_token == CLIENT_TOKEN and asked.user_id == "usr_1"
         assert b"GET /account?x=1 HTTP/1.1" in w.pinned.received
         assert b"Authorization: mine" in w.pinned.received and SECRET.encode() not in w.pinned.received
-        [record] = await w.decider.wait_records(1)
+        [record] = await w.decider.wait_records(1, tunnels=True)
         assert (record.method, record.path, record.verdict, record.credential) == ("CONNECT", "", "allow", None)
         assert record.bytes_up > 0 and record.bytes_down > 0
 
@@ -42,7 +42,7 @@ async def test_a_refused_pinned_host_is_never_dialled(tmp_path: Path) -> None:
             with pytest.raises(httpx.ProxyError):
                 await client.get(w.url("pinned.test", "/"))
         assert w.pinned.connections == 0 and w.resolve.looked_up == []
-        [record] = await w.decider.wait_records(1)
+        [record] = await w.decider.wait_records(1, tunnels=True)
         assert (record.method, record.verdict, record.code) == ("CONNECT", "refuse", "not_admitted")
 
 

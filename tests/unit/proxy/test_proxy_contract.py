@@ -64,7 +64,7 @@ def test_every_refusal_code_has_a_stable_value_and_a_reason() -> None:
         "not_admitted", "host_not_allowed", "decider_unavailable", "address_not_allowed", "content_mismatch",
         "method_not_allowed", "header_mismatch", "plaintext_credential", "malformed_verdict",
         "credential_unavailable", "misplaced_credential", "ambiguous_path", "request_timeout",
-        "too_many_connections", "proxy_busy"}
+        "too_many_connections", "proxy_busy", "request_too_large", "target_too_long", "malformed_request"}
     assert set(REASONS) == set(RefusalCode)
 
 

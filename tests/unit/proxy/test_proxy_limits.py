@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wakeful.proxy.contract import ProxyRefusal, RefusalCode
-from wakeful.proxy.limits import BodyBudget, Held
+from wakeful.proxy.limits import BodyBudget, Held, RowBudget
 from wakeful.proxy.wire import refusal_response
 
 
@@ -61,3 +61,12 @@ def test_a_refusal_without_a_request_is_a_whole_closing_http_response(code: Refu
     assert dict(response.headers)[b"connection"] == b"close"
     assert isinstance(data, h11.Data) and b'"code":"' + code.encode() in data.data
     assert isinstance(end, h11.EndOfMessage)
+
+
+def test_a_row_budget_allows_its_burst_then_one_row_per_interval_and_refills_no_further_than_the_burst() -> None:
+    budget = RowBudget(burst=3, every=10.0)
+    assert [budget.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert (budget.take(5.0), budget.take(10.0), budget.take(10.0)) == (False, True, False)
+    assert [budget.take(1000.0) for _ in range(4)] == [True, True, True, False]  # a long quiet refills the burst
+    with pytest.raises(ValueError):
+        RowBudget(burst=1, every=0.0)

@@ -127,7 +127,9 @@ def test_a_connect_target_needs_a_host_and_a_port() -> None:
 
 def test_refusals_are_403_and_failures_of_the_decider_or_upstream_are_gateway_errors() -> None:
     special = {RefusalCode.DECIDER_UNAVAILABLE: 502, RefusalCode.MALFORMED_VERDICT: 502,
-               RefusalCode.REQUEST_TIMEOUT: 408, RefusalCode.TOO_MANY_CONNECTIONS: 503, RefusalCode.PROXY_BUSY: 503}
+               RefusalCode.REQUEST_TIMEOUT: 408, RefusalCode.TOO_MANY_CONNECTIONS: 503, RefusalCode.PROXY_BUSY: 503,
+               RefusalCode.REQUEST_TOO_LARGE: 413, RefusalCode.TARGET_TOO_LONG: 414,
+               RefusalCode.MALFORMED_REQUEST: 400}
     assert {code: refusal_status(code) for code in RefusalCode} == {code: special.get(code, 403)
                                                                     for code in RefusalCode}
     assert (refusal_status("upstream_timeout"), refusal_status("upstream_failed"),
