@@ -25,6 +25,7 @@ BENCHMARKS: list[tuple[str, bool]] = [
     ("timers", True),
     ("idle", True),
     ("admission", True),
+    ("reconcile", True),
     ("mcp_roundtrip", False),
     ("egress_proxy", True),
     ("tool_computer", False),  # boots a 1 GiB guest: minutes under TCG, and it needs the built image

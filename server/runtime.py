@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, and_, func, select
@@ -29,6 +29,7 @@ from wakeful.server.core.worker import Binding, IdlePoll, InboxRate, RunHandler,
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.egress.grants import issue_client_token
 from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.egress.pacing import Pacing
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
@@ -131,7 +132,9 @@ class Runtime:
         self.live = LiveViews(computers, self.clock) if computers is not None else None
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
                                         on_event=self.signals.outcome_recorded, http=self.egress,
-                                        resend_after=settings.resend_after, computers=computers)
+                                        resend_after=settings.resend_after, computers=computers,
+                                        pacing=Pacing(first=timedelta(seconds=settings.reconcile_interval),
+                                                      cap=settings.reconcile_backoff_max))
         self.outbox = OutboxDrain(self.engine, self.clock, [self.messages, self.actions])
         if computers is not None:
             self.tools.attach_computers(computers, dispatch_now=self._dispatch_now, notify=self._send_live_view)
@@ -228,6 +231,8 @@ class Runtime:
                 expired = waits.expire_due(conn, now=now)
         if fired or expired:
             self.signals.work.set()
+        if expired:
+            self.signals.reconcile.set()  # a reconcile wait that ran out is told to the user by the reconciler
         with read(self.engine) as conn:
             next_due: datetime | None = conn.execute(select(func.min(timers_table.c.due_at))
                                     .where(timers_table.c.state == TimerState.ACTIVE.value)).scalar()
@@ -253,22 +258,24 @@ class Runtime:
                 idle.wait(self.signals.dispatch)
 
     def _reconciler_loop(self) -> None:
-        # Nothing to reconcile is the usual case: back off to six idle polls, and wake when an outcome is recorded.
+        # It sleeps until the next read about an unsettled action is due (each action keeps its own pace), or until
+        # an outcome recorded in this process wakes it; nothing waiting is the usual case: six idle polls then.
         idle = IdlePoll(self.settings.reconcile_interval, 6 * self.settings.idle_poll_max)
         while not self.signals.stop.is_set():
-            idle.wait(self.signals.reconcile)
-            if self.signals.stop.is_set():
-                return
-            if self._guarded("reconciler", self.reconcile_once):
-                idle.reset()
+            until_next = self._guarded("reconciler", self.reconcile_once)
+            idle.wait(self.signals.reconcile, at_most=until_next)
 
     def reconcile_once(self) -> float:
-        """Query the remote for unknown outcomes, verify accepted effects, send receipts for completed tasks;
-        returns how many actions it looked at."""
+        """Read the provider about the unknown outcomes and unverified effects that are due, send receipts for
+        completed tasks; returns the seconds until the next read is due (the idle ceiling when none waits)."""
         looked = self.actions.reconcile_due() + self.actions.verify_due()
         if looked:
             self.signals.dispatch.set()  # reconciliation may have queued a resend or a receipt
-        return float(looked)
+        following = self.actions.next_look()
+        if following is None:
+            return 6 * self.settings.idle_poll_max
+        # Never less than a poll: a read that failed before it left (and so left no evidence) is not retried hot.
+        return max(self.settings.poll_interval, (following - self.clock.now()).total_seconds())
 
     def _sweeper_loop(self) -> None:
         while not self.signals.stop.wait(self.settings.sweep_interval):

@@ -177,7 +177,12 @@ class Settings(BaseSettings):
     """`ADDRESS:PORT` where the egress proxy also listens for tool computers on `computer_network`: the network's
     own host address. A connection there is known by its source address alone. Required with `computer_network`."""
     reconcile_interval: float = 5.0
-    """How often unknown outcomes are reconciled and accepted effects verified, in seconds."""
+    """Seconds between the first and the second read of the provider about one action whose outcome is unknown (or
+    whose accepted effect is not verified yet); each later gap doubles, up to `reconcile_backoff_max`, less up to a
+    quarter of jitter. The first read is at once. How long the reads go on is the policy's `reconcile_window` and
+    `verify_window`."""
+    reconcile_backoff_max: Duration = timedelta(minutes=10)
+    """The longest gap between two reads of the provider about one action."""
     resend_after: Duration = timedelta(seconds=10)
     """How long after an attempt whose outcome is unknown, and that the provider shows no trace of, the same request
     may go again with the same idempotency key (only for operations that declare one)."""

@@ -67,7 +67,7 @@ __all__ = [
     "OBJECT_ID_PATTERN", "Amount", "BooleanParam", "Connector", "ConnectorError", "ConnectorProblem", "DoneWhen",
     "ExtractedObject", "IntegerParam", "ObjectParam", "Operation", "Param", "Reconcile",
     "Registry", "Returns", "StringParam", "build_request", "extract_objects", "load_connectors",
-    "done_when_holds", "reconcile_arguments", "reconcile_done", "validate_arguments",
+    "done_when_holds", "reconcile_arguments", "reconcile_done", "validate_arguments", "values_at",
 ]
 
 OBJECT_ID_PATTERN: Final = "^obj_[0-9a-z]+$"
@@ -682,7 +682,7 @@ def _text(value: object) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
-def _select(body: object, path: str) -> list[object]:
+def values_at(body: object, path: str) -> list[object]:
     """The values a `returns.at` / `done_when.at` path picks out of a JSON body."""
     values = [body]
     for step in path.split(".") if path else ():
@@ -715,7 +715,7 @@ def extract_objects(op: Operation, body: object) -> list[ExtractedObject]:
     found: list[ExtractedObject] = []
     seen: set[tuple[str, str]] = set()
     for spec in op.returns:
-        for element in _select(body, spec.at):
+        for element in values_at(body, spec.at):
             if not isinstance(element, dict):
                 continue
             ref = _field(element, spec.ref)
@@ -748,7 +748,7 @@ def reconcile_done(op: Operation, body: object) -> bool:
 
 def done_when_holds(done_when: DoneWhen, body: object) -> bool:
     """Whether a response body satisfies a `done_when` condition."""
-    values = [value for value in _select(body, done_when.at) if value is not None]
+    values = [value for value in values_at(body, done_when.at) if value is not None]
     if done_when.exists is not None:
         return bool(values) == done_when.exists
     return any(type(value) is type(done_when.equals) and value == done_when.equals for value in values)

@@ -42,6 +42,9 @@ class Policy(BaseModel):
     """How long a server-issued object ID stays usable after the read that minted it."""
     reconcile_window: timedelta = timedelta(minutes=30)
     """How long an unknown outcome is reconciled before the user is told what is and is not known."""
+    verify_window: timedelta = timedelta(hours=24)
+    """How long an accepted effect is re-read for the task's verification (a provider still "processing") before the
+    reads stop and the user is told what the provider last said."""
     tiers: dict[str, Risk] = Field(default_factory=dict)
     """Per-tool overrides of the connector's declared risk tier."""
     rules: tuple[AutoRule, ...] = ()

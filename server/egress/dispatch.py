@@ -9,7 +9,9 @@ An attempt found without an outcome (the process died between persisting and rec
 definition: it is reconciled, not re-sent. Reconciliation queries the remote (by idempotency key or by reading the
 object) and adds evidence rows; only when the remote says the effect did not happen and the operation carries an
 idempotency key may the same request, with the same key, be sent again. Past the reconcile window the user is
-told exactly what is and is not known.
+told exactly what is and is not known. Accepted effects whose task asks for it are verified by a fresh read, up to
+the verify window. Reads about one action are paced (`pacing`, scheduled from the evidence rows by `looks`): a read
+that changed nothing never makes the next one come sooner, and never wakes the reconciler again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import ColumnElement, Connection, Engine, and_, func, or_, select, update
+from sqlalchemy import ColumnElement, Connection, Engine, String, and_, func, literal, or_, select, update
 
 from wakeful.proxy.clock import Clock
 from wakeful.proxy.contract import REFUSAL_HEADER, EgressRequest, RefusalCode
@@ -37,7 +39,9 @@ from wakeful.server.computers.pool import ACT_TOOL, Computers, act_from_args
 from wakeful.server.computers.pool import execute as execute_act
 from wakeful.server.core import faults, inbox, outbox, waits
 from wakeful.server.core.outbox import OutboxDrain
+from wakeful.server.egress.looks import Answer, Look, accepted_at, observed, schedule, tell_unknown, tell_unverified
 from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.egress.pacing import Pacing
 from wakeful.server.errors import WakefulError
 from wakeful.server.store.db import read, upsert, write
 from wakeful.server.store.ids import new_id
@@ -129,14 +133,19 @@ def classify(response: httpx.Response | None, error: Exception | None) -> Result
                   detail=f"HTTP {status}: the remote may or may not have applied it")
 
 
+PACING = Pacing(first=timedelta(seconds=5), cap=timedelta(minutes=10))
+"""The settings' defaults (`reconcile_interval`, `reconcile_backoff_max`)."""
+
+
 class ActionDispatcher:
     def __init__(self, engine: Engine, clock: Clock, *, policy: Policy, timeout: float = 10.0,
                  resend_after: timedelta = timedelta(seconds=10), http: ConnectorHTTP | None = None,
-                 computers: Computers | None = None, on_event: Any = lambda: None) -> None:
+                 computers: Computers | None = None, on_event: Any = lambda: None, pacing: Pacing = PACING) -> None:
         self._engine = engine
         self._clock = clock
         self._policy = policy
         self._resend_after = resend_after
+        self._pacing = pacing
         self._http = http or ConnectorHTTP(timeout=timeout)
         self._computers = computers
         self._on_event = on_event
@@ -354,18 +363,18 @@ class ActionDispatcher:
     # -- reconcile ---------------------------------------------------------------------------------------------
 
     def reconcile_due(self, limit: int = 50) -> int:
-        """Query the remote for every action whose outcome is still unknown; returns how many were checked."""
+        """Read the provider about every action whose outcome is still unknown and whose next read is due; returns
+        how many were read. Then tell the user about those whose reconcile window ran out."""
+        now = self._clock.now()
         with read(self._engine) as conn:
-            pending = conn.execute(select(waits_table.c.match_key).where(and_(
-                waits_table.c.kind == "reconcile", waits_table.c.state == WaitState.PENDING.value)).limit(limit)
-            ).scalars().all()
-        for key in pending:
+            due = [look.action_id for look in self._reconcile_looks(conn, now) if look.due_at <= now][:limit]
+        for action_id in due:
             try:
-                self.reconcile(key.removeprefix("reconcile:"))
+                self.reconcile(action_id)
             except Exception:  # one action's trouble must not stop the others' reconciliation
-                log.exception("reconciling %s failed; it is tried again next round", key)
+                log.exception("reconciling %s failed; it is tried again next round", action_id)
         self._tell_timed_out()
-        return len(pending)
+        return len(due)
 
     def reconcile(self, action_id: str) -> Outcome:
         with read(self._engine) as conn:
@@ -375,19 +384,13 @@ class ActionDispatcher:
         spec = action.content.get("reconcile")
         if spec is None:
             return Outcome.UNKNOWN
-        try:
-            response = self._query(action, GrantPurpose.RECONCILE, spec["request"])
-            body = response.json() if response.is_success else None
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info("reconcile of %s could not reach the remote: %s", action_id, exc)
-            return Outcome.UNKNOWN
-        found = body is not None and done_when_holds(DoneWhen.model_validate(spec["done_when"]), body)
+        answer = self._read(action, GrantPurpose.RECONCILE, spec)
+        found = answer.readable and done_when_holds(DoneWhen.model_validate(spec["done_when"]), answer.body)
         now = self._clock.now()
         with write(self._engine) as conn:
             add_evidence(conn, action=action, attempt_id=last.id, source="reconcile",
                          verdict=Outcome.ACCEPTED if found else Outcome.UNKNOWN,
-                         observed={"query": spec["request"], "status_code": response.status_code, "body": body,
-                                   "found": found}, now=now)
+                         observed=observed(spec, answer, found=found), now=now)
             if found:
                 inbox.record(conn, inbox.Delivery(
                     user_id=action.user_id, source="reconcile", source_id=f"{action.id}:found", trust="system",
@@ -396,7 +399,7 @@ class ActionDispatcher:
                              "detail": "the remote shows the effect"},
                 ), now=now)
             elif action.content.get("idempotency_key") and now - last.created_at >= self._resend_after and \
-                    response.is_success:
+                    answer.readable:
                 # The remote says it did not happen and deduplicates by key: the same request may go again.
                 session_id = lock_task(conn, action.task_id).session_id
                 intent = upsert(conn, outbox_table).values(
@@ -405,42 +408,84 @@ class ActionDispatcher:
                     state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now, created_at=now,
                     body=json.dumps({"action_id": action.id}))
                 conn.execute(intent.on_conflict_do_nothing())  # one resend per attempt, however often we look
-        self._on_event()
+        if found:
+            self._on_event()  # only news wakes the loops: a read that changed nothing waits for its turn
         return Outcome.ACCEPTED if found else Outcome.UNKNOWN
+
+    def next_look(self) -> datetime | None:
+        """When the next read about an unsettled action is due (or a verify deadline falls); None: none waits."""
+        now = self._clock.now()
+        with read(self._engine) as conn:
+            looks = self._reconcile_looks(conn, now) + self._verify_looks(conn)[0]
+        return min((look.due_at for look in looks), default=None)
+
+    def _reconcile_looks(self, conn: Connection, now: datetime) -> list[Look]:
+        """The actions with a pending reconcile wait inside its window and a read to reconcile them with."""
+        pending = conn.execute(select(waits_table.c.match_key, waits_table.c.created_at).where(and_(
+            waits_table.c.kind == "reconcile", waits_table.c.state == WaitState.PENDING.value,
+            or_(waits_table.c.deadline.is_(None), waits_table.c.deadline > now)))).all()
+        since = {w.match_key.removeprefix("reconcile:"): w.created_at for w in pending}
+        readable = {a: t for a, t in since.items() if load_action(conn, a).content.get("reconcile") is not None}
+        return schedule(conn, source="reconcile", since=readable, pacing=self._pacing)
+
+    def _read(self, action: Action, purpose: GrantPurpose, spec: Mapping[str, Any]) -> Answer:
+        """One read that settles or checks an action; no answer is an answer too, recorded and paced like any."""
+        try:
+            response = self._query(action, purpose, spec["request"])
+        except httpx.HTTPError as exc:
+            log.info("a %s read for %s got no answer: %s", purpose.value, action.id, exc)
+            return Answer(status_code=None, body=None, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+        if not response.is_success:
+            return Answer(status_code=response.status_code, body=None, error=None)
+        try:
+            return Answer(status_code=response.status_code, body=response.json(), error=None)
+        except ValueError:
+            return Answer(status_code=response.status_code, body=None, error="the answer was not JSON")
 
     # -- verify and complete -------------------------------------------------------------------------------------
 
     def verify_due(self, limit: int = 50) -> int:
-        """Re-read the world for accepted actions whose task version asks for it; then check completion."""
+        """Re-read the world for accepted actions whose task version asks for it, each when its next read is due;
+        past the verify window, tell the user once instead. Then check completion. Returns how many were read."""
+        now = self._clock.now()
         with read(self._engine) as conn:
-            accepted = _accepted_actions(conn)
-            verified = select(evidence.c.action_id).where(and_(
-                evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))
-            # Canonical JSON escapes quotes inside strings, so this matches only a top-level "verify" member.
-            ids = conn.execute(select(actions_table.c.id).where(and_(
-                actions_table.c.id.in_(accepted), actions_table.c.id.not_in(verified),
-                actions_table.c.content.like('%"verify":{%'))).order_by(actions_table.c.created_at).limit(limit)
-            ).scalars().all()
-            candidates = [load_action(conn, a) for a in ids]
+            looks, since = self._verify_looks(conn)
+            due = [load_action(conn, look.action_id) for look in looks if look.due_at <= now]
         checked = 0
-        for action in candidates:
-            spec = action.content.get("verify")
-            if spec is None:
-                continue
-            checked += 1
-            try:
-                response = self._query(action, GrantPurpose.VERIFY, spec["request"])
-                body = response.json() if response.is_success else None
-            except (httpx.HTTPError, ValueError):
-                continue
-            holds = body is not None and done_when_holds(DoneWhen.model_validate(spec["done_when"]), body)
-            with write(self._engine) as conn:
-                add_evidence(conn, action=action, attempt_id=None, source="verify",
-                             verdict=Outcome.ACCEPTED if holds else Outcome.UNKNOWN,
-                             observed={"query": spec["request"], "status_code": response.status_code, "body": body,
-                                       "holds": holds}, now=self._clock.now())
+        for action in due:
+            if since[action.id] + self._policy.verify_window <= now:  # past the window: the reads stop, once told
+                with write(self._engine) as conn:
+                    tell_unverified(conn, action, accepted_at=since[action.id], now=now)
+            elif checked < limit:
+                checked += 1
+                self._verify(action)
         self.complete_due()
         return checked
+
+    def _verify_looks(self, conn: Connection) -> tuple[list[Look], dict[str, datetime]]:
+        """The accepted, unverified actions whose task asks for a fresh read and whose user was not told yet that
+        the reads stopped; and when each was accepted."""
+        accepted = _accepted_actions(conn)
+        verified = select(evidence.c.action_id).where(and_(
+            evidence.c.source == "verify", evidence.c.verdict == Outcome.ACCEPTED.value))
+        told = select(outbox_table.c.id).where(outbox_table.c.id.like("unv\\_%", escape="\\"))
+        # Canonical JSON escapes quotes inside strings, so this matches only a top-level "verify" member.
+        ids = conn.execute(select(actions_table.c.id).where(and_(
+            actions_table.c.id.in_(accepted), actions_table.c.id.not_in(verified),
+            actions_table.c.content.like('%"verify":{%'),
+            (literal("unv_", String) + actions_table.c.id).not_in(told)))).scalars().all()
+        since = accepted_at(conn, ids)
+        deadlines = {a: t + self._policy.verify_window for a, t in since.items()}
+        return schedule(conn, source="verify", since=since, pacing=self._pacing, deadlines=deadlines), since
+
+    def _verify(self, action: Action) -> None:
+        spec = action.content["verify"]
+        answer = self._read(action, GrantPurpose.VERIFY, spec)
+        holds = answer.readable and done_when_holds(DoneWhen.model_validate(spec["done_when"]), answer.body)
+        with write(self._engine) as conn:
+            add_evidence(conn, action=action, attempt_id=None, source="verify",
+                         verdict=Outcome.ACCEPTED if holds else Outcome.UNKNOWN,
+                         observed=observed(spec, answer, holds=holds), now=self._clock.now())
 
     def complete_due(self) -> int:
         """Tasks whose current version's completion conditions all hold on recorded evidence get their receipt."""
@@ -486,26 +531,19 @@ class ActionDispatcher:
         return done
 
     def _tell_timed_out(self) -> None:
+        """One message for each reconcile wait that timed out: what is still unknown, and what was tried."""
         now = self._clock.now()
+        told = select(outbox_table.c.id).where(outbox_table.c.id.like("unk\\_%", escape="\\"))
+        untold = select(waits_table.c.match_key, waits_table.c.user_id, waits_table.c.session_id).where(and_(
+            waits_table.c.kind == "reconcile", waits_table.c.state == WaitState.TIMED_OUT.value,
+            (literal("unk_", String) + func.substr(waits_table.c.match_key, len(reconcile_key("")) + 1)).not_in(told)))
+        with read(self._engine) as conn:  # most rounds have nobody to tell: no write transaction for them
+            if conn.execute(untold.limit(1)).first() is None:
+                return
         with write(self._engine) as conn:
-            expired = conn.execute(select(waits_table.c.match_key, waits_table.c.user_id, waits_table.c.session_id)
-                                   .where(and_(waits_table.c.kind == "reconcile",
-                                               waits_table.c.state == WaitState.TIMED_OUT.value))).all()
-            for w in expired:
-                action_id = w.match_key.removeprefix("reconcile:")
-                sent = conn.execute(select(func.count()).select_from(attempts)
-                                    .where(attempts.c.action_id == action_id)).scalar_one()
-                resent = ("I have not sent it again." if sent <= 1 else
-                          f"I sent it {sent - 1} more time(s) with the same idempotency key after the provider showed "
-                          "no trace of it; none of those was confirmed either.")
-                stmt = upsert(conn, outbox_table).values(
-                    id=f"unk_{action_id}", user_id=w.user_id, kind=OutboxKind.USER_MESSAGE.value,
-                    session_id=w.session_id, state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now,
-                    created_at=now, body=json.dumps({"kind": "outcome_unknown", "action_id": action_id, "text": (
-                        f"I cannot confirm whether {action_id} took effect. The request was sent, the reply was "
-                        f"lost, and the remote has not shown the effect since. {resent} Please check with the "
-                        "provider.")}))
-                conn.execute(stmt.on_conflict_do_nothing())
+            for w in conn.execute(untold).all():
+                tell_unknown(conn, load_action(conn, w.match_key.removeprefix(reconcile_key(""))),
+                             session_id=w.session_id, now=now)
 
 
 def add_evidence(conn: Connection, *, action: Action | None, task_id: str | None = None, attempt_id: str | None,

@@ -20,6 +20,7 @@ Knobs (`sim.faults`, `/_sim/faults`): dedupe, fail_before_commit, stall_seconds 
     commit_then_timeout  int   the next N cancellations commit, then hold the response back `stall_seconds`
     processing_seconds   float >0: cancellations answer 202 and stay "processing" for that many sim-seconds
     late_webhook         bool  each cancellation queues a signed `subscription.renewal_cancelled` webhook
+    lookups_redirect     bool  `GET /v1/cancellations` answers 302 to `/login` (a lookup the provider sends to sign-in)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, RedirectResponse
 from pydantic import BaseModel
 
 from wakeful.server.sims._base import Faults, Reply, Sim, SimClock, error, iso, sim_app
@@ -43,6 +44,7 @@ class MerchantFaults(Faults):
     commit_then_timeout: int = 0
     processing_seconds: float = 0.0
     late_webhook: bool = False
+    lookups_redirect: bool = False
 
 
 class CancelRequest(BaseModel):
@@ -153,8 +155,11 @@ def create_merchant(subscriptions: Sequence[Mapping[str, Any]] | None = None, *,
                                         lambda key: sim.cancel_renewal(sub_id, key, reason),
                                         stall_knob="commit_then_timeout")
 
-    @app.get("/v1/cancellations")
-    def cancellations(idempotency_key: str | None = None, subscription: str | None = None) -> dict[str, Any]:
+    @app.get("/v1/cancellations", response_model=None)
+    def cancellations(idempotency_key: str | None = None,
+                      subscription: str | None = None) -> dict[str, Any] | RedirectResponse:
+        if sim.faults.lookups_redirect:
+            return RedirectResponse("/login", status_code=302)
         return {"cancellations": sim.cancellations(idempotency_key, subscription)}
 
     return app, sim

@@ -413,8 +413,8 @@ def test_reconciling_an_unknown_order_again_after_its_resend_was_held_or_voided_
         w.dispatcher.drain()  # ... and held (paused) or voided (the task moved on)
         assert len(attempt_rows(w, act)) == 1 and w.airline.effects == []
         assert wait_row(w, reconcile_key(act)).state == WaitState.PENDING
-        for _ in range(3):  # the reconciler loop's next passes
-            w.clock.advance(timedelta(seconds=11))
+        for _ in range(3):  # the reconciler loop's next passes, each when the next read is due (reads are paced)
+            w.clock.advance(timedelta(minutes=1))
             assert w.dispatcher.reconcile_due() == 1
             w.dispatcher.drain()
         assert w.airline.effects == [] and len(attempt_rows(w, act)) == 1  # nothing left while held / after void

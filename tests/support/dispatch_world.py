@@ -108,6 +108,7 @@ class DispatchWorld:
             "WAKEFUL_POLICIES_DIR": str(POLICIES),
             "WAKEFUL_CONNECTOR_URLS__MERCHANT": self.merchant_url,
             "WAKEFUL_RECONCILE_INTERVAL": str(self.reconcile_interval),
+            "WAKEFUL_RECONCILE_BACKOFF_MAX": "2",  # reads double from the interval: keep a recovery within seconds
             "WAKEFUL_POLL_INTERVAL": str(self.poll_interval),
             "WAKEFUL_IDLE_POLL_MAX": "1",  # recovery waits on lease expiry, which only polling notices
             "WAKEFUL_RESEND_AFTER": "2",

@@ -258,6 +258,19 @@ def test_a_late_webhook_is_queued_by_the_cancellation_and_sent_signed_only_on_fl
     assert client.get("/_sim/webhooks").json()["pending"] == []
 
 
+def test_lookups_redirect_sends_the_cancellation_lookup_to_sign_in_and_changes_nothing() -> None:
+    app, sim = create_merchant()
+    client = TestClient(app, follow_redirects=False)
+    client.post("/v1/subscriptions/sub_1/cancel_renewal", headers=key("k1"))
+    client.post("/_sim/faults", json={"lookups_redirect": True})
+
+    response = client.get("/v1/cancellations", params={"idempotency_key": "k1"})
+
+    assert (response.status_code, response.headers["location"]) == (302, "/login")
+    assert client.get("/v1/subscriptions/sub_1").json()["renewal"] == "off"  # only the lookup is redirected
+    assert len(sim.effects) == 1 and len(sim.cancellations("k1")) == 1
+
+
 def test_seeded_subscriptions_replace_the_default_one() -> None:
     app, _ = create_merchant([{"id": "sub_a", "plan": "Basic", "price_cents": 499, "renewal": "off"}])
 
