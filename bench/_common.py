@@ -131,7 +131,6 @@ def _serve_env(data_dir: Path, port: int, extra: dict[str, str]) -> dict[str, st
     env.update({
         "WAKEFUL_DATA_DIR": str(data_dir),
         "WAKEFUL_PORT": str(port),
-        "WAKEFUL_CONFIG": str(data_dir / "wakeful.toml"),
         "WAKEFUL_SOURCES__HOOK__KIND": "generic",
         "WAKEFUL_SOURCES__HOOK__SECRET": SECRET,
     })
@@ -224,9 +223,10 @@ def serve(*, env: dict[str, str] | None = None) -> Iterator[Serve]:
         yield server
 
 
-def signed_headers(body: bytes) -> dict[str, str]:
-    """The generic scheme signs the body only, so one body has one signature however many deliveries carry it."""
-    return sign("generic", secret=SECRET.encode(), body=body, now=time.time())
+def signed_headers(body: bytes, delivery_id: str) -> dict[str, str]:
+    """One delivery's headers, stamped now: the generic scheme signs the timestamp and the delivery ID with the body,
+    so every delivery has its own signature (good for the source's tolerance, five minutes by default)."""
+    return sign("generic", secret=SECRET.encode(), body=body, now=time.time(), delivery_id=delivery_id)
 
 
 # -- statistics -----------------------------------------------------------------------------------------------------

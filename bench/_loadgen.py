@@ -35,9 +35,14 @@ class LoadSpec:
     duration: float
     warmup: float = 1.0
     connections: int = 64
-    unique_header: str | None = None  # a header that gets a unique value per request (webhook delivery ID)
-    unique_prefix: str = ""
+    per_request: list[dict[str, str]] = field(default_factory=list)
+    """Headers for request i alone (a webhook's own delivery ID and signature), one per request; none: all alike."""
     drain_timeout: float = 15.0
+
+    @property
+    def total(self) -> int:
+        """How many requests the phase sends, warm-up included."""
+        return int((self.warmup + self.duration) * self.rate)
 
 
 @dataclass
@@ -52,12 +57,10 @@ class LoadResult:
     lag: list[float] = field(default_factory=list)  # seconds the generator dispatched late
 
 
-def _request_bytes(spec: LoadSpec, unique: str | None) -> bytes:
+def _request_bytes(spec: LoadSpec, own: dict[str, str]) -> bytes:
     body = spec.body.encode()
     headers = {"Host": f"{spec.host}:{spec.port}", "Content-Type": "application/json",
-               "Content-Length": str(len(body)), **spec.headers}
-    if spec.unique_header and unique is not None:
-        headers[spec.unique_header] = unique
+               "Content-Length": str(len(body)), **spec.headers, **own}
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     return f"POST {spec.path} HTTP/1.1\r\n{head}\r\n".encode() + body
 
@@ -83,7 +86,11 @@ class _Run:
         self.t_measure = 0.0
         self.t_end = 0.0
         self.last_done = 0.0
-        self.fixed = _request_bytes(spec, None) if spec.unique_header is None else b""
+        if spec.per_request and len(spec.per_request) != spec.total:
+            raise ValueError(f"{len(spec.per_request)} per-request headers for {spec.total} requests")
+        # Built before the clock starts, so the generator's per-request cost is a list lookup.
+        self.requests = [_request_bytes(spec, own) for own in spec.per_request]
+        self.fixed = _request_bytes(spec, {})
 
     async def connection(self) -> None:
         reader, writer = await asyncio.open_connection(self.spec.host, self.spec.port)
@@ -94,8 +101,7 @@ class _Run:
             writer.close()
 
     async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, i: int, intended: float) -> None:
-        data = self.fixed or _request_bytes(self.spec, f"{self.spec.unique_prefix}{i}")
-        writer.write(data)
+        writer.write(self.requests[i] if self.requests else self.fixed)
         try:
             status = await _read_response(reader)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -114,7 +120,7 @@ class _Run:
     async def schedule(self, t0: float) -> None:
         """Enqueue request i at t0 + i/rate; a late wake-up enqueues every request that became due meanwhile."""
         spec, i = self.spec, 0
-        total = int((spec.warmup + spec.duration) * spec.rate)
+        total = spec.total
         while i < total:
             now = time.perf_counter()
             while i < total and t0 + i / spec.rate <= now:

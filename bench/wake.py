@@ -41,7 +41,6 @@ class Sent:
 
 def send(server: Serve, n: int) -> tuple[dict[str, Sent], list[float], list[float]]:
     """(delivery ID -> times, webhook round trips, no-op round trips), interleaved on one keep-alive connection."""
-    headers = signed_headers(BODY) | {"Content-Type": "application/json"}
     prefix = f"wake-{uuid.uuid4().hex[:8]}-"
     sent: dict[str, Sent] = {}
     hook_rtt: list[float] = []
@@ -50,9 +49,9 @@ def send(server: Serve, n: int) -> tuple[dict[str, Sent], list[float], list[floa
         client.post("/v1/noop").raise_for_status()  # open the connection outside the measurement
         for i in range(n):
             delivery = f"{prefix}{i}"
+            headers = signed_headers(BODY, delivery) | {"Content-Type": "application/json"}
             t_send = time.time()
-            client.post("/v1/hooks/hook", content=BODY, headers=headers | {"X-Wakeful-Delivery": delivery}) \
-                .raise_for_status()
+            client.post("/v1/hooks/hook", content=BODY, headers=headers).raise_for_status()
             t_ack = time.time()
             sent[delivery] = Sent(sent=t_send, acked=t_ack)
             hook_rtt.append(t_ack - t_send)

@@ -58,9 +58,10 @@ def _seconds(value: Any) -> Any:
 
 Duration = Annotated[timedelta, BeforeValidator(_seconds)]
 
-# Where each provider puts the delivery ID and a natural session key, unless the source says otherwise.
-_DEFAULT_DELIVERY_ID: dict[str, str] = {
-    "github": "header:X-GitHub-Delivery",
+# Where each provider puts the delivery ID and a natural session key, unless the source says otherwise. GitHub has
+# none it signs (X-GitHub-Delivery is not): its deliveries are told apart by the digest of what the signature covers.
+_DEFAULT_DELIVERY_ID: dict[str, str | None] = {
+    "github": None,
     "stripe": "body:id",
     "slack": "body:event_id",
     "generic": "header:X-Wakeful-Delivery",
@@ -87,11 +88,13 @@ class SourceSettings(BaseModel):
     trust: Literal["third_party", "verified_service", "user"] = "third_party"
     """How much the content may be trusted; it is data to the model either way, never an instruction."""
     delivery_id: str | None = None
-    """Where the provider's delivery ID is: `header:<Name>` or `body:<dotted.path>`; per-kind default."""
+    """Where the provider's delivery ID is: `header:<Name>` or `body:<dotted.path>`; per-kind default. A header the
+    signature does not cover is never trusted as one: such deliveries are told apart by what the signature covers."""
     session_key: str | None = None
     """Where a correlation key is (thread, issue, wait ID): `header:<Name>` or `body:<dotted.path>`."""
-    tolerance_seconds: int = 300
-    """Timestamp tolerance for schemes that sign a timestamp (Stripe, Slack)."""
+    tolerance_seconds: int = Field(default=300, ge=0)
+    """How far a signed timestamp may be from now, either way, for the schemes that sign one (generic, Stripe,
+    Slack); further is `signature_expired`."""
 
     @field_validator("delivery_id", "session_key")
     @classmethod
@@ -100,7 +103,8 @@ class SourceSettings(BaseModel):
             raise ValueError("must start with 'header:' or 'body:'")
         return value
 
-    def delivery_locator(self) -> str:
+    def delivery_locator(self) -> str | None:
+        """Where the delivery ID is; None when there is none the signature covers (GitHub's default)."""
         return self.delivery_id or _DEFAULT_DELIVERY_ID[self.kind]
 
     def session_locator(self) -> str:

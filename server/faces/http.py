@@ -41,7 +41,7 @@ from uvicorn.server import HANDLED_SIGNALS
 
 from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.inbox import Delivery
-from wakeful.server.core.signatures import SignatureError, verify_signature
+from wakeful.server.core.signatures import SignatureError, Signed, verify_signature
 from wakeful.server.egress.proxyctl import serve_egress
 from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, WakefulError
 from wakeful.server.faces import bodies
@@ -234,6 +234,16 @@ def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
     return str(node)
 
 
+def _delivery_id(locator: str | None, signed: Signed, body: Any) -> str | None:
+    """The ID duplicates are dropped by: one only the sender could have set (in the signed body, or in a header the
+    signature covers), else the digest of what the signature covers. So a delivery replayed with a new unsigned ID
+    header (GitHub's `X-GitHub-Delivery`) is the same delivery again, and records nothing new."""
+    if locator is not None and locator.startswith("body:"):
+        return _locate(locator, {}, body)
+    name = locator.partition(":")[2].lower() if locator is not None else ""
+    return signed.headers.get(name) or f"sha256:{signed.digest}"
+
+
 class WebhookInbox:
     """`POST /v1/hooks/{source}`, answered in front of the whole app (every other request, and the lifespan, pass
     through to it).
@@ -299,9 +309,9 @@ class WebhookInbox:
             raise NotFound("unknown_source", f"no webhook source named {source!r} is configured", source=source)
         body = await bodies.read(receive, settings.max_body_bytes)
         try:
-            verify_signature(config.kind, secret=config.secret.get_secret_value().encode(), body=body,
-                             headers=headers, now=clock.now().timestamp(),
-                             tolerance_seconds=config.tolerance_seconds)
+            signed = verify_signature(config.kind, secret=config.secret.get_secret_value().encode(), body=body,
+                                      headers=headers, now=clock.now().timestamp(),
+                                      tolerance_seconds=config.tolerance_seconds)
         except SignatureError as exc:
             raise Unauthorized(exc.code, str(exc), source=source) from None
         payload = bodies.loads(body)  # depth, number length and duplicate keys bounded before anything recurses
@@ -309,7 +319,7 @@ class WebhookInbox:
             raise BadRequest("malformed_body", "the body must be a JSON object")
         if config.kind == "slack" and payload.get("type") == "url_verification":
             return {"challenge": payload.get("challenge")}
-        delivery_id = _locate(config.delivery_locator(), headers, payload)
+        delivery_id = _delivery_id(config.delivery_locator(), signed, payload)
         if delivery_id is None:
             raise BadRequest("missing_delivery_id", f"no delivery ID at {config.delivery_locator()!r}")
         delivery = Delivery(

@@ -54,6 +54,7 @@ __all__ = [
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 SIGNATURE_HEADER = "X-Wakeful-Signature"
+TIMESTAMP_HEADER = "X-Wakeful-Timestamp"
 DELIVERY_HEADER = "X-Wakeful-Delivery"
 
 
@@ -135,11 +136,22 @@ class _Stored:
     reply: Reply
 
 
+def _signed(secret: bytes, body: bytes, delivery_id: str) -> dict[str, str]:
+    """The generic scheme's headers for one send, stamped now (a signature is good for minutes, so each send signs
+    afresh: a redelivery an hour later still verifies)."""
+    timestamp = str(int(time.time()))
+    payload = f"{timestamp}\n{delivery_id}\n".encode() + body
+    return {TIMESTAMP_HEADER: timestamp, DELIVERY_HEADER: delivery_id,
+            SIGNATURE_HEADER: "v1=" + hmac.new(secret, payload, hashlib.sha256).hexdigest()}
+
+
 class WebhookOutbox:
     """Signed outbound webhooks: queued by the sim, sent on `flush()` (deterministic) or `flush_later(delay)`.
 
     Each webhook gets its delivery id when queued; a failed send stays pending and is retried with the same id on
-    the next flush, as real providers redeliver. Signature: `X-Wakeful-Signature: sha256=<hex hmac(secret, body)>`.
+    the next flush, as real providers redeliver. Each send is signed by wakeful's generic scheme (docs/webhooks.md)
+    at the wall-clock time it is sent (a provider's own clock, not the simulated one): `X-Wakeful-Timestamp`,
+    `X-Wakeful-Delivery`, and `X-Wakeful-Signature: v1=<hex hmac(secret, "<timestamp>\\n<delivery id>\\n<body>")>`.
     """
 
     def __init__(self) -> None:
@@ -180,8 +192,7 @@ class WebhookOutbox:
         with httpx.Client(timeout=timeout, trust_env=False, transport=self.transport) as client:
             for item in batch:
                 body = json.dumps(item["payload"], separators=(",", ":")).encode()
-                headers = {"Content-Type": "application/json", DELIVERY_HEADER: item["delivery_id"],
-                           SIGNATURE_HEADER: "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()}
+                headers = {"Content-Type": "application/json", **_signed(secret, body, item["delivery_id"])}
                 result: dict[str, Any] = {"delivery_id": item["delivery_id"], "url": url}
                 try:
                     result["status_code"] = client.post(url, content=body, headers=headers).status_code

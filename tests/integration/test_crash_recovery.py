@@ -207,8 +207,8 @@ def make_delivery(delivery_id: str, session_key: str | None, rng: random.Random)
 
 
 def post(client: httpx.Client, url: str, delivery: Delivery) -> httpx.Response:
-    headers = {"Content-Type": "application/json", "X-Wakeful-Delivery": delivery.id,
-               **sign("generic", secret=SECRET.encode(), body=delivery.body, now=time.time())}
+    headers = {"Content-Type": "application/json",
+               **sign("generic", secret=SECRET.encode(), body=delivery.body, now=time.time(), delivery_id=delivery.id)}
     return client.post(f"{url}/v1/hooks/hook", content=delivery.body, headers=headers)
 
 

@@ -6,10 +6,9 @@ the merchant applied the cancellation; the merchant's records do.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -18,10 +17,20 @@ import httpx
 import pytest
 
 from tests.support.polling import wait_until
+from wakeful.server.core.signatures import SignatureError, verify_signature
 from wakeful.server.sims import Merchant, create_merchant, serve
 
 SECRET = "whsec_loopback"
 CANCEL = "/v1/subscriptions/sub_1/cancel_renewal"
+
+
+def verifies(body: bytes, headers: dict[str, str]) -> bool:
+    """Whether wakeful's inbox would take this delivery's signature (the generic scheme, stamped now)."""
+    try:
+        verify_signature("generic", secret=SECRET.encode(), body=body, headers=headers, now=time.time())
+    except SignatureError:
+        return False
+    return True
 
 
 class Receiver:
@@ -47,8 +56,7 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # the name http.server dispatches to
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                expected = "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
-                verified = hmac.compare_digest(self.headers.get("X-Wakeful-Signature", ""), expected)
+                verified = verifies(body, dict(self.headers))
                 with receiver._lock:
                     receiver.deliveries.append({"verified": verified, "payload": json.loads(body),
                                                 "delivery_id": self.headers.get("X-Wakeful-Delivery")})

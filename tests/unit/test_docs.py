@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 
 from wakeful.server.computers.handoff import NOVNC_DIR
+from wakeful.server.core.signatures import sign, verify_signature
 from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.http import WebhookInbox, create_app
 from wakeful.server.harness.handlers import EchoHandler
@@ -100,6 +103,21 @@ def test_every_link_in_the_docs_leads_to_a_file_inside_the_repository(doc: Path)
         path = (doc.parent / target.split("#", 1)[0]).resolve()
         assert path.is_relative_to(ROOT), f"{doc.name}: {target} points outside the repository"
         assert path.exists(), f"{doc.name}: {target} does not exist"
+
+
+def test_the_worked_example_of_the_generic_scheme_is_what_the_server_signs_and_accepts() -> None:
+    text = (DOCS / "webhooks.md").read_text().split("Worked example:", 1)[1]
+    secret = re.match(r" secret `([^`]+)`", text)
+    signed_bytes, headers_block = re.findall(r"```text\n(.*?)\n```", text, re.S)[:2]
+    assert secret
+    headers = dict(line.split(": ", 1) for line in headers_block.splitlines())
+    timestamp, delivery, body = signed_bytes.split("\n")
+    assert headers["X-Wakeful-Signature"] == "v1=" + hmac.new(secret.group(1).encode(), signed_bytes.encode(),
+                                                              hashlib.sha256).hexdigest()
+    assert sign("generic", secret=secret.group(1).encode(), body=body.encode(), now=int(timestamp),
+                delivery_id=delivery) == headers
+    verify_signature("generic", secret=secret.group(1).encode(), body=body.encode(), headers=headers,
+                     now=int(timestamp) + 300)
 
 
 def test_the_acceleration_probe_command_in_the_infra_notes_runs(tmp_path: Path) -> None:

@@ -100,6 +100,19 @@ def _commands(group: click.Group, prefix: str = "") -> set[str]:
     return names
 
 
+def test_a_negative_signature_tolerance_is_refused_when_the_settings_load(tmp_path: Path) -> None:
+    # Let through, it would fail every delivery of the source with a 500.
+    with pytest.raises(ValueError, match="tolerance_seconds"):
+        Settings(data_dir=tmp_path, sources={"hook": {"kind": "generic", "secret": "s", "tolerance_seconds": -1}})
+
+
+def test_github_has_no_default_delivery_id_locator_since_github_signs_none(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, sources={"gh": {"kind": "github", "secret": "s"},
+                                                     "hook": {"kind": "generic", "secret": "s"}})
+    assert settings.sources["gh"].delivery_locator() is None
+    assert settings.sources["hook"].delivery_locator() == "header:X-Wakeful-Delivery"
+
+
 def test_every_command_a_message_in_the_code_names_exists() -> None:
     commands = _commands(typer.main.get_group(app))
     named = {(path.relative_to(ROOT), m[1]) for top in ("server", "vm", "proxy") for path in (ROOT / top).rglob("*.py")

@@ -21,6 +21,7 @@ KINDS: tuple[SignatureKind, ...] = get_args(SignatureKind)
 SECRET = b"whsec_test_secret"
 BODY = b'{"id":"evt_1","type":"ping"}'
 NOW = 1_700_000_000
+DELIVERY = "dlv_1"
 
 
 def hexmac(secret: bytes, payload: bytes) -> str:
@@ -55,6 +56,12 @@ def good_stripe_sig(t: int = NOW, body: bytes = BODY) -> str:
 
 def good_slack_sig(ts: int = NOW, body: bytes = BODY) -> str:
     return "v0=" + hexmac(SECRET, f"v0:{ts}:".encode() + body)
+
+
+def generic_headers(ts: int | str = NOW, delivery: str = DELIVERY, sig: str | None = None) -> dict[str, str]:
+    """The generic scheme's three headers; the signature, unless given, is the documented recipe."""
+    sig = sig or "v1=" + hexmac(SECRET, f"{ts}\n{delivery}\n".encode() + BODY)
+    return {"X-Wakeful-Timestamp": str(ts), "X-Wakeful-Delivery": delivery, "X-Wakeful-Signature": sig}
 
 
 # --- published vectors ----------------------------------------------------------------------------------------
@@ -100,9 +107,7 @@ def test_github_signature_computed_independently_verifies() -> None:
 
 
 def test_generic_signature_computed_independently_verifies() -> None:
-    verify_signature(
-        "generic", secret=SECRET, body=BODY, headers={"X-Wakeful-Signature": "sha256=" + hexmac(SECRET, BODY)}, now=NOW
-    )
+    verify_signature("generic", secret=SECRET, body=BODY, headers=generic_headers(), now=NOW)
 
 
 def test_stripe_signature_computed_independently_verifies() -> None:
@@ -114,9 +119,9 @@ def test_slack_signature_computed_independently_verifies() -> None:
 
 
 def test_sign_produces_exactly_the_independently_computed_headers() -> None:
-    body_sig = "sha256=" + hexmac(SECRET, BODY)
-    assert sign("github", secret=SECRET, body=BODY, now=NOW) == {"X-Hub-Signature-256": body_sig}
-    assert sign("generic", secret=SECRET, body=BODY, now=NOW) == {"X-Wakeful-Signature": body_sig}
+    github = {"X-Hub-Signature-256": "sha256=" + hexmac(SECRET, BODY), "X-GitHub-Delivery": DELIVERY}
+    assert sign("github", secret=SECRET, body=BODY, now=NOW, delivery_id=DELIVERY) == github
+    assert sign("generic", secret=SECRET, body=BODY, now=NOW, delivery_id=DELIVERY) == generic_headers()
     assert sign("stripe", secret=SECRET, body=BODY, now=NOW) == stripe_header(NOW, good_stripe_sig())
     assert sign("slack", secret=SECRET, body=BODY, now=NOW) == slack_headers(NOW, good_slack_sig())
 
@@ -127,13 +132,14 @@ def test_sign_truncates_a_fractional_now_to_whole_seconds() -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_signed_delivery_round_trips_for_every_kind(kind: SignatureKind) -> None:
-    headers = sign(kind, secret=SECRET, body=BODY, now=NOW)
+    headers = sign(kind, secret=SECRET, body=BODY, now=NOW, delivery_id=DELIVERY)
     verify_signature(kind, secret=SECRET, body=BODY, headers=headers, now=NOW)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_empty_body_round_trips_for_every_kind(kind: SignatureKind) -> None:
-    verify_signature(kind, secret=SECRET, body=b"", headers=sign(kind, secret=SECRET, body=b"", now=NOW), now=NOW)
+    headers = sign(kind, secret=SECRET, body=b"", now=NOW, delivery_id=DELIVERY)
+    verify_signature(kind, secret=SECRET, body=b"", headers=headers, now=NOW)
 
 
 # --- header casing ---------------------------------------------------------------------------------------------
@@ -142,13 +148,14 @@ def test_an_empty_body_round_trips_for_every_kind(kind: SignatureKind) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("recase", [str.lower, str.upper, str.swapcase], ids=["lower", "upper", "swapped"])
 def test_header_names_match_in_any_casing(kind: SignatureKind, recase: Callable[[str], str]) -> None:
-    headers = {recase(k): v for k, v in sign(kind, secret=SECRET, body=BODY, now=NOW).items()}
+    headers = {recase(k): v for k, v in sign(kind, secret=SECRET, body=BODY, now=NOW, delivery_id=DELIVERY).items()}
     verify_signature(kind, secret=SECRET, body=BODY, headers=headers, now=NOW)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_starlette_headers_object_is_accepted(kind: SignatureKind) -> None:
-    raw = [(k.lower().encode(), v.encode()) for k, v in sign(kind, secret=SECRET, body=BODY, now=NOW).items()]
+    headers = sign(kind, secret=SECRET, body=BODY, now=NOW, delivery_id=DELIVERY)
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     verify_signature(kind, secret=SECRET, body=BODY, headers=Headers(raw=raw), now=NOW)
 
 
@@ -167,7 +174,7 @@ def test_delivery_without_signature_headers_is_missing(kind: SignatureKind) -> N
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_blank_signature_header_is_missing(kind: SignatureKind) -> None:
-    headers = dict.fromkeys(sign(kind, secret=SECRET, body=BODY, now=NOW), "  ")
+    headers = dict.fromkeys(sign(kind, secret=SECRET, body=BODY, now=NOW, delivery_id=DELIVERY), "  ")
     assert error_code(kind, headers) == "signature_missing"
 
 
@@ -186,7 +193,6 @@ def test_github_signature_sent_under_the_generic_header_is_missing() -> None:
 # --- signature_malformed ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind,header", [("github", "X-Hub-Signature-256"), ("generic", "X-Wakeful-Signature")])
 @pytest.mark.parametrize(
     "value",
     [
@@ -199,8 +205,39 @@ def test_github_signature_sent_under_the_generic_header_is_missing() -> None:
         pytest.param("sha256=", id="empty-digest"),
     ],
 )
-def test_body_only_signature_with_bad_shape_is_malformed(kind: SignatureKind, header: str, value: str) -> None:
-    assert error_code(kind, {header: value}) == "signature_malformed"
+def test_github_signature_with_bad_shape_is_malformed(value: str) -> None:
+    assert error_code("github", {"X-Hub-Signature-256": value}) == "signature_malformed"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param(generic_headers(sig="sha256=" + hexmac(SECRET, BODY)), id="the-retired-body-only-scheme"),
+        pytest.param(generic_headers(sig=hexmac(SECRET, BODY)), id="no-prefix"),
+        pytest.param(generic_headers(sig="v1=" + "a" * 63), id="too-short"),
+        pytest.param(generic_headers(sig="v1=" + "g" * 64), id="not-hex"),
+        pytest.param(generic_headers(sig="v1="), id="empty-digest"),
+        pytest.param(generic_headers(ts="soon"), id="non-integer-timestamp"),
+        pytest.param(generic_headers(ts=f"{NOW}.0"), id="fractional-timestamp"),
+        pytest.param(generic_headers(ts="-5"), id="negative-timestamp"),
+        pytest.param(generic_headers(ts="9" * 16), id="timestamp-too-long"),
+        pytest.param(generic_headers(ts="\u0661\u0662"), id="non-ascii-digits"),
+        pytest.param(generic_headers(delivery="d 1"), id="space-in-delivery-id"),
+        pytest.param(generic_headers(delivery="caf\u00e9"), id="non-ascii-delivery-id"),
+        pytest.param(generic_headers(delivery="x" * 201), id="delivery-id-too-long"),
+    ],
+)
+def test_generic_headers_with_bad_shape_are_malformed(headers: dict[str, str]) -> None:
+    assert error_code("generic", headers) == "signature_malformed"
+
+
+@pytest.mark.parametrize("missing", ["X-Wakeful-Signature", "X-Wakeful-Timestamp", "X-Wakeful-Delivery"])
+def test_generic_without_any_one_of_its_headers_is_missing(missing: str) -> None:
+    headers = generic_headers()
+    del headers[missing]
+    with pytest.raises(SignatureError) as info:
+        verify_signature("generic", secret=SECRET, body=BODY, headers=headers, now=NOW)
+    assert info.value.code == "signature_missing" and missing in info.value.message
 
 
 @pytest.mark.parametrize(
@@ -243,14 +280,14 @@ def test_slack_headers_with_bad_shape_are_malformed(headers: dict[str, str]) -> 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_body_altered_by_one_byte_is_a_mismatch(kind: SignatureKind) -> None:
-    headers = sign(kind, secret=SECRET, body=BODY, now=NOW)
+    headers = sign(kind, secret=SECRET, body=BODY, now=NOW, delivery_id=DELIVERY)
     altered = BODY[:-1] + bytes([BODY[-1] ^ 0x01])
     assert error_code(kind, headers, body=altered) == "signature_mismatch"
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_signature_made_with_another_secret_is_a_mismatch(kind: SignatureKind) -> None:
-    headers = sign(kind, secret=b"someone-else", body=BODY, now=NOW)
+    headers = sign(kind, secret=b"someone-else", body=BODY, now=NOW, delivery_id=DELIVERY)
     assert error_code(kind, headers) == "signature_mismatch"
 
 
@@ -274,6 +311,24 @@ def test_stripe_signature_replayed_with_a_different_timestamp_is_a_mismatch() ->
     # The timestamp is part of the signed payload, so moving it forward to dodge the expiry check fails.
     headers = stripe_header(NOW + 10, good_stripe_sig(t=NOW))
     assert error_code("stripe", headers, now=NOW + 10) == "signature_mismatch"
+
+
+def test_generic_signature_replayed_with_a_different_timestamp_is_a_mismatch() -> None:
+    headers = generic_headers(sig=generic_headers()["X-Wakeful-Signature"], ts=NOW + 10)
+    assert error_code("generic", headers, now=NOW + 10) == "signature_mismatch"
+
+
+@pytest.mark.parametrize("other", ["dlv_2", "DLV_1", "dlv_1."], ids=["another", "recased", "longer"])
+def test_generic_signature_replayed_under_another_delivery_id_is_a_mismatch(other: str) -> None:
+    headers = generic_headers(sig=generic_headers()["X-Wakeful-Signature"], delivery=other)
+    assert error_code("generic", headers) == "signature_mismatch"
+
+
+def test_generic_parts_cannot_be_cut_another_way() -> None:
+    # The delivery ID may hold dots; moving part of it into the body (or back) changes the signed bytes.
+    headers = sign("generic", secret=SECRET, body=b"b.{}", now=NOW, delivery_id="a")
+    moved = headers | {"X-Wakeful-Delivery": "a.b"}
+    assert error_code("generic", moved, body=b"{}") == "signature_mismatch"
 
 
 def test_slack_signature_replayed_with_a_different_timestamp_is_a_mismatch() -> None:
@@ -309,24 +364,71 @@ def test_slack_signature_further_in_the_future_than_tolerance_is_expired() -> No
     assert error_code("slack", headers) == "signature_expired"
 
 
-@pytest.mark.parametrize("kind", ["stripe", "slack"])
+@pytest.mark.parametrize("skew", [-301, 301], ids=["older", "ahead"])
+def test_generic_signature_beyond_the_tolerance_is_expired(skew: int) -> None:
+    assert error_code("generic", generic_headers(ts=NOW + skew)) == "signature_expired"
+
+
+def test_generic_signature_of_an_absurd_but_well_formed_time_is_expired() -> None:
+    assert error_code("generic", generic_headers(ts="9" * 15)) == "signature_expired"
+
+
+@pytest.mark.parametrize("kind", ["generic", "stripe", "slack"])
 @pytest.mark.parametrize("skew", [-300, 300])
 def test_timestamp_exactly_at_the_tolerance_edge_is_accepted(kind: SignatureKind, skew: int) -> None:
-    headers = sign(kind, secret=SECRET, body=BODY, now=NOW + skew)
+    headers = sign(kind, secret=SECRET, body=BODY, now=NOW + skew, delivery_id=DELIVERY)
     verify_signature(kind, secret=SECRET, body=BODY, headers=headers, now=NOW)
 
 
-@pytest.mark.parametrize("kind", ["stripe", "slack"])
+@pytest.mark.parametrize("kind", ["generic", "stripe", "slack"])
 def test_custom_tolerance_is_honoured(kind: SignatureKind) -> None:
-    headers = sign(kind, secret=SECRET, body=BODY, now=NOW - 10)
+    headers = sign(kind, secret=SECRET, body=BODY, now=NOW - 10, delivery_id=DELIVERY)
     verify_signature(kind, secret=SECRET, body=BODY, headers=headers, now=NOW, tolerance_seconds=10)
     assert error_code(kind, headers, tolerance_seconds=9) == "signature_expired"
 
 
-@pytest.mark.parametrize("kind", ["github", "generic"])
-def test_body_only_signatures_never_expire(kind: SignatureKind) -> None:
-    headers = sign(kind, secret=SECRET, body=BODY, now=0)
-    verify_signature(kind, secret=SECRET, body=BODY, headers=headers, now=NOW)
+def test_github_signatures_never_expire() -> None:
+    # GitHub signs no time: a replay is told apart by the digest instead (see the `Signed` tests below).
+    headers = sign("github", secret=SECRET, body=BODY, now=0, delivery_id=DELIVERY)
+    verify_signature("github", secret=SECRET, body=BODY, headers=headers, now=NOW)
+
+
+# --- what a signature vouches for ------------------------------------------------------------------------------
+
+
+def test_generic_vouches_for_its_delivery_id_and_timestamp_and_digests_all_it_signs() -> None:
+    signed = verify_signature("generic", secret=SECRET, body=BODY, headers=generic_headers(), now=NOW)
+    assert signed.headers == {"x-wakeful-delivery": DELIVERY, "x-wakeful-timestamp": str(NOW)}
+    assert signed.digest == hashlib.sha256(f"{NOW}\n{DELIVERY}\n".encode() + BODY).hexdigest()
+
+
+def test_github_vouches_for_no_header_and_its_digest_ignores_the_delivery_header() -> None:
+    digests = set()
+    for delivery in ("g-1", "g-2", None):
+        headers = sign("github", secret=SECRET, body=BODY, now=NOW, delivery_id=delivery)
+        signed = verify_signature("github", secret=SECRET, body=BODY, headers=headers, now=NOW)
+        assert signed.headers == {}
+        digests.add(signed.digest)
+    assert digests == {hashlib.sha256(BODY).hexdigest()}
+
+
+def test_stripe_digest_is_the_same_however_the_header_lists_its_signatures() -> None:
+    # The header is not what is signed: extra or reordered v1 values must not make a replay look new.
+    plain = stripe_header(NOW, good_stripe_sig())
+    padded = stripe_header(NOW, "v1=" + "0" * 64, good_stripe_sig(), "v0=" + "1" * 64)
+    digests = {verify_signature("stripe", secret=SECRET, body=BODY, headers=h, now=NOW).digest for h in (plain, padded)}
+    assert digests == {hashlib.sha256(f"{NOW}.".encode() + BODY).hexdigest()}
+
+
+def test_slack_vouches_for_its_timestamp() -> None:
+    signed = verify_signature("slack", secret=SECRET, body=BODY, headers=slack_headers(NOW, good_slack_sig()), now=NOW)
+    assert signed.headers == {"x-slack-request-timestamp": str(NOW)}
+
+
+@pytest.mark.parametrize("delivery", [None, "", "d 1", "caf\u00e9"])
+def test_signing_a_generic_delivery_needs_a_well_formed_delivery_id(delivery: str | None) -> None:
+    with pytest.raises(ValueError):
+        sign("generic", secret=SECRET, body=BODY, now=NOW, delivery_id=delivery)
 
 
 # --- the error type and programming errors ---------------------------------------------------------------------
@@ -354,7 +456,7 @@ def test_error_message_never_contains_the_expected_signature() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_empty_secret_is_refused_rather_than_trusted(kind: SignatureKind) -> None:
     with pytest.raises(ValueError):
-        sign(kind, secret=b"", body=BODY, now=NOW)
+        sign(kind, secret=b"", body=BODY, now=NOW, delivery_id=DELIVERY)
     with pytest.raises(ValueError):
         verify_signature(kind, secret=b"", body=BODY, headers={}, now=NOW)
 
@@ -367,12 +469,21 @@ bodies = st.binary(max_size=2048)
 # Keep secrets within one block and compare them with trailing NULs stripped to mean "genuinely different".
 secrets = st.binary(min_size=1, max_size=64).filter(lambda s: s.rstrip(b"\x00") != b"")
 times = st.integers(min_value=0, max_value=2**40)
+deliveries = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=200)
 
 
-@given(kind=kinds, body=bodies, secret=secrets, now=times)
-def test_any_signed_delivery_verifies(kind: SignatureKind, body: bytes, secret: bytes, now: int) -> None:
-    headers = sign(kind, secret=secret, body=body, now=now)
+@given(kind=kinds, body=bodies, secret=secrets, now=times, delivery=deliveries)
+def test_any_signed_delivery_verifies(kind: SignatureKind, body: bytes, secret: bytes, now: int,
+                                      delivery: str) -> None:
+    headers = sign(kind, secret=secret, body=body, now=now, delivery_id=delivery)
     verify_signature(kind, secret=secret, body=body, headers=headers, now=now)
+
+
+@given(body=bodies, now=times, delivery=deliveries, other=deliveries)
+def test_any_generic_delivery_under_another_id_is_a_mismatch(body: bytes, now: int, delivery: str, other: str) -> None:
+    assume(delivery != other)
+    headers = sign("generic", secret=SECRET, body=body, now=now, delivery_id=delivery)
+    assert error_code("generic", headers | {"X-Wakeful-Delivery": other}, body=body, now=now) == "signature_mismatch"
 
 
 @given(kind=kinds, body=bodies, secret=secrets, other=secrets, now=times)
@@ -380,7 +491,7 @@ def test_any_delivery_checked_with_another_secret_is_a_mismatch(
     kind: SignatureKind, body: bytes, secret: bytes, other: bytes, now: int
 ) -> None:
     assume(secret.rstrip(b"\x00") != other.rstrip(b"\x00"))
-    headers = sign(kind, secret=secret, body=body, now=now)
+    headers = sign(kind, secret=secret, body=body, now=now, delivery_id=DELIVERY)
     assert error_code(kind, headers, body=body, secret=other, now=now) == "signature_mismatch"
 
 
@@ -391,5 +502,5 @@ def test_any_header_casing_verifies(
     def recase(name: str) -> str:
         return "".join(c.upper() if up else c.lower() for c, up in zip(name, name_case, strict=False))
 
-    headers = {recase(k): v for k, v in sign(kind, secret=secret, body=body, now=now).items()}
+    headers = {recase(k): v for k, v in sign(kind, secret=secret, body=body, now=now, delivery_id=DELIVERY).items()}
     verify_signature(kind, secret=secret, body=body, headers=headers, now=now)
