@@ -56,7 +56,8 @@ def entitled(wait: str, sender: Sender) -> bool:
     return wait in ("any_source", f"source:{sender.source}")
 
 
-names = st.sampled_from(NAMES) | st.text(min_size=1, max_size=12)
+storable = st.characters(exclude_characters="\x00")  # what the webhook inbox lets into a key (no NUL, no surrogate)
+names = st.sampled_from(NAMES) | st.text(storable, min_size=1, max_size=12)
 trusts = st.sampled_from(["third_party", "verified_service", "user", "system"])
 senders = st.one_of(
     st.builds(Sender, st.just("webhook"), names, trusts),
@@ -64,7 +65,7 @@ senders = st.one_of(
     st.builds(Sender, st.just("system"), st.sampled_from(["reconcile", "dispatch", "hook"]), st.just("system")),
 )
 wait_authorities = st.sampled_from(["user", "system", "any_source"]) | names.map(lambda name: f"source:{name}")
-keys = st.sampled_from(KEYS) | st.text(min_size=1, max_size=20)
+keys = st.sampled_from(KEYS) | st.text(storable, min_size=1, max_size=20)
 
 
 def fresh_user(engine: Engine, clock: FakeClock) -> str:
