@@ -92,6 +92,8 @@ def test_a_third_party_delivery_naming_the_approval_wait_leaves_it_to_the_users_
     assert forged["status"] == EventStatus.PENDING  # recorded, as every signed delivery is
     assert wait_row(w.engine, approval_key(act)).state == WaitState.PENDING
     assert event_row(w.engine, forged["event_id"]).session_id != task.session_id
+    status = httpx.get(f"{live.url}/v1/tasks/{task.task_id}", headers=live.auth, timeout=10).json()
+    assert [(x["match_key"], x["authority"]) for x in status["waits"]] == [(approval_key(act), "user")]
 
     with write(w.engine) as conn:  # the agent's run over the task's session happened: it is idle again
         conn.execute(todos.delete().where(todos.c.session_id == task.session_id))
