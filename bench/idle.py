@@ -23,6 +23,7 @@ from sqlalchemy import Connection
 from wakeful.server.core import control, sessions, timers, waits
 from wakeful.server.store import users
 from wakeful.server.store.db import make_engine, migrate, write
+from wakeful.server.store.tables import Authority
 
 TARGET_CPU = 1.0  # percent of one core
 TARGET_RSS = 200 * 1024 * 1024
@@ -66,7 +67,7 @@ def _delegation(conn: Connection, owner: str, i: int, now: datetime) -> None:
     timers.create_schedule(conn, user_id=owner, task_id=task_id, now=now, note="daily check", cron="0 9 * * *",
                            min_interval=timedelta(minutes=1))
     waits.register(conn, user_id=owner, session_id=session_id, match_key=f"reply-{i}", kind="reply",
-                   deadline=now + timedelta(days=30), now=now, task_id=task_id)
+                   authority=Authority.ANY_SOURCE, deadline=now + timedelta(days=30), now=now, task_id=task_id)
 
 
 # -- sampling /proc -------------------------------------------------------------------------------------------------

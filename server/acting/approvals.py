@@ -20,7 +20,15 @@ from wakeful.server.acting.verdicts import admit_and_record, approval_key, lock_
 from wakeful.server.core import control, inbox
 from wakeful.server.errors import Conflict
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import ApprovalDecision, ControlKind, EventKind, VerdictKind, approvals, verdicts
+from wakeful.server.store.tables import (
+    ApprovalDecision,
+    Authority,
+    ControlKind,
+    EventKind,
+    VerdictKind,
+    approvals,
+    verdicts,
+)
 
 __all__ = ["Decided", "decide"]
 
@@ -53,7 +61,7 @@ def decide(conn: Connection, *, user_id: str, action_id: str, approve: bool, act
     verdict = admit_and_record(conn, action, policy=policy, now=now, session_id=task.session_id)
     inbox.record(conn, inbox.Delivery(
         user_id=user_id, source="approval", source_id=approval_id, kind=EventKind.CONTROL, trust="user",
-        corr_key=approval_key(action.id),
+        authority=Authority.USER, corr_key=approval_key(action.id),
         payload={"action_id": action.id, "decision": decision.value, "verdict": verdict.kind.value,
                  "code": verdict.code, "reason": verdict.reason},
     ), now=now)

@@ -159,7 +159,7 @@ def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, An
     row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
     if row is None:
         raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
-    pending = conn.execute(select(waits.c.id, waits.c.kind, waits.c.match_key, waits.c.deadline)
+    pending = conn.execute(select(waits.c.id, waits.c.kind, waits.c.match_key, waits.c.authority, waits.c.deadline)
                            .where(and_(waits.c.task_id == task_id, waits.c.state == "pending"))).all()
     action_rows = []
     for a in conn.execute(select(actions).where(actions.c.task_id == task_id).order_by(actions.c.created_at)):
@@ -172,7 +172,7 @@ def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, An
                             "code": verdict.code if verdict else None, "outcome": outcome})
     return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state,
             "version": row.current_version, "facts": four_facts(conn, task_id=task_id),
-            "waits": [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key,
+            "waits": [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key, "authority": w.authority,
                        "deadline": w.deadline.isoformat() if w.deadline else None} for w in pending],
             "actions": action_rows, "proposed_steers": _proposed_steers(conn, task_id)}
 

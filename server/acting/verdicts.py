@@ -22,6 +22,7 @@ from wakeful.server.core import control, outbox, waits
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
     ApprovalDecision,
+    Authority,
     OutboxKind,
     Outcome,
     Risk,
@@ -131,7 +132,8 @@ def admit_and_record(conn: Connection, action: Action, *, policy: Policy, now: d
             waits_table.c.user_id == action.user_id, waits_table.c.match_key == approval_key(action.id)))).first()
         if already is None:
             waits.register(conn, user_id=action.user_id, session_id=session_id, match_key=approval_key(action.id),
-                           kind="approval", deadline=now + policy.approval_ttl, now=now, task_id=action.task_id)
+                           kind="approval", authority=Authority.USER, deadline=now + policy.approval_ttl, now=now,
+                           task_id=action.task_id)
             outbox.enqueue(conn, user_id=action.user_id, session_id=session_id, run_id=action.run_id, now=now,
                            message_id=f"card_{action.id}",
                            body={"kind": "approval_request", "card": render_card(action, facts, policy=policy)})

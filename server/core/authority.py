@@ -1,90 +1,38 @@
-"""Does a steer widen a delegation? Pure rules over two task versions; `core.steers` is the shell around them.
+"""Who may satisfy a wait: every wait records one authority, every delivery holds one, and the inbox lets a delivery
+satisfy only a wait its authority is entitled to.
 
-The agent may narrow what it was delegated, never widen it (principle 9). What cannot be shown to narrow counts as
-widening:
+    user            the user's control channel (an approval or a denial)
+    agent           (a sender's only) the agent's own word over MCP: it satisfies no wait
+    system          the server itself (what reconciliation found, a timer, a timeout)
+    source:<name>   the webhook source <name>
+    any_source      (a wait's only) any webhook source: what a run waits for when it names no source
 
-    goal          free text: no rule can show new words ask for less, so any change widens
-    completion    when the task counts as done: any change widens (sooner is a false "done", later is more time)
-    constraints   a key named `max_…` holding a number is a ceiling: lowering one or adding one narrows; raising or
-                  removing one widens. Any other key (a scope, a list of recipients …) may only stay as it was.
-
-Each widening is said in plain words, for the card that asks the user.
+A delivery holds `source:<its source>` unless the server code that builds it says otherwise, and the webhook inbox
+never does: the authority comes from the name of the source whose secret signed the delivery, never from its body or
+its `trust` setting. So no outside event holds `user` or `system`, and a key the server waits on for itself is out
+of every webhook's reach, whatever the key reads. The same holds for session keys: a key binds a session for the
+authority that bound it (`server.core.inbox`).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from wakeful.server.store.tables import SOURCE_PREFIX, Authority
 
-__all__ = ["Delegation", "over_ceilings", "widenings"]
-
-_SHOWN = 80
-"""Characters of a value a widening quotes: enough to recognise it, never a wall of text on a card."""
+__all__ = ["may_satisfy", "of_source", "satisfiable_by"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Delegation:
-    """What one task version asks for and allows, as JSON values (so a stored and a proposed one compare)."""
-
-    goal: str
-    constraints: Mapping[str, Any]
-    completion: Sequence[Any]
-
-    @classmethod
-    def of(cls, *, goal: str, constraints: Mapping[str, Any], completion: Sequence[Any]) -> Delegation:
-        return cls(goal=goal, constraints=json.loads(json.dumps(dict(constraints))),
-                   completion=json.loads(json.dumps(list(completion))))
+def of_source(name: str) -> str:
+    """The authority of a delivery from the webhook source `name` (and of a wait only that source may satisfy)."""
+    return f"{SOURCE_PREFIX}{name}"
 
 
-def _shown(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= _SHOWN else text[:_SHOWN - 1] + "…"
+def satisfiable_by(delivery: str) -> tuple[str, ...]:
+    """The authorities of the waits a delivery holding `delivery` may satisfy."""
+    if delivery.startswith(SOURCE_PREFIX):
+        return delivery, Authority.ANY_SOURCE.value
+    return (delivery,)
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _ceiling(key: str) -> bool:
-    return key.startswith("max_")
-
-
-def _constraint_widening(key: str, old: Any, new: Any, *, had: bool, has: bool) -> str | None:
-    """How changing one constraint widens the delegation, or None when it keeps or narrows it."""
-    if had and has and old == new:
-        return None
-    if _ceiling(key) and has and _number(new):
-        if not had:
-            return None  # a new ceiling
-        if _number(old):
-            return None if new <= old else f"raises {key} from {_shown(old)} to {_shown(new)}"
-    if not has:
-        return f"removes {key} (was {_shown(old)})"
-    if not had:
-        return f"adds {key} = {_shown(new)}"
-    return f"changes {key} from {_shown(old)} to {_shown(new)}"
-
-
-def widenings(old: Delegation, new: Delegation) -> tuple[str, ...]:
-    """Each way `new` asks for more than `old`, in plain words; empty when it narrows or keeps every part."""
-    found: list[str] = []
-    if new.goal != old.goal:
-        found.append(f"changes the goal from {_shown(old.goal)} to {_shown(new.goal)}")
-    for key in sorted(set(old.constraints) | set(new.constraints)):
-        said = _constraint_widening(key, old.constraints.get(key), new.constraints.get(key),
-                                    had=key in old.constraints, has=key in new.constraints)
-        if said is not None:
-            found.append(said)
-    if list(new.completion) != list(old.completion):
-        found.append(f"changes the completion conditions from {_shown(old.completion)} to {_shown(new.completion)}")
-    return tuple(found)
-
-
-def over_ceilings(constraints: Mapping[str, Any], ceilings: Mapping[str, int | None]) -> tuple[str, ...]:
-    """Each `max_…` constraint above the user's own ceiling for it (None: the user set none), in plain words."""
-    return tuple(f"{key} = {_shown(constraints[key])} is not within your limit of {ceiling}"
-                 for key, ceiling in sorted(ceilings.items())
-                 if ceiling is not None and key in constraints
-                 and not (_number(constraints[key]) and constraints[key] <= ceiling))
+def may_satisfy(wait: str, delivery: str) -> bool:
+    """Whether a delivery holding `delivery` may satisfy a wait recorded with `wait`."""
+    return wait in satisfiable_by(delivery)

@@ -22,6 +22,7 @@ from wakeful.server.core import inbox
 from wakeful.server.errors import Conflict, NotFound
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
+    Authority,
     ControlKind,
     EventKind,
     SteerState,
@@ -92,7 +93,7 @@ def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, 
     ))
     # The delegation itself is the first event: it wakes the agent, and its time is "request received".
     inbox.record(conn, inbox.Delivery(user_id=user_id, source="delegation", source_id=task_id, kind=EventKind.CONTROL,
-                                      trust=trust, session_id=session_id,
+                                      trust=trust, authority=Authority(trust), session_id=session_id,
                                       payload={"task_id": task_id, "title": title, "goal": goal or title,
                                                "constraints": dict(constraints or {})}), now=now)
     return task_id
@@ -137,7 +138,7 @@ def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: Contro
     inbox.record(
         conn,
         inbox.Delivery(user_id=user_id, source="control", source_id=record_id, kind=EventKind.CONTROL,
-                       trust="user", session_id=row.session_id,
+                       trust="user", authority=Authority.USER, session_id=row.session_id,
                        preempt=kind not in (ControlKind.RESUME, ControlKind.REOPEN),
                        payload={"control": kind.value, "task_id": task_id, "reason": reason}),
         now=now,
@@ -175,7 +176,8 @@ def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraint
     record_id = record(conn, user_id=user_id, task_id=task_id, kind=ControlKind.STEER, actor=actor,
                        reason=f"version {version}: {goal}", now=now)
     inbox.record(conn, inbox.Delivery(user_id=user_id, source="control", source_id=record_id, kind=EventKind.CONTROL,
-                                      trust=trust, session_id=row.session_id, preempt=True,
+                                      trust=trust, authority=Authority(trust), session_id=row.session_id,
+                                      preempt=True,
                                       payload={"control": "steer", "task_id": task_id, "version": version,
                                                "goal": goal}), now=now)
     return version

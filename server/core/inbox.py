@@ -1,7 +1,10 @@
 """The inbox: persist on receive.
 
-`record` writes one event and its session todo in the caller's transaction, routing it to a session (a pending
-wait's, a known correlation key's, or a new one) and dropping duplicates by `(source, source_id)`.
+`record` writes one event and its session todo in the caller's transaction, routing it to a session (the session of a
+wait its correlation key names and its sender may satisfy, the session its sender's earlier deliveries with that key
+went to, or a new one) and dropping duplicates by `(source, source_id)`. Who sent a delivery is its `authority`
+(`server.core.authority`): a key names a wait only for a sender that wait accepts, and binds a session only for the
+sender that bound it, so no delivery reaches a wait or a session through a key another authority holds.
 `GroupCommitter` is how the HTTP handler uses it: deliveries from many requests are written in one transaction and
 one fsync, and each request is acknowledged only after that commit returned. A delivery whose transaction fails is
 retried alone, so one bad delivery never fails its neighbours.
@@ -23,6 +26,7 @@ from sqlalchemy import Connection, Engine, bindparam, select, update
 
 from wakeful.proxy.clock import Clock
 from wakeful.server.core import faults, sessions
+from wakeful.server.core.authority import of_source, satisfiable_by
 from wakeful.server.store.db import bound, connect_nowait, insert_many, sqlite_driver, upsert, write, write_unless_busy
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import EventKind, EventStatus, WaitState, events, session_keys, todos, waits
@@ -35,7 +39,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class Delivery:
-    """An input to persist. `session_id` is set by internal sources (timers, control) that know their session."""
+    """An input to persist. `session_id` is set by internal sources (timers, control) that know their session.
+
+    `authority` is who sent it: `user` or `system` only where server code says so; by default, and always for a
+    webhook delivery, the source named by `source` (`server.core.authority`). `trust` says how far its content may be
+    believed, and never lets it satisfy a wait."""
 
     user_id: str
     source: str
@@ -46,6 +54,11 @@ class Delivery:
     corr_key: str | None = None
     session_id: str | None = None
     preempt: bool = False
+    authority: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.authority:
+            object.__setattr__(self, "authority", of_source(self.source))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +91,7 @@ def record(conn: Connection, delivery: Delivery, *, now: datetime) -> Recorded:
             corr_key=delivery.corr_key,
             kind=delivery.kind.value,
             trust=delivery.trust,
+            authority=delivery.authority,
             preempt=delivery.preempt,
             payload=_payload(delivery.payload),
             status=status.value,
@@ -163,9 +177,9 @@ def _insert_fresh_sessions(conn: Connection, rows: list[tuple[Delivery, str, str
     insert_many(conn, sessions_table, ("id", "user_id", "fencing_token", "created_at"),
                 [(sid, d.user_id, 0, at) for d, _, sid in rows])
     insert_many(conn, events, ("id", "user_id", "source", "source_id", "session_id", "corr_key", "kind", "trust",
-                               "preempt", "payload", "status", "attempts", "received_at"),
-                [(eid, d.user_id, d.source, d.source_id, sid, None, d.kind.value, d.trust, preempt[d.preempt],
-                  _payload(d.payload), pending, 0, at) for d, eid, sid in rows])
+                               "authority", "preempt", "payload", "status", "attempts", "received_at"),
+                [(eid, d.user_id, d.source, d.source_id, sid, None, d.kind.value, d.trust, d.authority,
+                  preempt[d.preempt], _payload(d.payload), pending, 0, at) for d, eid, sid in rows])
     insert_many(conn, todos, ("session_id", "user_id", "version", "due_at"),  # a new session has no todo yet
                 [(sid, d.user_id, 1, at) for d, _, sid in rows])
 
@@ -179,9 +193,11 @@ def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tu
         return d.session_id, EventStatus.PENDING
     if d.corr_key is None:
         return sessions.create_session(conn, user_id=d.user_id, now=now), EventStatus.PENDING
+    # A wait this sender may not satisfy is not there for it: the delivery goes on as if no wait had matched.
     wait = conn.execute(
         select(waits.c.id, waits.c.session_id, waits.c.state).where(
-            waits.c.user_id == d.user_id, waits.c.match_key == d.corr_key
+            waits.c.user_id == d.user_id, waits.c.match_key == d.corr_key,
+            waits.c.authority.in_(satisfiable_by(d.authority)),
         )
     ).first()
     if wait is not None:
@@ -195,7 +211,8 @@ def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tu
         return wait.session_id, EventStatus.PENDING if moved == 1 else EventStatus.LATE
     known = conn.execute(
         select(session_keys.c.session_id).where(
-            session_keys.c.user_id == d.user_id, session_keys.c.key == d.corr_key
+            session_keys.c.user_id == d.user_id, session_keys.c.authority == d.authority,
+            session_keys.c.key == d.corr_key,
         )
     ).scalar_one_or_none()
     if known is not None:
@@ -204,7 +221,7 @@ def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tu
     session_id = sessions.create_session(conn, user_id=d.user_id, now=now)
     conn.execute(
         upsert(conn, session_keys)
-        .values(user_id=d.user_id, key=d.corr_key, session_id=session_id)
+        .values(user_id=d.user_id, authority=d.authority, key=d.corr_key, session_id=session_id)
         .on_conflict_do_nothing()
     )
     return session_id, EventStatus.PENDING

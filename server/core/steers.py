@@ -3,7 +3,7 @@
     delegate          the agent records a delegation: refused under STOP, and with a `max_…` limit above the
                       user's own ceiling for it
     steer             the agent steers a task: refused under STOP and on a task that is not active; a steer that
-                      narrows or keeps the task version takes effect at once, one that widens it (`core.authority`)
+                      narrows or keeps the task version takes effect at once, one that widens it (`core.widening`)
                       is only proposed, and the user is asked through the outbox with a card saying what widens
     confirm, reject   the user's answer, from the control channel only (HTTP, the CLI)
 
@@ -23,7 +23,7 @@ from typing import Any, Final, Literal
 from sqlalchemy import Connection, and_, select, update
 
 from wakeful.server.core import control, outbox, sessions
-from wakeful.server.core.authority import Delegation, over_ceilings, widenings
+from wakeful.server.core.widening import Delegation, over_ceilings, widenings
 from wakeful.server.errors import Conflict, NotFound, Refused
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import SteerState, TaskState, steer_proposals, task_versions, tasks

@@ -18,7 +18,7 @@ from wakeful.server.core import inbox
 from wakeful.server.core.schedule import Misfire, Recurrence, ScheduleError, decide, min_gap
 from wakeful.server.errors import BadRequest, NotFound, Refused
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import EventKind, TaskState, TimerKind, TimerState, tasks, timers
+from wakeful.server.store.tables import Authority, EventKind, TaskState, TimerKind, TimerState, tasks, timers
 
 __all__ = ["check_followup", "create_followup", "create_schedule", "fire_due"]
 
@@ -124,7 +124,7 @@ def fire_due(conn: Connection, *, now: datetime, blocked: Callable[[str], bool] 
             continue
         inbox.record(conn, inbox.Delivery(
             user_id=t.user_id, source="timer", source_id=f"{t.id}@{decision.fire_slot.isoformat()}",
-            kind=EventKind.TIMER, trust="system", session_id=t.session_id,
+            kind=EventKind.TIMER, trust="system", authority=Authority.SYSTEM, session_id=t.session_id,
             payload={"timer_id": t.id, "task_id": t.task_id, "kind": t.kind, "slot": decision.fire_slot.isoformat(),
                      "note": t.note, "missed": decision.missed},
         ), now=now)

@@ -6,29 +6,36 @@
 `wait_terminal` when the wait had already ended, and changes nothing then. `cancel`, `settle` and `expire_due` go
 through the same guarded UPDATE; the inbox satisfies a wait with its own (it sits below this module).
 
-An event whose correlation key equals a pending wait's match key satisfies it and wakes its session (see
-`server.inbox`); one matching only a terminal wait is recorded as late and wakes nothing. Registration locks the
-session first and looks for an answer that arrived before the wait existed, so an early answer is not lost.
+Every wait records the authority that may satisfy it (`server.core.authority`): the user's control channel for an
+approval, the system for a reconciliation, one named webhook source or any webhook source for what a run waits for.
+An event whose correlation key equals a pending wait's match key, sent by an authority the wait accepts, satisfies it
+and wakes its session (see `server.core.inbox`); one matching only a terminal wait is recorded as late and wakes
+nothing; one from any other sender does neither, as if the wait were not there. Registration locks the session first
+and looks for an answer that arrived before the wait existed from a sender the wait accepts, so an early answer is
+not lost.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, and_, select, update
+from sqlalchemy import ColumnElement, Connection, Row, and_, select, update
 
 from wakeful.server.core import inbox, sessions
+from wakeful.server.core.authority import may_satisfy
 from wakeful.server.errors import Conflict
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import EventKind, EventStatus, WaitState, events, waits
+from wakeful.server.store.tables import Authority, EventKind, EventStatus, WaitState, events, waits
 
 __all__ = ["TERMINAL", "cancel", "expire_due", "register", "resolve", "settle"]
 
 TERMINAL = frozenset({WaitState.SATISFIED, WaitState.TIMED_OUT, WaitState.CANCELLED})
 
 
-def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str,
+def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str, authority: str,
              deadline: datetime | None, now: datetime, task_id: str | None = None) -> str:
+    """A pending wait for `match_key` that only a delivery from `authority` may satisfy (`server.core.authority`)."""
     sessions.lock(conn, session_id)
     taken = conn.execute(
         select(waits.c.id).where(and_(waits.c.user_id == user_id, waits.c.match_key == match_key))
@@ -37,17 +44,13 @@ def register(conn: Connection, *, user_id: str, session_id: str, match_key: str,
         raise Conflict("wait_key_taken", f"a wait with match key {match_key!r} already exists; keys are single-use",
                        match_key=match_key)
     wait_id = new_id("wait")
-    early = conn.execute(
-        select(events.c.id, events.c.session_id, events.c.status)
-        .where(and_(events.c.user_id == user_id, events.c.corr_key == match_key))
-        .order_by(events.c.received_at)
-        .limit(1)
-    ).first()
+    early = _early_answer(conn, user_id=user_id, match_key=match_key, authority=authority)
     conn.execute(
         waits.insert().values(
-            id=wait_id, user_id=user_id, session_id=session_id, task_id=task_id, match_key=match_key, kind=kind,
-            state=(WaitState.SATISFIED if early else WaitState.PENDING).value, deadline=deadline, created_at=now,
-            resolved_at=now if early else None, resolved_event_id=early.id if early else None,
+            id=wait_id, user_id=user_id, session_id=session_id, task_id=task_id, match_key=match_key,
+            authority=authority, kind=kind, state=(WaitState.SATISFIED if early else WaitState.PENDING).value,
+            deadline=deadline, created_at=now, resolved_at=now if early else None,
+            resolved_event_id=early.id if early else None,
         )
     )
     if early is not None:
@@ -58,6 +61,19 @@ def register(conn: Connection, *, user_id: str, session_id: str, match_key: str,
                          .values(session_id=session_id))
         sessions.wake(conn, session_id=session_id, user_id=user_id, due_at=now)
     return wait_id
+
+
+def _early_answer(conn: Connection, *, user_id: str, match_key: str, authority: str) -> Row[Any, Any, Any] | None:
+    """The first event that carried `match_key` before its wait existed, from a sender the wait accepts; or None."""
+    senders = conn.execute(select(events.c.authority).distinct()
+                           .where(and_(events.c.user_id == user_id, events.c.corr_key == match_key))).scalars()
+    accepted = [sender for sender in senders if may_satisfy(authority, sender)]
+    return conn.execute(
+        select(events.c.id, events.c.session_id, events.c.status)
+        .where(and_(events.c.user_id == user_id, events.c.corr_key == match_key, events.c.authority.in_(accepted)))
+        .order_by(events.c.received_at)
+        .limit(1)
+    ).first() if accepted else None
 
 
 def _end_pending(conn: Connection, *which: ColumnElement[bool], to: WaitState, now: datetime) -> int:
@@ -97,6 +113,7 @@ def expire_due(conn: Connection, *, now: datetime, limit: int = 500) -> int:
         if _end_pending(conn, waits.c.id == w.id, to=WaitState.TIMED_OUT, now=now) == 1:
             inbox.record(conn, inbox.Delivery(
                 user_id=w.user_id, source="wait", source_id=f"{w.id}:timed_out", kind=EventKind.WAIT_TIMEOUT,
-                trust="system", session_id=w.session_id, payload={"wait_id": w.id, "match_key": w.match_key},
+                trust="system", authority=Authority.SYSTEM, session_id=w.session_id,
+                payload={"wait_id": w.id, "match_key": w.match_key},
             ), now=now)
     return len(due)

@@ -26,12 +26,13 @@ from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, upda
 
 from wakeful.proxy.clock import Clock
 from wakeful.server.core import control, faults, outbox, sessions, timers, waits
+from wakeful.server.core.authority import of_source
 from wakeful.server.core.schedule import Misfire
 from wakeful.server.errors import StaleToken
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, upsert, write, write_lock_time
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import EventStatus, RunOutcome, events, runs, usage_daily
+from wakeful.server.store.tables import Authority, EventStatus, RunOutcome, events, runs, usage_daily
 from wakeful.server.store.tables import decisions as decisions_table
 from wakeful.server.store.tables import sessions as sessions_table
 
@@ -243,10 +244,14 @@ class RunContext:
             self.ended_by = f"silence: {reason}"
 
     def wait_for(self, match_key: str, *, kind: str = "reply", deadline: datetime | None = None,
-                 task_id: str | None = None) -> None:
+                 task_id: str | None = None, source: str | None = None) -> None:
+        """Wait for a webhook delivery carrying `match_key`: from the source named `source`, or any webhook source.
+        A run's wait is never one the user's channel or the system answers (`server.core.authority`)."""
+        holder = of_source(source) if source is not None else Authority.ANY_SOURCE
+
         def effect(conn: Connection, now: datetime) -> None:
             waits.register(conn, user_id=self.user_id, session_id=self.session_id, match_key=match_key, kind=kind,
-                           deadline=deadline, now=now, task_id=task_id)
+                           authority=holder, deadline=deadline, now=now, task_id=task_id)
 
         self.effects.append(effect)
         self.ended_by = self.ended_by or f"wait: {match_key}"

@@ -46,6 +46,7 @@ from wakeful.server.errors import WakefulError
 from wakeful.server.store.db import read, upsert, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
+    Authority,
     EventKind,
     GrantPurpose,
     OutboxKind,
@@ -328,11 +329,12 @@ class ActionDispatcher:
                 waits_table.c.match_key == reconcile_key(action.id)))).first()
             if exists is None:
                 waits.register(conn, user_id=action.user_id, session_id=task.session_id,
-                               match_key=reconcile_key(action.id), kind="reconcile", task_id=action.task_id,
+                               match_key=reconcile_key(action.id), kind="reconcile", authority=Authority.SYSTEM,
+                               task_id=action.task_id,
                                deadline=now + self._policy.reconcile_window, now=now)
         inbox.record(conn, inbox.Delivery(
             user_id=action.user_id, source="dispatch", source_id=attempt_id, kind=EventKind.WEBHOOK, trust="system",
-            session_id=task.session_id,
+            authority=Authority.SYSTEM, session_id=task.session_id,
             payload={"action_id": action.id, "tool": action.tool, "outcome": result.outcome.value,
                      "detail": result.detail, "external_ref": result.external_ref},
         ), now=now)
@@ -394,7 +396,7 @@ class ActionDispatcher:
             if found:
                 inbox.record(conn, inbox.Delivery(
                     user_id=action.user_id, source="reconcile", source_id=f"{action.id}:found", trust="system",
-                    corr_key=reconcile_key(action.id),
+                    authority=Authority.SYSTEM, corr_key=reconcile_key(action.id),
                     payload={"action_id": action.id, "outcome": Outcome.ACCEPTED.value,
                              "detail": "the remote shows the effect"},
                 ), now=now)

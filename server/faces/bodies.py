@@ -1,6 +1,7 @@
 """JSON from outside, parsed within bounds: depth, number length and duplicate keys are checked as the text is read,
-so a hostile body (50,000 levels of nesting, a 5,000-digit integer, `NaN`, two values for one key) is a 400 with a
-stable code instead of a `RecursionError` or a `ValueError` deep in the parser.
+so a hostile body (50,000 levels of nesting, a 5,000-digit integer, `NaN`, `1e999`, two values for one key) is a 400
+with a stable code instead of a `RecursionError` or a `ValueError` deep in the parser, or an infinity stored where
+JSON was promised.
 
 The size is bounded before this is called (the caller reads at most `max_body_bytes`). The depth is measured on the
 raw text with one regular expression (strings skipped), before `json.loads` could recurse on it.
@@ -9,6 +10,7 @@ raw text with one regular expression (strings skipped), before `json.loads` coul
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Final
@@ -33,7 +35,7 @@ class JsonLimits:
 
 def loads(raw: bytes, limits: JsonLimits = JsonLimits()) -> Any:
     """The JSON value in `raw` (UTF-8), or BadRequest with one of: `malformed_body`, `json_too_deep`,
-    `number_too_long`, `duplicate_key`."""
+    `number_too_long`, `number_out_of_range`, `duplicate_key`."""
     _check_depth(raw, limits.max_depth)
     try:
         text = raw.decode("utf-8")
@@ -98,7 +100,10 @@ def _number(kind: type, limits: JsonLimits) -> Any:
         if len(text) > limits.max_number_chars:
             raise _Refused("number_too_long", f"a number in the body is longer than {limits.max_number_chars} "
                                               "characters")
-        return kind(text)
+        number = kind(text)
+        if not math.isfinite(number):  # 1e999 reads as infinity, which JSON cannot write back
+            raise _Refused("number_out_of_range", f"the number {text} in the body is beyond a double's range")
+        return number
 
     return parse
 

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from mcp.server.auth.settings import AuthSettings
 from pydantic import AnyHttpUrl
+from sqlalchemy import Column, String
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
@@ -51,10 +52,14 @@ from wakeful.server.faces.liveview import live_router
 from wakeful.server.faces.mcpserver import TokenVerifier, WakefulMCP
 from wakeful.server.faces.routes import router
 from wakeful.server.runtime import Runtime
+from wakeful.server.store.tables import events
 
 __all__ = ["QuietServer", "WebhookInbox", "create_app", "error_response"]
 
 log = logging.getLogger(__name__)
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""Half of a UTF-16 pair, which JSON's `\\ud800` escapes can smuggle into a string: no database stores it."""
 
 
 class QuietServer(uvicorn.Server):
@@ -219,11 +224,12 @@ class JsonErrors:
         await response(scope, receive, send)
 
 
-def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
+def _locate(locator: str, headers: Mapping[str, str], body: Any, *, column: Column[str], code: str) -> str | None:
+    """The value at `locator` (the delivery ID, the correlation key), None where there is none; one that `column`
+    cannot hold (too long, a NUL, a lone surrogate) is refused with `code`."""
     where, _, path = locator.partition(":")
     if where == "header":
-        value = headers.get(path)
-        return value or None
+        return _storable(headers.get(path) or None, column, code, locator)
     node = body
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -231,7 +237,18 @@ def _locate(locator: str, headers: Mapping[str, str], body: Any) -> str | None:
         node = node[part]
     if node is None or isinstance(node, dict | list):
         return None
-    return str(node)
+    return _storable(str(node), column, code, locator)
+
+
+def _storable(value: str | None, column: Column[str], code: str, locator: str) -> str | None:
+    """`value` if `column` can hold it on every database the server runs on, else refused with `code`."""
+    limit = column.type.length if isinstance(column.type, String) else None
+    if value is None:
+        return None
+    if (limit is None or len(value) <= limit) and "\x00" not in value and not _SURROGATE.search(value):
+        return value
+    raise BadRequest(code, f"the value at {locator!r} is not one the inbox can keep: at most {limit} characters of "
+                           "Unicode text, without NUL", locator=locator)
 
 
 def _delivery_id(locator: str | None, signed: Signed, body: Any) -> str | None:
@@ -239,9 +256,10 @@ def _delivery_id(locator: str | None, signed: Signed, body: Any) -> str | None:
     signature covers), else the digest of what the signature covers. So a delivery replayed with a new unsigned ID
     header (GitHub's `X-GitHub-Delivery`) is the same delivery again, and records nothing new."""
     if locator is not None and locator.startswith("body:"):
-        return _locate(locator, {}, body)
+        return _locate(locator, {}, body, column=events.c.source_id, code="invalid_delivery_id")
     name = locator.partition(":")[2].lower() if locator is not None else ""
-    return signed.headers.get(name) or f"sha256:{signed.digest}"
+    given = _storable(signed.headers.get(name), events.c.source_id, "invalid_delivery_id", locator or "")
+    return given or f"sha256:{signed.digest}"
 
 
 class WebhookInbox:
@@ -324,7 +342,8 @@ class WebhookInbox:
             raise BadRequest("missing_delivery_id", f"no delivery ID at {config.delivery_locator()!r}")
         delivery = Delivery(
             user_id=runtime.source_users[source], source=source, source_id=delivery_id, payload=payload,
-            trust=config.trust, corr_key=_locate(config.session_locator(), headers, payload),
+            trust=config.trust, corr_key=_locate(config.session_locator(), headers, payload, column=events.c.corr_key,
+                                                 code="invalid_session_key"),
         )
         recorded = await runtime.committer.persist(delivery)
         return {"event_id": recorded.event_id, "duplicate": recorded.duplicate, "status": recorded.status.value}

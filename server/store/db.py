@@ -254,12 +254,13 @@ def _alembic_config(conn: Connection) -> Any:
     return cfg
 
 
-def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest revision (the only way a database is created)."""
+def migrate(engine: Engine, revision: str = "head") -> None:
+    """Bring the schema to the newest revision (the only way a database is created); to `revision` instead, the
+    migration tests start from an older schema."""
     from alembic import command
 
     with engine.connect().execution_options(sqlite_begin="DEFERRED") as conn:
-        command.upgrade(_alembic_config(conn), "head")
+        command.upgrade(_alembic_config(conn), revision)
         conn.commit()
 
 

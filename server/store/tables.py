@@ -23,6 +23,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -33,7 +34,9 @@ from sqlalchemy import (
 
 __all__ = [
     "APPEND_ONLY",
+    "SOURCE_PREFIX",
     "ApprovalDecision",
+    "Authority",
     "ControlKind",
     "Effect",
     "EventKind",
@@ -133,6 +136,19 @@ class WaitState(StrEnum):
     CANCELLED = "cancelled"
 
 
+class Authority(StrEnum):
+    """Who sent a delivery, and who may satisfy a wait (the rules: `server.core.authority`). Besides these, an
+    authority is `source:<name>`, one webhook source (`SOURCE_PREFIX`); `any_source` is a wait's only."""
+
+    USER = "user"
+    AGENT = "agent"  # the agent's own word (over MCP): a sender, never a wait's authority
+    SYSTEM = "system"
+    ANY_SOURCE = "any_source"
+
+
+SOURCE_PREFIX = "source:"
+
+
 class TaskState(StrEnum):
     ACTIVE = "active"
     PAUSED = "paused"
@@ -215,6 +231,12 @@ def _check(column: str, enum: type[StrEnum]) -> CheckConstraint:
     return CheckConstraint(f"{column} IN ({values})", name=f"{column}_valid")
 
 
+def _authority_check(*named: Authority) -> CheckConstraint:
+    """An authority is one of `named` or a webhook source's."""
+    values = ", ".join(f"'{member.value}'" for member in named)
+    return CheckConstraint(f"authority IN ({values}) OR authority LIKE '{SOURCE_PREFIX}%'", name="authority_valid")
+
+
 def _now_col(name: str, **kw: Any) -> Column[datetime]:
     return Column(name, UTCDateTime(), **kw)
 
@@ -253,9 +275,12 @@ sessions = Table(
 session_keys = Table(
     "session_keys",
     metadata,
-    Column("user_id", String(40), ForeignKey("users.id"), primary_key=True),
-    Column("key", String(200), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id")),
+    Column("key", String(200)),
     Column("session_id", String(40), ForeignKey("sessions.id"), nullable=False),
+    Column("authority", String(120)),  # whose key it is: it binds the session for that sender only
+    PrimaryKeyConstraint("user_id", "authority", "key"),
+    _authority_check(Authority.USER, Authority.AGENT, Authority.SYSTEM),
 )
 
 tasks = Table(
@@ -324,12 +349,14 @@ events = Table(
     Column("run_id", String(40)),
     _now_col("received_at", nullable=False),
     _now_col("settled_at"),
+    Column("authority", String(120), nullable=False),  # who sent it (`server.core.authority`)
     UniqueConstraint("source", "source_id"),
     Index(None, "session_id", "status"),
     Index(None, "status", "attempts"),  # pending events and poison ones, without reading the settled ones
     Index(None, "user_id", "corr_key"),
     _check("status", EventStatus),
     _check("kind", EventKind),
+    _authority_check(Authority.USER, Authority.AGENT, Authority.SYSTEM),
 )
 
 todos = Table(
@@ -374,9 +401,11 @@ waits = Table(
     _now_col("created_at", nullable=False),
     _now_col("resolved_at"),
     Column("resolved_event_id", String(40)),
+    Column("authority", String(120), nullable=False),  # who may satisfy it (`server.core.authority`)
     UniqueConstraint("user_id", "match_key"),
     Index(None, "state", "deadline"),
     _check("state", WaitState),
+    _authority_check(Authority.USER, Authority.SYSTEM, Authority.ANY_SOURCE),
 )
 
 timers = Table(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, insert, text
+from sqlalchemy import Engine, create_engine, insert, select, text
 from sqlalchemy.exc import DatabaseError
 
 from wakeful.proxy.audit import EgressRecord
@@ -17,7 +17,7 @@ from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import RefusalCode
 from wakeful.server.egress import grants as egress
 from wakeful.server.store.db import make_engine, migrate, read, write
-from wakeful.server.store.tables import control, metadata
+from wakeful.server.store.tables import control, events, metadata, session_keys, sessions, users, waits
 
 
 def schema(engine: Engine) -> dict[str, object]:
@@ -91,3 +91,38 @@ def test_the_egress_audit_refuses_update_and_delete_and_a_resent_record_changes_
     with read(engine) as conn:
         (row,) = egress.audit_rows(conn, user_id=owner)
     assert (row["verdict"], row["code"], row["rule"]) == ("refuse", "host_not_allowed", "no egress rule allows it")
+
+
+def test_migrating_to_wait_authority_gives_each_record_the_authority_it_had(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.db'}")
+    migrate(engine, "0006")
+    now = FakeClock().now()
+    sent = {  # event ID: (source, kind, trust, corr_key) as 0006 stored them
+        "ev_hook": ("hook", "webhook", "user", "thread-1"),
+        "ev_forged": ("hook", "webhook", "third_party", "approval:act_1"),
+        "ev_approval": ("approval", "control", "user", "approval:act_1"),
+        "ev_timer": ("timer", "timer", "system", None),
+        "ev_found": ("reconcile", "webhook", "system", "reconcile:act_1"),
+    }
+    with write(engine) as conn:
+        conn.execute(insert(users).values(id="usr_1", name="owner", created_at=now))
+        conn.execute(insert(sessions).values(id="ses_1", user_id="usr_1", fencing_token=0, created_at=now))
+        for event_id, (source, kind, trust, key) in sent.items():
+            conn.execute(insert(events).values(id=event_id, user_id="usr_1", source=source, source_id=event_id,
+                                               session_id="ses_1", corr_key=key, kind=kind, trust=trust,
+                                               payload="{}", received_at=now))
+        for kind in ("approval", "reconcile", "reply"):
+            conn.execute(insert(waits).values(id=f"wait_{kind}", user_id="usr_1", session_id="ses_1",
+                                              match_key=f"{kind}:act_1", kind=kind, state="pending", created_at=now))
+        for key in ("thread-1", "bound-by-nothing-recorded"):  # 0006's table: no authority column yet
+            conn.execute(text("INSERT INTO session_keys (user_id, key, session_id) VALUES ('usr_1', :key, 'ses_1')"),
+                         {"key": key})
+    migrate(engine)
+    with read(engine) as conn:
+        assert dict(conn.execute(select(events.c.id, events.c.authority)).all()) == {
+            "ev_hook": "source:hook", "ev_forged": "source:hook", "ev_approval": "user", "ev_timer": "system",
+            "ev_found": "system"}  # a source's trust setting never made it the user
+        assert dict(conn.execute(select(waits.c.kind, waits.c.authority)).all()) == {
+            "approval": "user", "reconcile": "system", "reply": "any_source"}
+        assert dict(conn.execute(select(session_keys.c.key, session_keys.c.authority)).all()) == {
+            "thread-1": "source:hook", "bound-by-nothing-recorded": "system"}

@@ -13,7 +13,7 @@ from wakeful.server.core import inbox, sessions, waits
 from wakeful.server.errors import Conflict
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import EventKind, EventStatus, WaitState, todos
+from wakeful.server.store.tables import Authority, EventKind, EventStatus, WaitState, todos
 from wakeful.server.store.tables import waits as waits_table
 
 
@@ -27,7 +27,8 @@ def register(engine: Engine, clock: FakeClock, owner: str, key: str, deadline: t
     with write(engine) as conn:
         session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
         waits.register(conn, user_id=owner, session_id=session_id, match_key=key, kind="reply",
-                       deadline=clock.now() + deadline if deadline else None, now=clock.now())
+                       authority=Authority.ANY_SOURCE, deadline=clock.now() + deadline if deadline else None,
+                       now=clock.now())
     return session_id
 
 

@@ -33,6 +33,11 @@ def test_a_five_thousand_digit_integer_is_too_long_not_a_value_error() -> None:
     assert _refusal(b'{"n": 1.' + b"5" * 5000 + b"}", JsonLimits()) == "number_too_long"
 
 
+@pytest.mark.parametrize("raw", [b'{"n": 1e999}', b"[-1.5e400]", b'{"n": 1E+309}'])
+def test_a_number_beyond_a_double_is_out_of_range_not_an_infinity(raw: bytes) -> None:
+    assert _refusal(raw) == "number_out_of_range"
+
+
 @pytest.mark.parametrize("raw", [b'{"a": NaN}', b'{"a": Infinity}', b"[-Infinity]", b"{", b'{"a" 1}', b"\xff\xfe",
                                  b"", b'"\\ud800"x'])
 def test_what_is_not_json_is_a_malformed_body(raw: bytes) -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wakeful.server.core.authority import Delegation, over_ceilings, widenings
+from wakeful.server.core.widening import Delegation, over_ceilings, widenings
 
 CANCEL = [{"effect": "merchant__cancel_renewal"}]
 
