@@ -39,9 +39,9 @@ class Live:
     def hook(self, delivery_id: str, payload: dict[str, Any]) -> dict[str, Any]:
         """A delivery from the third-party source `hook`, signed with its real secret."""
         body = json.dumps(payload).encode()
-        headers = sign("generic", secret=self.secret, body=body, now=self.w.clock.now().timestamp())
-        answer = httpx.post(f"{self.url}/v1/hooks/hook", content=body,
-                            headers=headers | {"X-Wakeful-Delivery": delivery_id}, timeout=10)
+        headers = sign("generic", secret=self.secret, body=body, now=self.w.clock.now().timestamp(),
+                       delivery_id=delivery_id)
+        answer = httpx.post(f"{self.url}/v1/hooks/hook", content=body, headers=headers, timeout=10)
         assert answer.status_code == 200, answer.text
         return dict(answer.json())
 
