@@ -18,13 +18,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wakeful.server.errors import WakefulError
 from wakeful.server.faces import bodies
 
-__all__ = ["CONTROL_BODY_LIMIT", "GUARDED_PREFIXES", "ControlGate"]
+__all__ = ["CONTROL_BODY_LIMIT", "GUARDED_PREFIXES", "ControlGate", "guards"]
 
 CONTROL_BODY_LIMIT = 64 * 1024
 """Bytes a control request's body may have: a task with its constraints and completion conditions fits many times."""
 
 GUARDED_PREFIXES = ("/v1/control", "/v1/tasks", "/v1/actions", "/v1/events", "/v1/messages", "/v1/egress",
                     "/v1/live/view")
+
+
+def guards(path: str) -> bool:
+    """Whether the gate stands in front of `path`: one of the prefixes, or a path below one (`/v1/tasks/x`, not
+    `/v1/tasksx`; `/v1/live/view`, not a live-view link whose token starts with `view`)."""
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in GUARDED_PREFIXES)
 
 
 class ControlGate:
@@ -37,7 +43,7 @@ class ControlGate:
         self.limit = limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIXES):
+        if scope["type"] != "http" or not guards(scope["path"]):
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)

@@ -5,21 +5,19 @@ the API, in the live view and in the MCP server's plain-HTTP answers. Real reque
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from tests.support.polling import wait_until
+from tests.support.serve import serving
 from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.errors import Conflict
-from wakeful.server.faces.http import QuietServer, create_app, error_response
+from wakeful.server.faces.http import create_app, error_response
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
@@ -47,15 +45,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         _, token = ensure_user(conn, name="someone", now=runtime.clock.now())
     assert token is not None
     app = create_app(runtime, manage_runtime=False)  # the loops are not needed to answer errors
-    uv = QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
     try:
-        wait_until(lambda: uv.started, 30, "the server to start")
-        yield Server(f"http://127.0.0.1:{uv.servers[0].sockets[0].getsockname()[1]}", token)
+        with serving(app) as url:
+            yield Server(url, token)
     finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
         runtime.engine.dispose()
 
 
@@ -93,6 +86,8 @@ CASES = [
     ("a foreign Origin, over MCP", "POST", "/mcp", True,
      {"json": {}, "headers": {"origin": "http://evil.example"}}, 403, "forbidden"),
     ("a live-view link nobody offered", "GET", "/v1/live/not-a-token", False, {}, 410, "gone"),
+    ("a live-view link whose token starts like the view-link route", "GET", "/v1/live/viewfinder", False, {}, 410,
+     "gone"),
     ("a live-view session that does not exist", "GET", "/v1/live/s/not-a-session", False, {}, 410, "gone"),
     ("a webhook source that is not configured", "POST", "/v1/hooks/nobody", False, {"content": b"{}"}, 404,
      "unknown_source"),

@@ -3,6 +3,9 @@
     with ServeProcess({"WAKEFUL_DATA_DIR": str(tmp_path)}, log_path=tmp_path / "serve.log") as server:
         httpx.get(f"{server.url}/healthz")
 
+`serving(app)` runs an ASGI app (`create_app`'s, say) with `QuietServer` on a thread of this process instead, lifespan
+included, for tests that need the real HTTP stack without a second process.
+
 The process is started from the venv's `wakeful` console script (the CLI module has no `__main__`), listens on a
 fresh loopback port, and writes stdout and stderr to `log_path` so a failing test can show what the server said.
 It is only ever signalled by its own PID.
@@ -19,15 +22,20 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
 import httpx
+import uvicorn
+from starlette.types import ASGIApp
 
 from tests.support.polling import wait_until
+from wakeful.server.faces.http import QuietServer
 
-__all__ = ["WAKEFUL", "ServeProcess", "ServerExited", "free_port"]
+__all__ = ["WAKEFUL", "ServeProcess", "ServerExited", "free_port", "serving"]
 
 WAKEFUL = Path(sys.executable).parent / "wakeful"
 # Linux: a tiny launcher asks the kernel to SIGKILL the server if the test process dies without cleaning up (a hard
@@ -57,6 +65,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextmanager
+def serving(app: ASGIApp) -> Iterator[str]:
+    """Serve `app` on a free loopback port (its lifespan run) until the block ends; yields its base URL."""
+    server = QuietServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 30, "the server to start")
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 def _command() -> list[str]:
