@@ -365,9 +365,11 @@ def audit_rows(conn: Connection, *, user_id: str | None, limit: int = 100, since
     query = select(egress_audit).order_by(egress_audit.c.at.desc(), egress_audit.c.request_id.desc()).limit(limit)
     if before is not None:
         try:
-            at = datetime.fromisoformat(before[0])
+            at: datetime | None = datetime.fromisoformat(before[0])
         except ValueError:
-            raise BadRequest("bad_cursor", "the cursor is not one this server gave out") from None
+            at = None
+        if at is None or at.tzinfo is None:  # the server writes its times with their zone
+            raise BadRequest("bad_cursor", "the cursor is not one this server gave out")
         query = query.where(or_(egress_audit.c.at < at, and_(egress_audit.c.at == at,
                                                               egress_audit.c.request_id < before[1])))
     if user_id is not None:

@@ -1,10 +1,12 @@
 """JSON from outside, parsed within bounds: depth, number length and duplicate keys are checked as the text is read,
 so a hostile body (50,000 levels of nesting, a 5,000-digit integer, `NaN`, `1e999`, two values for one key) is a 400
 with a stable code instead of a `RecursionError` or a `ValueError` deep in the parser, or an infinity stored where
-JSON was promised.
+JSON was promised. Text the server cannot keep is refused the same way: half a surrogate pair (`"\\ud800"`, which
+no database driver encodes).
 
 The size is bounded before this is called (the caller reads at most `max_body_bytes`). The depth is measured on the
-raw text with one regular expression (strings skipped), before `json.loads` could recurse on it.
+raw text with one regular expression (strings skipped, and looked into only for `\\u` escapes), before `json.loads`
+could recurse on it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ __all__ = ["Disconnected", "JsonLimits", "loads", "read", "refuse_declared"]
 
 # A JSON string (with its escapes), or one bracket. Everything else cannot change the depth.
 _TOKENS: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)
+# One escape inside a string: a `\uXXXX` (its code unit captured) or any other.
+_ESCAPES: Final = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.S)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,7 +40,7 @@ class JsonLimits:
 def loads(raw: bytes, limits: JsonLimits = JsonLimits()) -> Any:
     """The JSON value in `raw` (UTF-8), or BadRequest with one of: `malformed_body`, `json_too_deep`,
     `number_too_long`, `number_out_of_range`, `duplicate_key`."""
-    _check_depth(raw, limits.max_depth)
+    _check_text(raw, limits.max_depth)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -83,16 +87,39 @@ class _Refused(Exception):
         self.message = message
 
 
-def _check_depth(raw: bytes, max_depth: int) -> None:
+def _check_text(raw: bytes, max_depth: int) -> None:
+    """The depth, and the strings' escapes, before anything is parsed."""
     depth = 0
-    for token in _TOKENS.finditer(raw):
-        first = token.group()[:1]
-        if first in (b"[", b"{"):
+    for match in _TOKENS.finditer(raw):
+        token = match.group()
+        first = token[:1]
+        if first == b'"':
+            if b"\\u" in token and _half_a_pair(token):
+                raise BadRequest("malformed_body", "a string in the body escapes half of a surrogate pair: it is not "
+                                                   "text")
+        elif first in (b"[", b"{"):
             depth += 1
             if depth > max_depth:
                 raise BadRequest("json_too_deep", f"the body nests arrays and objects deeper than {max_depth} levels")
         elif first in (b"]", b"}"):
             depth -= 1
+
+
+def _half_a_pair(string: bytes) -> bool:
+    """Whether a JSON string token escapes a surrogate that is not half of an adjacent high-low pair."""
+    awaiting_low_at = None  # where a high surrogate's escape ended: its low one must start right there
+    for escape in _ESCAPES.finditer(string):
+        unit = int(escape.group(1), 16) if escape.group(1) else None
+        low = unit is not None and 0xDC00 <= unit <= 0xDFFF
+        if awaiting_low_at is not None:
+            if escape.start() != awaiting_low_at or not low:
+                return True
+            awaiting_low_at = None
+        elif unit is not None and 0xD800 <= unit <= 0xDBFF:
+            awaiting_low_at = escape.end()
+        elif low:
+            return True
+    return awaiting_low_at is not None
 
 
 def _number(kind: type, limits: JsonLimits) -> Any:

@@ -349,7 +349,9 @@ def test_a_list_limit_out_of_bounds_is_a_400_never_the_whole_table_or_a_500(clie
 
 
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/egress"])
-@pytest.mark.parametrize("cursor", ["nope", "WyJhIiwiYiIsImMiXQ", "W10", "eyJhIjoxfQ", "x" * 600])
+@pytest.mark.parametrize("cursor", ["nope", "WyJhIiwiYiIsImMiXQ", "W10", "eyJhIjoxfQ", "x" * 600,
+                                    "WyJcdWQ4MDAiXQ",  # ["\ud800"]: half a surrogate pair, which SQLite cannot encode
+                                    "WyIyMDIwLTAxLTAxIiwieSJd"])  # ["2020-01-01","y"]: a time without its zone
 def test_a_cursor_the_server_did_not_write_is_a_400(client: TestClient, token: str, path: str, cursor: str) -> None:
     response = client.get(path, params={"cursor": cursor}, headers={"Authorization": f"Bearer {token}"})
     assert response.status_code == 400

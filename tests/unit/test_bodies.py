@@ -44,6 +44,17 @@ def test_what_is_not_json_is_a_malformed_body(raw: bytes) -> None:
     assert _refusal(raw) == "malformed_body"
 
 
+@pytest.mark.parametrize("raw", [b'{"t": "\\ud800"}', b'["\\udfff"]', b'{"\\uDBFF": 1}', b'["a\\ud83d b"]',
+                                 b'["\\ud83d\\u0041"]', b'["\\ud83d\\\\ude00"]'])
+def test_half_a_surrogate_pair_is_not_text_and_is_refused(raw: bytes) -> None:
+    """The database cannot store it (SQLite's driver raises on encoding it): a 500 where it reached a column."""
+    assert _refusal(raw) == "malformed_body"
+
+
+def test_a_whole_surrogate_pair_and_an_escaped_backslash_before_u_are_text() -> None:
+    assert loads(b'["\\ud83d\\ude00", "\\\\ud800"]', LIMITS) == ["\U0001f600", "\\ud800"]
+
+
 def test_two_values_for_one_key_are_refused_at_any_depth() -> None:
     assert _refusal(b'{"a": 1, "a": 2}') == "duplicate_key"
     assert _refusal(b'{"x": [{"b": 1, "b": 1}]}') == "duplicate_key"
