@@ -25,21 +25,23 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Body, Depends, HTTPException, Request, WebSocket, WebSocketDisconnect
+from fastapi import APIRouter, Body, Cookie, Depends, Header, HTTPException, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import HTMLResponse, RedirectResponse
 from starlette.datastructures import URL
 
 from wakeful.server.computers.handoff import CONTROL_VNC_PORT, VIEW_MINUTES, VIEW_VNC_PORT, LiveViews
 from wakeful.server.errors import WakefulError
 from wakeful.server.faces.auth import current_user
+from wakeful.server.faces.schemas import ViewLink, refusals
 
 __all__ = ["COOKIE", "live_router"]
 
 COOKIE = "wakeful_live"
 """Holds a live session's binder: only the browser that redeemed the link has it."""
+Binder = Annotated[str | None, Cookie(alias=COOKIE, description="the binder the redeemed link set")]
 
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>wakeful: your tool computer</title>
@@ -83,16 +85,16 @@ def _page(session: str, view_only: bool) -> str:
 def live_router(views: LiveViews) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/live/view")
+    @router.post("/v1/live/view", response_model=ViewLink)
     async def view_link(request: Request, user: str = Depends(current_user),
-                        minutes: int = Body(15, embed=True, ge=VIEW_MINUTES[0], le=VIEW_MINUTES[1]),
+                        minutes: int = Body(15, embed=True, ge=VIEW_MINUTES[0], le=VIEW_MINUTES[1], strict=True),
                         ) -> dict[str, Any]:
         """A one-time link to watch the user's tool computer without taking control."""
         token, expires_at = views.offer_view(user, timedelta(minutes=minutes))
         return {"link": f"{str(request.base_url).rstrip('/')}/v1/live/{token}", "view_only": True,
                 "expires_at": expires_at.isoformat()}
 
-    @router.get("/v1/live/{token}")
+    @router.get("/v1/live/{token}", status_code=303, response_class=RedirectResponse, responses=refusals("gone"))
     async def redeem(request: Request, token: str) -> RedirectResponse:
         redeemed = await anyio.to_thread.run_sync(views.redeem, token)
         if redeemed is None:
@@ -105,20 +107,21 @@ def live_router(views: LiveViews) -> APIRouter:
                             secure=request.url.scheme == "https")
         return response
 
-    @router.get("/v1/live/s/{session}")
-    async def page(request: Request, session: str) -> HTMLResponse:
-        found = await anyio.to_thread.run_sync(views.live, session, request.cookies.get(COOKIE))
+    @router.get("/v1/live/s/{session}", response_class=HTMLResponse, responses=refusals("gone"))
+    async def page(session: str, binder: Binder = None) -> HTMLResponse:
+        found = await anyio.to_thread.run_sync(views.live, session, binder)
         if found is None:
             raise HTTPException(410, "this live view ended (control is back with the agent, or the link expired), "
                                      "or it was opened in another browser than the one that used the link")
         return HTMLResponse(_page(session, found.view_only),
                             headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
 
-    @router.post("/v1/live/s/{session}/return")
-    async def give_back(request: Request, session: str) -> HTMLResponse:
-        if not _same_origin(request.headers.get("origin"), request.url, required=False):
+    @router.post("/v1/live/s/{session}/return", response_class=HTMLResponse, responses=refusals("forbidden", "gone"))
+    async def give_back(request: Request, session: str, binder: Binder = None,
+                        origin: Annotated[str | None, Header()] = None) -> HTMLResponse:
+        if not _same_origin(origin, request.url, required=False):
             raise HTTPException(403, "control is returned from the live view's own page")
-        epoch = await anyio.to_thread.run_sync(views.give_back, session, request.cookies.get(COOKIE))
+        epoch = await anyio.to_thread.run_sync(views.give_back, session, binder)
         if epoch is None:
             raise HTTPException(410, "there is no control to return: the handoff had ended, or this view is "
                                      "view only")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import and_, select
 
@@ -38,6 +38,21 @@ from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.faces.auth import User
 from wakeful.server.faces.pages import Cursor, Limit, decode_cursor, encode_cursor
+from wakeful.server.faces.schemas import (
+    ActionView,
+    Decision,
+    EgressPage,
+    EventView,
+    Ledger,
+    MessagePage,
+    StopAnswer,
+    StopRecorded,
+    TaskCreated,
+    TaskStateAnswer,
+    TaskStatus,
+    TaskVersionAnswer,
+    refusals,
+)
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, events, outbox
@@ -54,6 +69,11 @@ def _runtime(request: Request) -> Runtime:
 
 
 Rt = Annotated[Runtime, Depends(_runtime)]
+
+TASK_OPERATIONS = {k.value: k for k in (ControlKind.PAUSE, ControlKind.RESUME, ControlKind.REVOKE, ControlKind.CLOSE,
+                                        ControlKind.REOPEN)}
+TaskOperation = Annotated[str, Path(json_schema_extra={"enum": list(TASK_OPERATIONS)})]
+ActionDecision = Annotated[str, Path(json_schema_extra={"enum": ["approve", "deny"]})]
 
 
 class TaskIn(BaseModel):
@@ -85,12 +105,12 @@ def check_completion(registry: Registry, completion: list[Completion]) -> list[d
     return [c.model_dump(by_alias=True, exclude_none=True) for c in completion]
 
 
-@router.post("/v1/control/stop")
+@router.post("/v1/control/stop", response_model=StopRecorded, response_model_exclude_unset=True)
 def stop(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
     return _set_stop(user, rt, stopped=True, reason=body.reason if body else "")
 
 
-@router.post("/v1/control/start")
+@router.post("/v1/control/start", response_model=StopRecorded, response_model_exclude_unset=True)
 def start(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
     return _set_stop(user, rt, stopped=False, reason=body.reason if body else "")
 
@@ -110,14 +130,15 @@ def _set_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str
     return answer
 
 
-@router.get("/v1/control")
+@router.get("/v1/control", response_model=StopAnswer)
 def control_state(user: User, rt: Rt) -> dict[str, Any]:
     with read(rt.engine) as conn:
         state = control.stop_state(conn)
     return {"stopped": state.blocks(user), "global_stop": state.everything}
 
 
-@router.post("/v1/tasks", status_code=201)
+@router.post("/v1/tasks", status_code=201, response_model=TaskCreated,
+             responses=refusals("invalid_completion", "unknown_tool"))
 def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
     completion = check_completion(rt.registry, body.completion)
     now = rt.clock.now()
@@ -130,7 +151,8 @@ def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
     return {"task_id": task_id, "session_id": session_id, "version": 1}
 
 
-@router.post("/v1/tasks/{task_id}/steer")
+@router.post("/v1/tasks/{task_id}/steer", response_model=TaskVersionAnswer,
+             responses=refusals("invalid_completion", "unknown_tool", "unknown_task", "invalid_transition"))
 def steer(user: User, rt: Rt, task_id: str, body: SteerIn) -> dict[str, Any]:
     completion = check_completion(rt.registry, body.completion)
     with write(rt.engine) as conn:
@@ -161,28 +183,29 @@ def transition(rt: Runtime, user: str, task_id: str, kind: ControlKind, reason: 
     return {"task_id": task_id, "state": state.value}
 
 
-@router.post("/v1/tasks/{task_id}/{operation}")
-def task_control(user: User, rt: Rt, task_id: str, operation: str, body: ControlIn | None = None) -> dict[str, Any]:
-    kinds = {k.value: k for k in (ControlKind.PAUSE, ControlKind.RESUME, ControlKind.REVOKE, ControlKind.CLOSE,
-                                  ControlKind.REOPEN)}
-    if operation not in kinds:
-        raise NotFound("unknown_operation", f"tasks have no operation {operation!r}; one of: {', '.join(kinds)}")
-    return transition(rt, user, task_id, kinds[operation], body.reason if body else "")
+@router.post("/v1/tasks/{task_id}/{operation}", response_model=TaskStateAnswer,
+             responses=refusals("unknown_task", "unknown_operation", "invalid_transition"))
+def task_control(user: User, rt: Rt, task_id: str, operation: TaskOperation,
+                 body: ControlIn | None = None) -> dict[str, Any]:
+    if operation not in TASK_OPERATIONS:
+        raise NotFound("unknown_operation",
+                       f"tasks have no operation {operation!r}; one of: {', '.join(TASK_OPERATIONS)}")
+    return transition(rt, user, task_id, TASK_OPERATIONS[operation], body.reason if body else "")
 
 
-@router.get("/v1/tasks/{task_id}")
+@router.get("/v1/tasks/{task_id}", response_model=TaskStatus, responses=refusals("unknown_task"))
 def task_status(user: User, rt: Rt, task_id: str) -> dict[str, Any]:
     with read(rt.engine) as conn:
         return ledger.task_status(conn, user_id=user, task_id=task_id)
 
 
-@router.get("/v1/tasks/{task_id}/ledger")
+@router.get("/v1/tasks/{task_id}/ledger", response_model=Ledger, responses=refusals("unknown_task"))
 def task_ledger(user: User, rt: Rt, task_id: str) -> dict[str, Any]:
     with read(rt.engine) as conn:
         return {"task_id": task_id, "entries": ledger.entries(conn, task_id=task_id, user_id=user)}
 
 
-@router.get("/v1/actions/{action_id}")
+@router.get("/v1/actions/{action_id}", response_model=ActionView, responses=refusals("unknown_action"))
 def get_action(user: User, rt: Rt, action_id: str) -> dict[str, Any]:
     with write(rt.engine) as conn:  # gathering facts locks the task, as admission does
         action = load_action(conn, action_id, user_id=user)
@@ -191,8 +214,10 @@ def get_action(user: User, rt: Rt, action_id: str) -> dict[str, Any]:
             "content": action.content, "card": render_card(action, facts, policy=rt.policy)}
 
 
-@router.post("/v1/actions/{action_id}/{decision}")
-def decide(user: User, rt: Rt, action_id: str, decision: str, body: ControlIn | None = None) -> dict[str, Any]:
+@router.post("/v1/actions/{action_id}/{decision}", response_model=Decision,
+             responses=refusals("unknown_action", "unknown_operation", "not_awaiting_approval"))
+def decide(user: User, rt: Rt, action_id: str, decision: ActionDecision,
+           body: ControlIn | None = None) -> dict[str, Any]:
     if decision not in ("approve", "deny"):
         raise NotFound("unknown_operation", f"actions have no operation {decision!r}; approve or deny")
     with write(rt.engine) as conn:
@@ -204,7 +229,7 @@ def decide(user: User, rt: Rt, action_id: str, decision: str, body: ControlIn | 
             "code": decided.verdict.code, "reason": decided.verdict.reason}
 
 
-@router.get("/v1/events/{event_id}")
+@router.get("/v1/events/{event_id}", response_model=EventView, responses=refusals("unknown_event"))
 def get_event(user: User, rt: Rt, event_id: str) -> dict[str, Any]:
     with read(rt.engine) as conn:
         row = conn.execute(select(events).where(and_(events.c.id == event_id, events.c.user_id == user))).first()
@@ -215,7 +240,7 @@ def get_event(user: User, rt: Rt, event_id: str) -> dict[str, Any]:
             "received_at": row.received_at.isoformat()}
 
 
-@router.get("/v1/messages")
+@router.get("/v1/messages", response_model=MessagePage, responses=refusals("bad_cursor"))
 def messages(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None) -> dict[str, Any]:
     """The messages sent to the user, newest first, a page at a time."""
     after = decode_cursor(cursor, parts=1)
@@ -230,7 +255,7 @@ def messages(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None) -> d
             "next": encode_cursor([page[-1].id]) if len(rows) > limit else None}
 
 
-@router.get("/v1/egress")
+@router.get("/v1/egress", response_model=EgressPage, responses=refusals("bad_cursor"))
 def egress_audit(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None,
                  verdict: Literal["allow", "refuse"] | None = None) -> dict[str, Any]:
     """What the egress proxy did with this user's requests, newest first (never headers, bodies or queries)."""

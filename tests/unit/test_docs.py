@@ -20,6 +20,7 @@ from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.signatures import sign, verify_signature
 from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.http import WebhookInbox, create_app
+from wakeful.server.faces.schemas import CODES
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
@@ -87,6 +88,13 @@ def test_the_http_api_doc_lists_every_route_the_app_serves_and_no_other(tmp_path
     documented = _documented_routes()
     assert not served - documented, f"served but not in docs/http-api.md: {sorted(served - documented)}"
     assert not documented - served, f"in docs/http-api.md but not served: {sorted(documented - served)}"
+
+
+def test_every_error_code_of_the_openapi_document_is_in_the_http_api_doc_under_its_status() -> None:
+    table = (DOCS / "http-api.md").read_text().split("## Errors", 1)[1]
+    rows = {int(status): text for status, text in re.findall(r"^\| (\d{3}) \| (.*)$", table, re.M)}
+    missing = [f"{code} ({status})" for code, status in CODES.items() if f"`{code}`" not in rows.get(status, "")]
+    assert not missing, f"not in docs/http-api.md's error table under their status: {missing}"
 
 
 USER_DOCS = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), ROOT / "infra" / "README.md",

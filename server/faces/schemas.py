@@ -1,0 +1,277 @@
+"""The shapes the HTTP API answers with, for its OpenAPI document (`server.faces.openapi`) and for FastAPI, which
+checks every answer against its route's `response_model` on the way out: an answer that drifted from its
+documented shape is a loud 500 the fuzzer finds (tests/integration/test_fuzz_http.py), never a silent lie.
+
+Response models forbid keys they do not name, for the same reason. `refusals(...)` declares which error codes a
+route answers; `CODES` says each code's status, the one table docs/http-api.md's error table is held to.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from wakeful.server.store.tables import EventStatus, OutboxState, TaskState
+
+__all__ = [
+    "CODES", "ActionView", "ApprovalCard", "Decision", "Done", "EgressPage", "ErrorEnvelope", "EventView", "Health",
+    "HookReceipt",
+    "Ledger", "MessagePage", "SlackChallenge", "StopAnswer", "StopRecorded", "TaskCreated", "TaskStateAnswer",
+    "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
+]
+
+
+class _Answer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ----------------------------------------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    """What went wrong: a stable `code` to branch on, a `message` to show, and fields that name what it was about
+    (`task_id`, `source`, `details` for each invalid field, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+    code: str
+    message: str
+
+
+class ErrorEnvelope(_Answer):
+    """Every error the API answers, whatever its status."""
+
+    error: ErrorBody
+
+
+CODES: dict[str, int] = {
+    "malformed_body": 400, "invalid_parameter": 400, "invalid_completion": 400, "bad_cursor": 400,
+    "json_too_deep": 400, "number_too_long": 400, "duplicate_key": 400, "missing_delivery_id": 400,
+    "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
+    "signature_mismatch": 401, "signature_expired": 401,
+    "forbidden": 403,
+    "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_operation": 404,
+    "unknown_source": 404, "unknown_tool": 404,
+    "method_not_allowed": 405,
+    "invalid_transition": 409, "not_awaiting_approval": 409,
+    "gone": 410,
+    "payload_too_large": 413,
+    "misdirected_request": 421,
+}
+"""Every error code the API answers, and its status (a code always comes with the same one)."""
+
+ERROR_CODES_KEY = "x-error-codes"
+"""Where a documented error response lists its codes (an OpenAPI extension); the document's builder turns the list
+into the schema of the response's `error.code`."""
+
+
+def refusals(*codes: str) -> dict[int | str, dict[str, Any]]:
+    """The `responses` of a route that answers these error codes (besides those every route of its kind answers:
+    the token and body checks, which the document's builder adds)."""
+    by_status: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        by_status.setdefault(CODES[code], {ERROR_CODES_KEY: []})[ERROR_CODES_KEY].append(code)
+    return by_status
+
+
+# -- the control channel ---------------------------------------------------------------------------------------------
+
+
+class StopAnswer(_Answer):
+    stopped: bool
+    """Whether nothing goes out for this user (their own STOP, or one over everything)."""
+    global_stop: bool
+    """Whether the operator's STOP over everything is in force."""
+
+
+class StopRecorded(StopAnswer):
+    record_id: str
+    note: str | None = None
+    """Only when a START could not lift a STOP over everything: what to do about it."""
+
+
+class TaskCreated(_Answer):
+    task_id: str
+    session_id: str
+    version: int
+
+
+class TaskVersionAnswer(_Answer):
+    task_id: str
+    version: int
+
+
+class TaskStateAnswer(_Answer):
+    task_id: str
+    state: TaskState
+
+
+class Facts(_Answer):
+    """The four facts of a task, each with its own time (ISO 8601); null: not yet."""
+
+    request_received: str
+    run_ended: str | None
+    goal_verified: str | None
+    receipt_delivered: str | None
+
+
+class PendingWait(_Answer):
+    wait_id: str
+    kind: str
+    match_key: str
+    deadline: str | None
+
+
+class ActionSummary(_Answer):
+    action_id: str
+    tool: str
+    version: int
+    content_hash: str
+    verdict: str | None
+    code: str | None
+    outcome: str | None
+
+
+class TaskStatus(_Answer):
+    task_id: str
+    session_id: str
+    title: str
+    state: TaskState
+    version: int
+    facts: Facts
+    waits: list[PendingWait]
+    actions: list[ActionSummary]
+
+
+class LedgerEntry(BaseModel):
+    """One record of the task's history: when, what kind, and the record's own columns (those that are set)."""
+
+    model_config = ConfigDict(extra="allow")
+    at: str
+    type: Literal["task", "task_version", "control", "event", "run", "decision", "action", "verdict", "approval",
+                  "attempt", "outcome", "evidence", "refusal", "message", "dispatch_intent"]
+
+
+class Ledger(_Answer):
+    task_id: str
+    entries: list[LedgerEntry]
+
+
+class Budget(_Answer):
+    spent_task_cents: int
+    task_total_cents: int | None
+
+
+class ApprovalCard(_Answer):
+    """What the user reads before approving, rendered from the action's immutable content and recorded facts."""
+
+    action_id: str
+    content_hash: str
+    tool: str
+    lines: list[str]
+    approve_with: str
+    deny_with: str
+    valid_for_seconds: int
+    budget: Budget
+
+
+class ActionView(_Answer):
+    action_id: str
+    tool: str
+    content_hash: str
+    content: dict[str, Any]
+    card: ApprovalCard
+
+
+class Decision(_Answer):
+    action_id: str
+    approval_id: str
+    verdict: str
+    """The action's admission after the decision: `admitted`, `needs_approval` or `refused`."""
+    code: str
+    reason: str
+
+
+class EventView(_Answer):
+    event_id: str
+    source: str
+    source_id: str
+    session_id: str
+    status: EventStatus
+    attempts: int
+    run_id: str | None
+    received_at: str
+
+
+class Message(_Answer):
+    id: str
+    state: OutboxState
+    created_at: str
+    body: dict[str, Any]
+
+
+class MessagePage(_Answer):
+    messages: list[Message]
+    next: str | None = Field(description="the cursor of the following page; null on the last")
+
+
+class EgressRequest(_Answer):
+    """One request the egress proxy saw: never its headers, body or query."""
+
+    request_id: str
+    at: str
+    user_id: str | None
+    client: Literal["connector", "tool_computer"]
+    grant_id: str | None
+    action_id: str | None
+    method: str
+    scheme: str
+    host: str
+    port: int
+    path: str
+    verdict: Literal["allow", "refuse"]
+    code: str | None
+    rule: str
+    credential: str | None
+    """The name of the credential binding the proxy added, never its value."""
+    bytes_up: int
+    bytes_down: int
+    upstream_status: int | None
+    latency_ms: float
+    recorded_at: str
+
+
+class EgressPage(_Answer):
+    requests: list[EgressRequest]
+    next: str | None = Field(description="the cursor of the following page; null on the last")
+
+
+class ViewLink(_Answer):
+    link: str
+    view_only: bool
+    expires_at: str
+
+
+class Health(_Answer):
+    status: Literal["ok"]
+
+
+class Done(_Answer):
+    ok: Literal[True]
+
+
+# -- the webhook inbox -----------------------------------------------------------------------------------------------
+
+
+class HookReceipt(_Answer):
+    """The delivery is durable: recorded now, or before (`duplicate`, by the provider's delivery ID)."""
+
+    event_id: str
+    duplicate: bool
+    status: EventStatus
+
+
+class SlackChallenge(_Answer):
+    """Slack's URL verification, answered with the challenge it sent (and nothing recorded)."""
+
+    challenge: Any
