@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Connection, and_, or_, select
 
@@ -34,13 +34,19 @@ from wakeful.server.store.tables import (
     waits,
 )
 
-__all__ = ["describe", "entries", "four_facts", "task_status"]
+__all__ = ["EntryType", "describe", "entries", "four_facts", "task_status"]
+
+EntryType = Literal["task", "task_version", "control", "steer_proposal", "steer_decision", "event", "run", "decision",
+                    "action", "verdict", "approval", "attempt", "outcome", "evidence", "refusal", "message",
+                    "dispatch_intent"]
+"""Every kind of ledger entry (the HTTP API documents them: a kind missing here fails the type check where it is
+written)."""
 
 _JSON = {"content", "payload", "reasons", "observed", "request", "proposal", "constraints", "completion", "body",
          "widens"}
 
 
-def _row(kind: str, at: datetime, row: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def _row(kind: EntryType, at: datetime, row: Any, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     data: dict[str, Any] = {"at": at.isoformat(), "type": kind}
     for key, value in row._mapping.items():
         if key in skip or value is None:

@@ -45,6 +45,7 @@ from wakeful.server.faces.schemas import (
     EventView,
     Ledger,
     MessagePage,
+    SteerDecision,
     StopAnswer,
     StopRecorded,
     TaskCreated,
@@ -74,6 +75,7 @@ TASK_OPERATIONS = {k.value: k for k in (ControlKind.PAUSE, ControlKind.RESUME, C
                                         ControlKind.REOPEN)}
 TaskOperation = Annotated[str, Path(json_schema_extra={"enum": list(TASK_OPERATIONS)})]
 ActionDecision = Annotated[str, Path(json_schema_extra={"enum": ["approve", "deny"]})]
+SteerAnswer = Annotated[str, Path(json_schema_extra={"enum": ["confirm", "reject"]})]
 
 
 class TaskIn(BaseModel):
@@ -162,8 +164,9 @@ def steer(user: User, rt: Rt, task_id: str, body: SteerIn) -> dict[str, Any]:
     return {"task_id": task_id, "version": version}
 
 
-@router.post("/v1/tasks/{task_id}/steers/{steer_id}/{decision}")
-def decide_steer(user: User, rt: Rt, task_id: str, steer_id: str, decision: str) -> dict[str, Any]:
+@router.post("/v1/tasks/{task_id}/steers/{steer_id}/{decision}", response_model=SteerDecision,
+             responses=refusals("unknown_steer", "unknown_operation", "not_awaiting_user", "invalid_transition"))
+def decide_steer(user: User, rt: Rt, task_id: str, steer_id: str, decision: SteerAnswer) -> dict[str, Any]:
     """The user's answer to a steer the agent proposed: confirmed, it becomes the task's next version."""
     if decision not in ("confirm", "reject"):
         raise NotFound("unknown_operation", f"proposed steers have no operation {decision!r}; confirm or reject")

@@ -12,13 +12,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wakeful.server.store.tables import EventStatus, OutboxState, TaskState
+from wakeful.server.acting.ledger import EntryType
+from wakeful.server.store.tables import EventStatus, OutboxState, SteerState, TaskState
 
 __all__ = [
     "CODES", "ActionView", "ApprovalCard", "Decision", "Done", "EgressPage", "ErrorEnvelope", "EventView", "Health",
     "HookReceipt",
-    "Ledger", "MessagePage", "SlackChallenge", "StopAnswer", "StopRecorded", "TaskCreated", "TaskStateAnswer",
-    "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
+    "Ledger", "MessagePage", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
+    "TaskStateAnswer", "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
 ]
 
 
@@ -50,10 +51,10 @@ CODES: dict[str, int] = {
     "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
     "forbidden": 403,
-    "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_operation": 404,
-    "unknown_source": 404, "unknown_tool": 404,
+    "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_steer": 404,
+    "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404,
     "method_not_allowed": 405,
-    "invalid_transition": 409, "not_awaiting_approval": 409,
+    "invalid_transition": 409, "not_awaiting_approval": 409, "not_awaiting_user": 409,
     "gone": 410,
     "payload_too_large": 413,
     "misdirected_request": 421,
@@ -132,6 +133,16 @@ class ActionSummary(_Answer):
     outcome: str | None
 
 
+class ProposedSteer(_Answer):
+    """A steer the agent proposed because it would widen the task: it waits for the user's confirm or reject."""
+
+    steer_id: str
+    state: SteerState
+    against_version: int
+    widens: list[str]
+    """Each widening, in plain words."""
+
+
 class TaskStatus(_Answer):
     task_id: str
     session_id: str
@@ -141,6 +152,15 @@ class TaskStatus(_Answer):
     facts: Facts
     waits: list[PendingWait]
     actions: list[ActionSummary]
+    proposed_steers: list[ProposedSteer]
+
+
+class SteerDecision(_Answer):
+    steer_id: str
+    task_id: str
+    state: SteerState
+    version: int
+    """The task's version afterwards: the new one when confirmed, the one it was proposed against when rejected."""
 
 
 class LedgerEntry(BaseModel):
@@ -148,8 +168,7 @@ class LedgerEntry(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     at: str
-    type: Literal["task", "task_version", "control", "event", "run", "decision", "action", "verdict", "approval",
-                  "attempt", "outcome", "evidence", "refusal", "message", "dispatch_intent"]
+    type: EntryType
 
 
 class Ledger(_Answer):
