@@ -29,8 +29,8 @@ __all__ = ["MCP", "NOVNC", "WEBHOOKS", "openapi_document"]
 
 _REF = "#/components/schemas/{model}"
 _TOKEN_CODES = ("missing_token", "bad_token")
-_GATE_CODES = ("payload_too_large", "malformed_body", "json_too_deep", "number_too_long", "duplicate_key")
-_BODY_CODES = ("malformed_body", "json_too_deep", "number_too_long", "duplicate_key", "payload_too_large")
+_BODY_CODES = ("payload_too_large", "malformed_body", "json_too_deep", "number_too_long", "duplicate_key")
+"""What reading a body within bounds refuses (`server.faces.bodies`): the control gate's and the inbox's."""
 
 
 def openapi_document(app: FastAPI, described: list[APIRouter]) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def _document_errors(path: str, operation: dict[str, Any]) -> None:
     if operation.get("security"):
         answered += _TOKEN_CODES
     if guards(path):
-        answered += _GATE_CODES
+        answered += _BODY_CODES
     for code in answered:
         listed = responses.setdefault(str(CODES[code]), {}).setdefault(ERROR_CODES_KEY, [])
         if code not in listed:

@@ -85,7 +85,8 @@ def served(settings: Settings, engine: Engine, clock: FakeClock, owner: str) -> 
         with write(engine) as conn:
             token = issue_token(conn, user_id=owner)
             proposed = steers.steer(conn, user_id=owner, task_id=task.task_id, goal="another goal", constraints={},
-                                    completion=[], actor=f"agent:{owner}", now=clock.now())  # widens: proposed
+                                    completion=[], actor=f"agent:{owner}", now=clock.now())
+            assert proposed.steer_id is not None  # another goal widens the task: only proposed
             for text in ("first", "second"):
                 outbox.enqueue(conn, user_id=owner, body={"text": text}, now=clock.now(), session_id=task.session_id)
             store_audit(conn, [_egress_record(owner, clock, n) for n in range(2)], now=clock.now())
@@ -104,7 +105,7 @@ def served(settings: Settings, engine: Engine, clock: FakeClock, owner: str) -> 
             yield Served(url=url, auth={"Authorization": f"Bearer {token}"}, secret=secret, clock=clock, known={
                 "task_id": task.task_id, "action_id": action_id, "event_id": delivered.json()["event_id"],
                 "source": "hook", "token": link, "session": session, COOKIE: binder,
-                "steer_id": proposed.steer_id or ""})
+                "steer_id": proposed.steer_id})
 
 
 def _egress_record(user_id: str, clock: FakeClock, n: int) -> EgressRecord:
