@@ -2,7 +2,7 @@
 so a hostile body (50,000 levels of nesting, a 5,000-digit integer, `NaN`, `1e999`, two values for one key) is a 400
 with a stable code instead of a `RecursionError` or a `ValueError` deep in the parser, or an infinity stored where
 JSON was promised. Text the server cannot keep is refused the same way: half a surrogate pair (`"\\ud800"`, which
-no database driver encodes).
+no database driver encodes) and NUL (`"\\u0000"`, which PostgreSQL stores in no text).
 
 The size is bounded before this is called (the caller reads at most `max_body_bytes`). The depth is measured on the
 raw text with one regular expression (strings skipped, and looked into only for `\\u` escapes), before `json.loads`
@@ -94,9 +94,9 @@ def _check_text(raw: bytes, max_depth: int) -> None:
         token = match.group()
         first = token[:1]
         if first == b'"':
-            if b"\\u" in token and _half_a_pair(token):
-                raise BadRequest("malformed_body", "a string in the body escapes half of a surrogate pair: it is not "
-                                                   "text")
+            problem = _not_text(token) if b"\\u" in token else None
+            if problem is not None:
+                raise BadRequest("malformed_body", f"a string in the body {problem}")
         elif first in (b"[", b"{"):
             depth += 1
             if depth > max_depth:
@@ -105,21 +105,27 @@ def _check_text(raw: bytes, max_depth: int) -> None:
             depth -= 1
 
 
-def _half_a_pair(string: bytes) -> bool:
-    """Whether a JSON string token escapes a surrogate that is not half of an adjacent high-low pair."""
+_HALF_A_PAIR: Final = "escapes half of a surrogate pair: it is not text"
+
+
+def _not_text(string: bytes) -> str | None:
+    """Why a JSON string token's escapes make it text the server cannot keep (NUL, or a surrogate that is not half of
+    an adjacent high-low pair); None when they do not."""
     awaiting_low_at = None  # where a high surrogate's escape ended: its low one must start right there
     for escape in _ESCAPES.finditer(string):
         unit = int(escape.group(1), 16) if escape.group(1) else None
         low = unit is not None and 0xDC00 <= unit <= 0xDFFF
         if awaiting_low_at is not None:
             if escape.start() != awaiting_low_at or not low:
-                return True
+                return _HALF_A_PAIR
             awaiting_low_at = None
+        elif unit == 0:
+            return "holds NUL (\\u0000), which the database stores in no text"
         elif unit is not None and 0xD800 <= unit <= 0xDBFF:
             awaiting_low_at = escape.end()
         elif low:
-            return True
-    return awaiting_low_at is not None
+            return _HALF_A_PAIR
+    return _HALF_A_PAIR if awaiting_low_at is not None else None
 
 
 def _number(kind: type, limits: JsonLimits) -> Any:

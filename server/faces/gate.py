@@ -1,6 +1,8 @@
 """The gate in front of the user's control channel: who is asking is known before a byte of the body is read, and
 a body is read only up to `CONTROL_BODY_LIMIT` and parsed within bounds (`server.faces.bodies`) before the routes see
-it. Without it a caller with no token could make the server read and parse a 50 MB body only to answer 401.
+it. Without it a caller with no token could make the server read and parse a 50 MB body only to answer 401. A path
+holding NUL (`%00`) is refused here too: every route behind the gate looks its path's IDs up in the database, and
+PostgreSQL cannot be asked about text with NUL in it.
 
 The routes still authenticate (the gate does not hand them the user); the gate only decides whether reading on is
 worth it. Paths outside the control channel (webhooks, which are signed instead, the live view's one-time links, MCP
@@ -15,7 +17,7 @@ import anyio
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from wakeful.server.errors import WakefulError
+from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.faces import bodies
 
 __all__ = ["CONTROL_BODY_LIMIT", "GUARDED_PREFIXES", "ControlGate", "guards"]
@@ -49,6 +51,8 @@ class ControlGate:
         headers = Headers(scope=scope)
         try:
             await anyio.to_thread.run_sync(self.authenticate, headers.get("authorization"))
+            if "\x00" in scope["path"]:
+                raise BadRequest("invalid_parameter", "a path parameter holds NUL (%00), which no ID does")
             bodies.refuse_declared(headers.get("content-length"), self.limit)
             body = await bodies.read(receive, self.limit)
             if body:

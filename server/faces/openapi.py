@@ -3,9 +3,10 @@ server answers.
 
 - Every error response is `ErrorEnvelope` as JSON, its `error.code` one of the codes the response lists
   (`x-error-codes`): those the route declared (`schemas.refusals`) and those every route of its kind answers — the
-  token check where a token is asked for, the control gate's body checks under its paths, and the `400` FastAPI's
-  validation answers for a body or a query parameter (it would document its own `422`, which we never send; path,
-  header and cookie parameters here are plain strings, which cannot be invalid).
+  token check where a token is asked for, the control gate's checks under its paths (the body's, and a path
+  parameter's: NUL), and the `400` FastAPI's validation answers for a body or a query parameter (it would document
+  its own `422`, which we never send; path, header and cookie parameters here are plain strings, which it never
+  finds invalid).
 - Routes answered outside FastAPI's routing are described by routers that are never mounted: the webhook inbox
   (answered in front of the app), the MCP transport and its metadata (a mounted app), the noVNC files.
   The live view's websocket is not in the document (OpenAPI has no way to say it).
@@ -61,6 +62,7 @@ def _document_errors(path: str, operation: dict[str, Any]) -> None:
         answered += _TOKEN_CODES
     if guards(path):
         answered += _BODY_CODES
+        answered += ["invalid_parameter"] if any(p["in"] == "path" for p in operation.get("parameters", [])) else []
     for code in answered:
         listed = responses.setdefault(str(CODES[code]), {}).setdefault(ERROR_CODES_KEY, [])
         if code not in listed:

@@ -1,7 +1,7 @@
 """The HTTP API fuzzed against its own OpenAPI document (schemathesis): every operation the document lists but MCP's
 (whose protocol is its own, fuzzed by test_mcp_fuzz.py), with a user's token, on a real server on loopback over a
-real SQLite file that holds a task, an action waiting for approval, a steer the agent proposed, an event, messages,
-egress records and a live view the generated requests can reach.
+real database (SQLite, and PostgreSQL, which refuses other text) that holds a task, an action waiting for approval,
+a steer the agent proposed, an event, messages, egress records and a live view the generated requests can reach.
 
 Every answer must have a documented status, content type and shape; none may be a server error; a route that asks
 for a token must refuse a request without one; a request the document calls invalid must be refused. Requests are
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -74,9 +75,12 @@ class Served:
     clock: FakeClock
 
 
+BACKENDS = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+
+
 @pytest.fixture
 def served(settings: Settings, engine: Engine, clock: FakeClock, owner: str) -> Iterator[Served]:
-    with world(engine, clock, owner) as w:
+    with world(engine, clock, owner) as w, ExitStack() as stack:
         runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine, registry=w.tools.registry)
         runtime.prepare()
         task = w.task()
@@ -96,6 +100,8 @@ def served(settings: Settings, engine: Engine, clock: FakeClock, owner: str) -> 
         redeemed = runtime.live.redeem(runtime.live.offer_view(owner, timedelta(minutes=15))[0])
         assert redeemed is not None
         session, binder = redeemed
+        runtime.committer.start()  # the inbox's (on PostgreSQL it commits on a thread); no other loop runs
+        stack.callback(runtime.committer.stop)
         with serving(create_app(runtime, manage_runtime=False)) as url:
             body = json.dumps({"session_key": "fuzz"}).encode()
             delivered = httpx.post(f"{url}/v1/hooks/hook", content=body, headers={
@@ -122,6 +128,7 @@ def api(served: Served) -> schemathesis.BaseSchema:
     return loaded.exclude(path_regex=r"^/mcp$")  # MCP's own protocol: its own tests (test_mcp*.py) fuzz it
 
 
+@BACKENDS
 def test_every_answer_is_documented_and_none_is_a_server_error(api: schemathesis.BaseSchema, served: Served) -> None:
     failures = {}
     for result in api.get_all_operations():
@@ -166,14 +173,16 @@ BODIES = {  # a body each route takes, with a slot (@) for one JSON value
     HOOK: b'{"session_key": @}',
 }
 ABSURD = {  # a value for the slot, and the code it is refused with
-    b'"\\ud800"': "malformed_body", b"1e400": "malformed_body", b"NaN": "malformed_body", b'"\xff"': "malformed_body",
-    b"1" * 100: "number_too_long", b"[" * 70 + b"]" * 70: "json_too_deep", b'{"k": 1, "k": 2}': "duplicate_key",
+    b'"\\ud800"': "malformed_body", b'"\\u0000"': "malformed_body", b"1e400": "malformed_body",
+    b"NaN": "malformed_body", b'"\xff"': "malformed_body", b"1" * 100: "number_too_long",
+    b"[" * 70 + b"]" * 70: "json_too_deep", b'{"k": 1, "k": 2}': "duplicate_key",
 }
 
 
+@BACKENDS
 def test_absurd_bodies_are_refused_with_a_documented_code_on_every_route_that_takes_one(
         api: schemathesis.BaseSchema, served: Served) -> None:
-    """Half a surrogate pair, a number past a double, NaN, bytes that are not UTF-8, a 100-digit number, 70 levels
+    """Half a surrogate pair, NUL, a number past a double, NaN, bytes that are not UTF-8, a 100-digit number, 70 levels
     of nesting, a key twice: in a body that is otherwise right, on every route the document says takes a body (the
     webhook's deliveries signed), each is a documented 400 with its code, never a 500 or an acceptance."""
     taking = [op for op in (r.ok() for r in api.get_all_operations()) if op.body]
@@ -186,7 +195,20 @@ def test_absurd_bodies_are_refused_with_a_documented_code_on_every_route_that_ta
                                                                           "deny") for name in _names(operation.path)})
             response = case.call_and_validate(base_url=served.url, checks=CHECKS, data=signed["data"], headers={
                 **served.auth, "Content-Type": "application/json", **signed["headers"]})
-            assert (response.status_code, response.json()["error"]["code"]) == (400, code), (operation.label, value)
+            refused = (response.status_code, response.json().get("error", {}).get("code"))
+            assert refused == (400, code), (operation.label, value, response.text)
+
+
+@BACKENDS
+def test_nul_in_a_path_parameter_is_a_documented_refusal_on_every_route_that_takes_one(
+        api: schemathesis.BaseSchema, served: Served) -> None:
+    """No ID holds NUL, and PostgreSQL cannot even be asked about one: where a route looks it up, it is a 400."""
+    for operation in (r.ok() for r in api.get_all_operations()):
+        for name in _names(operation.path):
+            parameters = {other: served.known.get(other, "x") for other in _names(operation.path)} | {name: "a\x00b"}
+            response = operation.Case(path_parameters=parameters).call_and_validate(
+                base_url=served.url, headers=served.auth, checks=CHECKS)
+            assert 400 <= response.status_code < 500, (operation.label, name)
 
 
 def _names(path: str) -> list[str]:
