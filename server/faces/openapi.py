@@ -88,8 +88,9 @@ WEBHOOKS = APIRouter(tags=["webhooks"])
 def webhook_delivery(source: str, payload: Annotated[dict[str, Any], Body()]) -> None:
     """A delivery from the configured webhook source `source`, authenticated by its signature (no token): GitHub's
     `X-Hub-Signature-256`, Stripe's `Stripe-Signature`, Slack's `X-Slack-Signature` with
-    `X-Slack-Request-Timestamp`, or the generic `X-Wakeful-Signature` (`sha256=` and the HMAC-SHA256 of the body
-    in hex). The answer comes once the delivery is durable; a delivery ID seen before answers `duplicate`."""
+    `X-Slack-Request-Timestamp`, or the generic `X-Wakeful-Signature` over `X-Wakeful-Timestamp`,
+    `X-Wakeful-Delivery` and the body (docs/webhooks.md). The answer comes once the delivery is durable; a delivery
+    seen before (by a delivery ID its signature covers) answers `duplicate`."""
 
 
 MCP = APIRouter(tags=["mcp"])

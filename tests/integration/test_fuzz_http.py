@@ -105,8 +105,8 @@ def served(settings: Settings, engine: Engine, clock: FakeClock, owner: str) -> 
         with serving(create_app(runtime, manage_runtime=False)) as url:
             body = json.dumps({"session_key": "fuzz"}).encode()
             delivered = httpx.post(f"{url}/v1/hooks/hook", content=body, headers={
-                **sign("generic", secret=secret, body=body, now=clock.now().timestamp()),
-                "X-Wakeful-Delivery": "d-1", "Content-Type": "application/json"})
+                **sign("generic", secret=secret, body=body, now=clock.now().timestamp(), delivery_id="d-1"),
+                "Content-Type": "application/json"})
             assert delivered.status_code == 200, delivered.text
             yield Served(url=url, auth={"Authorization": f"Bearer {token}"}, secret=secret, clock=clock, known={
                 "task_id": task.task_id, "action_id": action_id, "event_id": delivered.json()["event_id"],
@@ -219,8 +219,8 @@ def _signed(body: Any, served: Served) -> dict[str, Any]:
     """The delivery as its source would sign it: the raw bytes and the headers that go with them."""
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return {"data": raw, "headers": {
-        **sign("generic", secret=served.secret, body=raw, now=served.clock.now().timestamp()),
-        "X-Wakeful-Delivery": "fuzz", "Content-Type": "application/json"}}
+        **sign("generic", secret=served.secret, body=raw, now=served.clock.now().timestamp(), delivery_id="fuzz"),
+        "Content-Type": "application/json"}}
 
 
 def test_the_openapi_document_is_served_only_to_a_user(served: Served) -> None:
