@@ -1,8 +1,10 @@
 """JSON from outside, parsed within bounds: depth, number length and duplicate keys are checked as the text is read,
 so a hostile body (50,000 levels of nesting, a 5,000-digit integer, `NaN`, `1e999`, two values for one key) is a 400
 with a stable code instead of a `RecursionError` or a `ValueError` deep in the parser, or an infinity stored where
-JSON was promised. Text the server cannot keep is refused the same way: half a surrogate pair (`"\\ud800"`, which
-no database driver encodes) and NUL (`"\\u0000"`, which PostgreSQL stores in no text).
+JSON was promised. Where the strings go to columns as they are (`COLUMN_TEXT`: the control channel, cursors), text a
+column cannot keep is refused the same way: half a surrogate pair (`"\\ud800"`, which no database driver encodes)
+and NUL (`"\\u0000"`, which PostgreSQL stores in no text). A webhook's payload is stored as JSON, escaped; the
+inbox checks the values it reads out of it itself.
 
 The size is bounded before this is called (the caller reads at most `max_body_bytes`). The depth is measured on the
 raw text with one regular expression (strings skipped, and looked into only for `\\u` escapes), before `json.loads`
@@ -21,7 +23,7 @@ from starlette.types import Receive
 
 from wakeful.server.errors import BadRequest, PayloadTooLarge
 
-__all__ = ["Disconnected", "JsonLimits", "loads", "read", "refuse_declared"]
+__all__ = ["COLUMN_TEXT", "Disconnected", "JsonLimits", "loads", "read", "refuse_declared"]
 
 # A JSON string (with its escapes), or one bracket. Everything else cannot change the depth.
 _TOKENS: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)
@@ -35,12 +37,18 @@ class JsonLimits:
     """Arrays and objects nested deeper than this are refused (`json_too_deep`)."""
     max_number_chars: int = 64
     """A number written with more characters than this is refused (`number_too_long`)."""
+    column_text: bool = False
+    """Refuse a string no text column can keep as it is: NUL, or half a surrogate pair (`malformed_body`)."""
+
+
+COLUMN_TEXT: Final = JsonLimits(column_text=True)
+"""The limits for a body whose strings are stored as they are."""
 
 
 def loads(raw: bytes, limits: JsonLimits = JsonLimits()) -> Any:
     """The JSON value in `raw` (UTF-8), or BadRequest with one of: `malformed_body`, `json_too_deep`,
     `number_too_long`, `number_out_of_range`, `duplicate_key`."""
-    _check_text(raw, limits.max_depth)
+    _check_text(raw, limits)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -87,14 +95,14 @@ class _Refused(Exception):
         self.message = message
 
 
-def _check_text(raw: bytes, max_depth: int) -> None:
-    """The depth, and the strings' escapes, before anything is parsed."""
-    depth = 0
+def _check_text(raw: bytes, limits: JsonLimits) -> None:
+    """The depth, and the strings' escapes where the limits ask, before anything is parsed."""
+    max_depth, depth = limits.max_depth, 0
     for match in _TOKENS.finditer(raw):
         token = match.group()
         first = token[:1]
         if first == b'"':
-            problem = _not_text(token) if b"\\u" in token else None
+            problem = _not_text(token) if limits.column_text and b"\\u" in token else None
             if problem is not None:
                 raise BadRequest("malformed_body", f"a string in the body {problem}")
         elif first in (b"[", b"{"):

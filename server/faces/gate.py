@@ -56,7 +56,7 @@ class ControlGate:
             bodies.refuse_declared(headers.get("content-length"), self.limit)
             body = await bodies.read(receive, self.limit)
             if body:
-                bodies.loads(body)  # the routes parse it again; this one is bounded, theirs never sees a hostile one
+                bodies.loads(body, bodies.COLUMN_TEXT)  # the routes parse it again: theirs never sees a hostile one
         except WakefulError as exc:
             await self.respond(exc)(scope, receive, send)
             return

@@ -30,7 +30,8 @@ __all__ = ["MCP", "NOVNC", "WEBHOOKS", "openapi_document"]
 
 _REF = "#/components/schemas/{model}"
 _TOKEN_CODES = ("missing_token", "bad_token")
-_BODY_CODES = ("payload_too_large", "malformed_body", "json_too_deep", "number_too_long", "duplicate_key")
+_BODY_CODES = ("payload_too_large", "malformed_body", "json_too_deep", "number_too_long", "number_out_of_range",
+               "duplicate_key")
 """What reading a body within bounds refuses (`server.faces.bodies`): the control gate's and the inbox's."""
 
 
@@ -83,7 +84,8 @@ WEBHOOKS = APIRouter(tags=["webhooks"])
 
 
 @WEBHOOKS.post("/v1/hooks/{source}", response_model=HookReceipt | SlackChallenge,
-               responses=refusals("missing_delivery_id", "signature_missing", "signature_malformed",
+               responses=refusals("missing_delivery_id", "invalid_delivery_id", "invalid_session_key",
+                                  "signature_missing", "signature_malformed",
                                   "signature_mismatch", "signature_expired", "unknown_source", *_BODY_CODES))
 def webhook_delivery(source: str, payload: Annotated[dict[str, Any], Body()]) -> None:
     """A delivery from the configured webhook source `source`, authenticated by its signature (no token): GitHub's

@@ -32,7 +32,7 @@ def decode_cursor(cursor: str | None, *, parts: int) -> list[str] | None:
     if cursor is None:
         return None
     try:  # parsed as a body is: half a surrogate pair, say, never reaches the query
-        key: Any = bodies.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        key: Any = bodies.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)), bodies.COLUMN_TEXT)
     except (binascii.Error, ValueError, BadRequest):
         key = None
     if not (isinstance(key, list) and len(key) == parts and all(isinstance(k, str) and len(k) <= 200 for k in key)):

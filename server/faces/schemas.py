@@ -47,7 +47,8 @@ class ErrorEnvelope(_Answer):
 
 CODES: dict[str, int] = {
     "malformed_body": 400, "invalid_parameter": 400, "invalid_completion": 400, "bad_cursor": 400,
-    "json_too_deep": 400, "number_too_long": 400, "duplicate_key": 400, "missing_delivery_id": 400,
+    "json_too_deep": 400, "number_too_long": 400, "number_out_of_range": 400, "duplicate_key": 400,
+    "missing_delivery_id": 400, "invalid_delivery_id": 400, "invalid_session_key": 400,
     "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
     "forbidden": 403,
@@ -120,6 +121,8 @@ class PendingWait(_Answer):
     wait_id: str
     kind: str
     match_key: str
+    authority: str
+    """Who may satisfy it: `user`, `system`, `any_source` or `source:<name>` (one webhook source)."""
     deadline: str | None
 
 

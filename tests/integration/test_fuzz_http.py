@@ -173,7 +173,7 @@ BODIES = {  # a body each route takes, with a slot (@) for one JSON value
     HOOK: b'{"session_key": @}',
 }
 ABSURD = {  # a value for the slot, and the code it is refused with
-    b'"\\ud800"': "malformed_body", b'"\\u0000"': "malformed_body", b"1e400": "malformed_body",
+    b'"\\ud800"': "malformed_body", b'"\\u0000"': "malformed_body", b"1e400": "number_out_of_range",
     b"NaN": "malformed_body", b'"\xff"': "malformed_body", b"1" * 100: "number_too_long",
     b"[" * 70 + b"]" * 70: "json_too_deep", b'{"k": 1, "k": 2}': "duplicate_key",
 }
@@ -190,6 +190,8 @@ def test_absurd_bodies_are_refused_with_a_documented_code_on_every_route_that_ta
     for operation in taking:
         for value, code in ABSURD.items():
             raw = BODIES[operation.path].replace(b"@", value)
+            if operation.path == HOOK and code == "malformed_body" and b"\\u" in value:
+                code = "invalid_session_key"  # a payload keeps such text, escaped; the key read from it cannot
             signed = _signed(raw, served) if operation.path == HOOK else {"data": raw, "headers": {}}
             case = operation.Case(path_parameters={name: served.known.get(name, "pause" if name == "operation" else
                                                                           "deny") for name in _names(operation.path)})

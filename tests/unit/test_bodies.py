@@ -14,6 +14,7 @@ from wakeful.server.errors import BadRequest
 from wakeful.server.faces.bodies import JsonLimits, loads
 
 LIMITS = JsonLimits(max_depth=8, max_number_chars=32)  # a float as json.dumps writes it takes up to 24
+COLUMNS = JsonLimits(max_depth=8, max_number_chars=32, column_text=True)
 
 
 def _refusal(raw: bytes, limits: JsonLimits = LIMITS) -> str:
@@ -46,19 +47,21 @@ def test_what_is_not_json_is_a_malformed_body(raw: bytes) -> None:
 
 @pytest.mark.parametrize("raw", [b'{"t": "\\ud800"}', b'["\\udfff"]', b'{"\\uDBFF": 1}', b'["a\\ud83d b"]',
                                  b'["\\ud83d\\u0041"]', b'["\\ud83d\\\\ude00"]'])
-def test_half_a_surrogate_pair_is_not_text_and_is_refused(raw: bytes) -> None:
+def test_half_a_surrogate_pair_is_not_column_text_and_is_refused(raw: bytes) -> None:
     """The database cannot store it (SQLite's driver raises on encoding it): a 500 where it reached a column."""
-    assert _refusal(raw) == "malformed_body"
+    assert _refusal(raw, COLUMNS) == "malformed_body"
+    loads(raw, LIMITS)  # a body stored as JSON keeps it, escaped
 
 
 @pytest.mark.parametrize("raw", [b'{"title": "a\\u0000b"}', b'{"\\u0000": 1}', b'["\\ud83d\\ude00\\u0000"]'])
-def test_nul_in_text_is_refused(raw: bytes) -> None:
+def test_nul_is_not_column_text_and_is_refused(raw: bytes) -> None:
     """PostgreSQL stores no NUL in text (its driver raises): a 500 where it reached a column."""
-    assert _refusal(raw) == "malformed_body"
+    assert _refusal(raw, COLUMNS) == "malformed_body"
+    loads(raw, LIMITS)
 
 
 def test_a_whole_surrogate_pair_and_an_escaped_backslash_before_u_are_text() -> None:
-    assert loads(b'["\\ud83d\\ude00", "\\\\ud800", "\\\\u0000"]', LIMITS) == ["\U0001f600", "\\ud800", "\\u0000"]
+    assert loads(b'["\\ud83d\\ude00", "\\\\ud800", "\\\\u0000"]', COLUMNS) == ["\U0001f600", "\\ud800", "\\u0000"]
 
 
 def test_two_values_for_one_key_are_refused_at_any_depth() -> None:
