@@ -28,7 +28,7 @@ from sqlalchemy import ColumnElement, Connection, Engine, and_, bindparam, selec
 
 from wakeful.proxy.clock import Clock
 from wakeful.server.core import control, faults
-from wakeful.server.store.db import read, write
+from wakeful.server.store.db import read, upsert, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OutboxKind, OutboxState, outbox
 
@@ -42,13 +42,19 @@ _ENQUEUE = outbox.insert()  # built once (see `sessions`): a run enqueues while 
 
 def enqueue(conn: Connection, *, user_id: str, body: dict[str, Any], now: datetime,
             kind: OutboxKind = OutboxKind.USER_MESSAGE, session_id: str | None = None, run_id: str | None = None,
-            message_id: str | None = None) -> str:
+            message_id: str | None = None, once: bool = False) -> str:
+    """Queue one message; with `once` (and a fixed `message_id`), a row with that ID already queued is kept and this
+    one dropped, so a check that runs every round (or on several servers) sends its message once."""
     message_id = message_id or new_id("msg")
-    conn.execute(_ENQUEUE, {
+    row = {
         "id": message_id, "user_id": user_id, "kind": kind.value, "session_id": session_id, "run_id": run_id,
         "body": json.dumps(body, sort_keys=True), "state": OutboxState.PENDING.value, "attempts": 0,
         "next_attempt_at": now, "created_at": now,
-    })
+    }
+    if once:
+        conn.execute(upsert(conn, outbox).values(row).on_conflict_do_nothing())
+    else:
+        conn.execute(_ENQUEUE, row)
     return message_id
 
 

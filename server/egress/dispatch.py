@@ -43,7 +43,7 @@ from wakeful.server.egress.looks import Answer, Look, accepted_at, observed, sch
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.egress.pacing import Pacing
 from wakeful.server.errors import WakefulError
-from wakeful.server.store.db import read, upsert, write
+from wakeful.server.store.db import read, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
     Authority,
@@ -404,12 +404,9 @@ class ActionDispatcher:
                     answer.readable:
                 # The remote says it did not happen and deduplicates by key: the same request may go again.
                 session_id = lock_task(conn, action.task_id).session_id
-                intent = upsert(conn, outbox_table).values(
-                    id=f"dsp_{action.id}_{last.seq + 1}", user_id=action.user_id, kind=OutboxKind.DISPATCH.value,
-                    session_id=session_id,
-                    state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now, created_at=now,
-                    body=json.dumps({"action_id": action.id}))
-                conn.execute(intent.on_conflict_do_nothing())  # one resend per attempt, however often we look
+                outbox.enqueue(conn, user_id=action.user_id, kind=OutboxKind.DISPATCH, session_id=session_id, now=now,
+                               body={"action_id": action.id}, message_id=f"dsp_{action.id}_{last.seq + 1}",
+                               once=True)  # one resend per attempt, however often we look
         if found:
             self._on_event()  # only news wakes the loops: a read that changed nothing waits for its turn
         return Outcome.ACCEPTED if found else Outcome.UNKNOWN

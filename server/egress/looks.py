@@ -22,9 +22,9 @@ from sqlalchemy import Connection, and_, func, select
 
 from wakeful.server.acting.actions import Action
 from wakeful.server.acting.connectors import values_at
+from wakeful.server.core import outbox
 from wakeful.server.egress.pacing import Pacing
-from wakeful.server.store.db import upsert
-from wakeful.server.store.tables import OutboxKind, OutboxState, Outcome, attempts, evidence, outbox, tasks
+from wakeful.server.store.tables import Outcome, attempts, evidence, tasks
 
 __all__ = ["Answer", "Look", "accepted_at", "observed", "schedule", "tell_unknown", "tell_unverified"]
 
@@ -117,14 +117,11 @@ def tell_unverified(conn: Connection, action: Action, *, accepted_at: datetime, 
           body={"kind": "effect_unverified", "action_id": action.id, "task_id": action.task_id, "text": text})
 
 
-def _tell(conn: Connection, message_id: str, *, action: Action, session_id: str | None, body: Mapping[str, Any],
+def _tell(conn: Connection, message_id: str, *, action: Action, session_id: str | None, body: dict[str, Any],
           now: datetime) -> None:
     """A message to the user under a fixed ID: however many rounds (or servers) get here, it is sent once."""
-    stmt = upsert(conn, outbox).values(
-        id=message_id, user_id=action.user_id, kind=OutboxKind.USER_MESSAGE.value, session_id=session_id,
-        state=OutboxState.PENDING.value, attempts=0, next_attempt_at=now, created_at=now,
-        body=json.dumps(body, sort_keys=True))
-    conn.execute(stmt.on_conflict_do_nothing())
+    outbox.enqueue(conn, user_id=action.user_id, session_id=session_id, body=body, now=now, message_id=message_id,
+                   once=True)
 
 
 def _reads(conn: Connection, *, action_id: str, source: str) -> _Reads:
