@@ -143,6 +143,16 @@ async def _delegated(agent: Client, **args: Any) -> str:
     return task_id
 
 
+async def _raise_proposed(w: World, settings: Settings) -> tuple[str, str]:
+    """A delegation with a 5,000-cent limit whose agent asks to raise it to 9,000: the task and the proposal."""
+    async with Client(mcp_for(w, settings).server) as agent:
+        task_id = await _delegated(agent, constraints={"max_amount_cents": 5000})
+        steered = await agent.call_tool("steer_responsibility", {
+            "task_id": task_id, "goal": "cancel it", "constraints": {"max_amount_cents": 9000}})
+    steer_id: str = steered.structured_content["steer_id"]
+    return task_id, steer_id
+
+
 async def test_a_steer_that_only_lowers_a_limit_takes_effect_at_once_as_the_agents(
         w: World, settings: Settings) -> None:
     async with Client(mcp_for(w, settings).server) as agent:
@@ -175,11 +185,7 @@ async def test_a_steer_that_widens_anything_is_only_proposed(w: World, settings:
 async def test_the_user_rejects_a_proposed_steer_over_http_and_it_never_takes_effect(
         w: World, settings: Settings, user_http: tuple[TestClient, dict[str, str]]) -> None:
     client, auth = user_http
-    async with Client(mcp_for(w, settings).server) as agent:
-        task_id = await _delegated(agent, constraints={"max_amount_cents": 5000})
-        steer_id = (await agent.call_tool("steer_responsibility", {
-            "task_id": task_id, "goal": "cancel it", "constraints": {"max_amount_cents": 9000}})
-                    ).structured_content["steer_id"]
+    task_id, steer_id = await _raise_proposed(w, settings)
     rejected = client.post(f"/v1/tasks/{task_id}/steers/{steer_id}/reject", headers=auth)
     assert rejected.status_code == 200 and rejected.json()["state"] == "rejected", rejected.text
     late = client.post(f"/v1/tasks/{task_id}/steers/{steer_id}/confirm", headers=auth)
@@ -194,11 +200,7 @@ async def test_the_user_rejects_a_proposed_steer_over_http_and_it_never_takes_ef
 async def test_a_proposal_the_user_steered_past_can_no_longer_be_confirmed(
         w: World, settings: Settings, user_http: tuple[TestClient, dict[str, str]]) -> None:
     client, auth = user_http
-    async with Client(mcp_for(w, settings).server) as agent:
-        task_id = await _delegated(agent, constraints={"max_amount_cents": 5000})
-        steer_id = (await agent.call_tool("steer_responsibility", {
-            "task_id": task_id, "goal": "cancel it", "constraints": {"max_amount_cents": 9000}})
-                    ).structured_content["steer_id"]
+    task_id, steer_id = await _raise_proposed(w, settings)
     assert client.post(f"/v1/tasks/{task_id}/steer", json={"goal": "keep it"}, headers=auth).json()["version"] == 2
     stale = client.post(f"/v1/tasks/{task_id}/steers/{steer_id}/confirm", headers=auth)
     assert stale.status_code == 409 and "superseded" in stale.json()["error"]["message"], stale.text
