@@ -258,6 +258,7 @@ users = Table(
     Column("name", String(100), nullable=False, unique=True),
     Column("token_digest", String(64), unique=True),
     _now_col("created_at", nullable=False),
+    Column("timezone", String(64), nullable=False, server_default="UTC"),  # IANA name (`store.users.zone`)
 )
 
 sessions = Table(

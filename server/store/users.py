@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from sqlalchemy import Connection, select, update
 
-from wakeful.server.errors import NotFound, Unauthorized
+from wakeful.server.errors import BadRequest, NotFound, Unauthorized
 from wakeful.server.store.ids import new_id, new_token, token_digest
 from wakeful.server.store.tables import users
 
-__all__ = ["authenticate", "ensure_user", "issue_token", "user_id_by_name"]
+__all__ = ["authenticate", "ensure_user", "issue_token", "set_zone", "user_id_by_name", "zone"]
 
 
 def ensure_user(conn: Connection, *, name: str, now: datetime) -> tuple[str, str | None]:
@@ -45,3 +46,24 @@ def authenticate(conn: Connection, token: str | None) -> str:
     if user_id is None:
         raise Unauthorized("bad_token", "that token is not valid (it may have been re-issued)")
     return str(user_id)
+
+
+def zone(conn: Connection, user_id: str) -> ZoneInfo:
+    """The user's time zone: cron checks, quiet hours and the daily attention budget are read in it."""
+    name = conn.execute(select(users.c.timezone).where(users.c.id == user_id)).scalar_one_or_none()
+    if name is None:
+        raise NotFound("unknown_user", f"no user {user_id}")
+    return ZoneInfo(name)
+
+
+def set_zone(conn: Connection, *, user_id: str, name: str) -> ZoneInfo:
+    """Set the user's IANA time zone (e.g. `Asia/Hong_Kong`); an unknown name is a 400 `unknown_timezone`."""
+    if name not in available_timezones():
+        raise BadRequest("unknown_timezone", f"{name!r} is not an IANA time zone name, such as 'Asia/Hong_Kong'")
+    try:
+        found = ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:  # pragma: no cover - listed names load
+        raise BadRequest("unknown_timezone", str(exc)) from exc
+    if conn.execute(update(users).where(users.c.id == user_id).values(timezone=name)).rowcount != 1:
+        raise NotFound("unknown_user", f"no user {user_id}")
+    return found
