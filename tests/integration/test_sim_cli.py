@@ -12,10 +12,18 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.docs import doc_commands
 from tests.support.polling import wait_until
-from tests.support.serve import WAKEFUL, ServeProcess
+from tests.support.serve import WAKEFUL, ServeProcess, free_port
 
-SECRET = "whsec_sim_cli"
+SECRET = "change-me"  # the doc's
+SIMS = ("merchant", "airline", "hotel")
+
+
+def test_the_docs_sim_commands_are_the_ones_these_tests_run() -> None:
+    assert doc_commands("evaluation.md", "sim") == [
+        ["all", "--webhook-url", "http://127.0.0.1:8787/v1/hooks/{sim}"],
+        ["all", "--tls", "--port", "9101", "--port", "9102", "--port", "9103"]]
 
 
 @contextmanager
@@ -39,41 +47,43 @@ def sim_process(*args: str, lines_before_ready: int,
         process.wait(timeout=15)
 
 
-def test_the_simulator_sends_a_signed_webhook_that_a_real_server_records_and_stops_cleanly_on_sigterm(
+def test_the_simulators_send_signed_webhooks_that_a_real_server_records_and_stop_cleanly_on_sigterm(
         tmp_path: Path) -> None:
-    env = {"WAKEFUL_DATA_DIR": str(tmp_path), "WAKEFUL_SOURCES__MERCHANT__KIND": "generic",
-           "WAKEFUL_SOURCES__MERCHANT__SECRET": SECRET, "WAKEFUL_SOURCES__MERCHANT__SESSION_KEY": "body:subscription"}
-    with ServeProcess(env, log_path=tmp_path / "serve.log") as server, \
-            sim_process("merchant", "--webhook-url", f"{server.url}/v1/hooks/merchant", "--flush-every", "0.2",
-                        lines_before_ready=6, env={"WAKEFUL_SIM_WEBHOOK_SECRET": SECRET}) as (process, lines):
-        merchant = lines[0].split()[1]
-        assert lines[0] == f"merchant {merchant}" and merchant.startswith("http://127.0.0.1:")
-        assert f"{merchant}/_sim/records" in lines
-        assert SECRET not in " ".join(process.args)  # the secret came from the environment, not argv
-        httpx.post(f"{merchant}/_sim/faults", json={"late_webhook": True}).raise_for_status()
-        httpx.post(f"{merchant}/v1/subscriptions/sub_1/cancel_renewal", headers={"Idempotency-Key": "k1"},
-                   json={}).raise_for_status()
-        delivered = wait_until(lambda: httpx.get(f"{merchant}/_sim/webhooks").json()["delivered"], 15,
-                               "the webhook to be delivered")
-        event_id = delivered[0]["answer"]["event_id"]
-        token = subprocess.run([str(WAKEFUL), "token"], env={**os.environ, **env}, capture_output=True, text=True,
-                               check=True, timeout=60).stdout.strip()
-        event = httpx.get(f"{server.url}/v1/events/{event_id}", headers={"Authorization": f"Bearer {token}"}).json()
-        assert (event["source"], event["source_id"]) == ("merchant", delivered[0]["delivery_id"])
+    env = {"WAKEFUL_DATA_DIR": str(tmp_path)}
+    for sim in SIMS:
+        env |= {f"WAKEFUL_SOURCES__{sim.upper()}__KIND": "generic", f"WAKEFUL_SOURCES__{sim.upper()}__SECRET": SECRET}
+    with ServeProcess(env, log_path=tmp_path / "serve.log") as server:
+        args = [a.replace("8787", str(server.port)) for a in doc_commands("evaluation.md", "sim")[0]]
+        with sim_process(*args, lines_before_ready=16, env={"WAKEFUL_SIM_WEBHOOK_SECRET": SECRET}) as (process, lines):
+            urls = dict(line.split() for line in lines if len(line.split()) == 2)
+            assert list(urls) == list(SIMS) and all(u.startswith("http://127.0.0.1:") for u in urls.values())
+            assert f"{urls['merchant']}/_sim/records" in lines
+            assert lines[-1] == f"webhooks -> {server.url}/v1/hooks/{{sim}}"
+            assert SECRET not in " ".join(process.args)  # the secret came from the environment, not argv
+            httpx.post(f"{urls['merchant']}/_sim/faults", json={"late_webhook": True}).raise_for_status()
+            httpx.post(f"{urls['merchant']}/v1/subscriptions/sub_1/cancel_renewal", headers={"Idempotency-Key": "k1"},
+                       json={}).raise_for_status()
+            httpx.post(f"{urls['airline']}/_sim/cancel_flight", json={"flight": "AB100"}).raise_for_status()
+            delivered = {sim: wait_until(lambda sim=sim: httpx.get(f"{urls[sim]}/_sim/webhooks").json()["delivered"],
+                                         15, f"the {sim}'s webhook to be delivered") for sim in ("merchant", "airline")}
+            token = subprocess.run([str(WAKEFUL), "token"], env={**os.environ, **env}, capture_output=True,
+                                   text=True, check=True, timeout=60).stdout.strip()
+            for sim, (sent,) in delivered.items():
+                event = httpx.get(f"{server.url}/v1/events/{sent['answer']['event_id']}",
+                                  headers={"Authorization": f"Bearer {token}"}).json()
+                assert (event["source"], event["source_id"]) == (sim, sent["delivery_id"])
 
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
-        assert "stopped" in (process.stderr.read() if process.stderr else "")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=15) == 0
+            assert "stopped" in (process.stderr.read() if process.stderr else "")
 
 
-def test_all_simulators_serve_https_on_the_ports_given(tmp_path: Path) -> None:
-    from tests.support.serve import free_port
-
-    ports = [free_port(), free_port(), free_port()]
-    with sim_process("all", "--tls", *[arg for p in ports for arg in ("--port", str(p))],
-                     lines_before_ready=15) as (process, lines):
+def test_all_simulators_serve_https_on_the_ports_given() -> None:
+    ports = {"9101": str(free_port()), "9102": str(free_port()), "9103": str(free_port())}
+    args = [ports.get(a, a) for a in doc_commands("evaluation.md", "sim")[1]]
+    with sim_process(*args, lines_before_ready=15) as (process, lines):
         urls = [line.split()[1] for line in lines if len(line.split()) == 2]
-        assert urls == [f"https://127.0.0.1:{p}" for p in ports]
+        assert urls == [f"https://127.0.0.1:{p}" for p in ports.values()]
         booking = httpx.get(f"{urls[1]}/v1/bookings/PNR123", verify=False).json()
         assert booking["pnr"] == "PNR123"
         process.send_signal(signal.SIGINT)
