@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
+from functools import cache, partial
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,12 +33,14 @@ from wakeful.server.runtime import Runtime, load_registry
 from wakeful.server.settings import Settings, SourceSettings
 from wakeful.server.sims import Sim, SimClock, serve
 from wakeful.server.sims.fleet import running
-from wakeful.server.store.db import write
+from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.users import ensure_user, issue_token
 
 __all__ = ["AppFactory", "EvalWorld", "Gave", "world"]
 
 EXAMPLE_POLICIES = Path(str(files("wakeful.policies")))
+DB_FILE = "wakeful.db"
+"""The embedded default's database file in a data directory."""
 T = TypeVar("T")
 AppFactory = Callable[[Runtime], ASGIApp]
 """Builds the HTTP app over a runtime that is already running (the caller's `create_app(..., manage_runtime=False)`)."""
@@ -137,6 +139,24 @@ class EvalWorld:
         return self.until(f"a {tool} action" + (f" with verdict {verdict}" if verdict else ""), found)
 
 
+@cache
+def _migrated() -> bytes:
+    """An empty database at the newest schema, made once per process: migrating costs more than a whole scenario's
+    work, and every trial starts from the same empty records."""
+    with tempfile.TemporaryDirectory(prefix="wakeful-eval-schema-") as tmp:
+        path = Path(tmp) / DB_FILE
+        engine = make_engine(f"sqlite:///{path}")
+        migrate(engine)
+        engine.dispose()
+        return path.read_bytes()
+
+
+def _fresh_database(data_dir: Path) -> None:
+    path = data_dir / DB_FILE
+    path.write_bytes(_migrated())
+    path.chmod(0o600)
+
+
 def _settings(data_dir: Path, urls: dict[str, str], secret: str, policy: str) -> Settings:
     policies = data_dir / "policies"
     shutil.copytree(EXAMPLE_POLICIES / "connectors", policies / "connectors")
@@ -160,6 +180,7 @@ def world(sims: Sequence[str], *, model: ModelAdapter, app_factory: AppFactory, 
     secret = secrets.token_hex(16)
     with ExitStack() as stack:
         data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="wakeful-eval-")))
+        _fresh_database(data_dir)
         fleet = stack.enter_context(running(sims, clock=clock))
         urls = {name: r.url for name, r in fleet.items()}
         settings = _settings(data_dir, urls, secret, policy)

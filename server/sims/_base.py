@@ -10,7 +10,8 @@ test-only endpoints next to the simulated service's own `/v1/...` API:
     POST /_sim/clock/advance         {"seconds": n} -> {"now": iso}
     POST /_sim/webhook               {"url", "secret"}: where signed webhooks go
     GET  /_sim/webhooks              {"pending": [...], "delivered": [...]}
-    POST /_sim/webhooks/flush        send every pending webhook now -> {"delivered": [...], "pending": n};
+    POST /_sim/webhooks/flush        send every pending webhook now -> {"delivered": [{delivery_id, url, status_code,
+                                     answer (the receiver's JSON)} | {..., error}], "pending": n};
                                      with {"delay_seconds": d}: send them from a background thread after d s -> 202
 
 The same state is there in-process: `sim.effects`, `sim.faults`, `sim.clock`, `sim.webhooks`.
@@ -84,16 +85,19 @@ class SimClock:
 
     def now(self) -> datetime:
         with self._lock:
-            if self._since is None:
-                return self._now
-            return self._now + timedelta(seconds=time.monotonic() - self._since)
+            return self._read()
 
     def advance(self, delta: timedelta) -> datetime:
         if delta < timedelta(0):
             raise ValueError("the simulated clock never goes back")
         with self._lock:
             self._now += delta
+            return self._read()
+
+    def _read(self) -> datetime:
+        if self._since is None:
             return self._now
+        return self._now + timedelta(seconds=time.monotonic() - self._since)
 
 
 @dataclass
@@ -188,7 +192,8 @@ class WebhookOutbox:
         return delivery_id
 
     def flush(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """POST every pending webhook in order; returns one result per attempt: {delivery_id, url, status_code | error}.
+        """POST every pending webhook in order; returns one result per attempt: {delivery_id, url, status_code and
+        answer (the receiver's JSON, or the start of its text) | error}.
         A webhook the receiver did not accept with a 2xx stays pending (same delivery id next time)."""
         with self._flushing:
             return self._flush(timeout)

@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from wakeful.server.core.signatures import verify_signature
+from wakeful.server.core.signatures import SignatureError, verify_signature
 from wakeful.server.sims import Sim, SimClock, create_airline, create_hotel, create_merchant
 from wakeful.server.sims.hotel import DEFAULT_NIGHTLY_CENTS
 
@@ -435,3 +435,40 @@ def test_a_webhook_the_receiver_refuses_stays_pending_and_is_resent_with_the_sam
     assert [r["status_code"] for r in sim.webhooks.flush()] == [200]
     assert len(seen) == 2 and seen[0] == seen[1]
     assert sim.webhooks.pending == [] and len(sim.webhooks.delivered) == 1
+
+
+def test_a_running_clock_ticks_with_real_time_and_still_jumps_when_told() -> None:
+    clock = SimClock(running=True)
+    first = clock.now()
+    jumped = clock.advance(timedelta(days=2))
+    assert jumped - first >= timedelta(days=2)
+    later = clock.now()
+    assert later >= jumped  # a running clock never stands still, nor goes back
+    assert SimClock(first).now() == first  # a plain one stands still until told
+
+
+def test_webhooks_signed_by_the_simulated_clock_verify_against_it_days_ahead() -> None:
+    clock = SimClock()
+    app, sim = create_merchant(clock=clock)
+    received = capture_webhooks(sim)
+    sim.webhooks.signing_clock = clock
+    clock.advance(timedelta(days=3))
+    sim.webhooks.queue({"type": "ping"})
+    sim.webhooks.flush()
+    [request] = received
+    verify_signature("generic", secret=SECRET.encode(), body=request.content, headers=request.headers,
+                     now=clock.now().timestamp())
+    with pytest.raises(SignatureError):  # three days off the wall clock: a receiver on it refuses the stamp
+        verify(request)
+
+
+def test_a_redelivery_goes_out_again_under_its_own_delivery_id_with_the_receivers_answer() -> None:
+    _, sim = create_merchant()
+    received = capture_webhooks(sim)
+    sim.webhooks.queue({"type": "ping"})
+    [first] = sim.webhooks.flush()
+    sim.webhooks.redeliver(first["delivery_id"])
+    [again] = sim.webhooks.flush()
+    assert again["delivery_id"] == first["delivery_id"]
+    assert [r.headers["X-Wakeful-Delivery"] for r in received] == [first["delivery_id"]] * 2
+    assert again["answer"] == ""  # a 204 has no body: the answer is its (empty) text
