@@ -32,7 +32,7 @@ from wakeful.server.harness.wake import Harness
 from wakeful.server.runtime import Runtime, load_registry
 from wakeful.server.settings import Settings, SourceSettings
 from wakeful.server.sims import Sim, SimClock, serve
-from wakeful.server.sims.fleet import running
+from wakeful.server.sims.fleet import CORRELATION, running
 from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.users import ensure_user, issue_token
 
@@ -165,7 +165,7 @@ def _settings(data_dir: Path, urls: dict[str, str], secret: str, policy: str) ->
     # session lease outlasts any jump a scenario makes.
     return Settings(data_dir=data_dir, database_url=None, policies_dir=policies, connector_urls=urls,
                     sources={name: SourceSettings(kind="generic", secret=SecretStr(secret), user="owner",
-                                                  trust="verified_service", session_key="body:subscription")
+                                                  trust="verified_service", session_key=CORRELATION[name])
                              for name in urls},
                     proxy=False, computers=False, poll_interval=0.05, idle_poll_max=0.2, reconcile_interval=0.2,
                     connector_timeout=1.0, resend_after=timedelta(seconds=30), dispatch_backoff=timedelta(seconds=0.2),

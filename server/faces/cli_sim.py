@@ -1,4 +1,4 @@
-"""`wakeful sim`: the merchant, airline and hotel simulators on 127.0.0.1 until interrupted.
+"""`wakeful sim`: the merchant, airline, hotel and mail simulators on 127.0.0.1 until interrupted.
 
 Each prints its base URL and its `/_sim` control URLs on stdout. With `--webhook-url` (a `wakeful serve`'s
 `/v1/hooks/<source>`, `{sim}` standing for the simulator's name), each sends its webhooks there, signed by the
@@ -77,7 +77,7 @@ def _until_signalled() -> None:
             signal.signal(sig, handler)
 
 
-def sim(which: Annotated[str, typer.Argument(help="merchant, airline, hotel or all.")] = "all",
+def sim(which: Annotated[str, typer.Argument(help="merchant, airline, hotel, mail or all.")] = "all",
         port: Annotated[list[int] | None, typer.Option(help="Port for each simulator, in order (default: free).")]
         = None,
         tls: Annotated[bool, typer.Option("--tls", help="Serve HTTPS with a throwaway self-signed certificate.")]

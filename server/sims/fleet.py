@@ -27,15 +27,20 @@ from fastapi import FastAPI
 from wakeful.server.sims._base import Sim, SimClock, serve
 from wakeful.server.sims.airline import create_airline
 from wakeful.server.sims.hotel import create_hotel
+from wakeful.server.sims.mail import create_mail
 from wakeful.server.sims.merchant import create_merchant
 
-__all__ = ["SIMULATORS", "Running", "WebhookTarget", "running", "self_signed_pem"]
+__all__ = ["CORRELATION", "SIMULATORS", "Running", "WebhookTarget", "running", "self_signed_pem"]
 
 SIMULATORS: dict[str, Callable[[SimClock], tuple[FastAPI, Sim]]] = {
     "merchant": lambda clock: create_merchant(clock=clock),
     "airline": lambda clock: create_airline(clock=clock),
     "hotel": lambda clock: create_hotel(clock=clock),
+    "mail": lambda clock: create_mail(clock=clock),
 }
+CORRELATION = {"merchant": "body:subscription", "airline": "body:pnr", "hotel": "body:quote_id",
+               "mail": "body:thread_id"}
+"""Where each simulator's webhooks carry their correlation key: a receiver's `session_key` for that source."""
 
 
 @dataclass(frozen=True)
