@@ -118,7 +118,7 @@ def late_events_after_complete(w: EvalWorld) -> list[Check]:
     merchant.webhooks.redeliver(late[0]["delivery_id"])
     again = w.flush("merchant")
     second_click = w.decide(action_id)
-    w.jump(timedelta(minutes=10))  # the loops that re-read and verify have had their turn
+    w.jump(timedelta(minutes=10))  # ten minutes on: whatever the late events set going has come due
     after = w.status(task_id)
     ledger = w.ledger(task_id)
     return [

@@ -141,7 +141,7 @@ def d1_quote_expires(w: EvalWorld) -> list[Check]:
 NEEDS_WAITS = "wait_for_reply / keep_checking tools (helper B)"
 NEEDS_QUIET = "quiet hours, message levels and GET /v1/messages?after= (helper D)"
 NEEDS_TRIAGE = "task correlation keys and triage of repeated events (helper A)"
-NEEDS_MAIL = "the mail/calendar simulator (server/sims/mail.py)"
+NEEDS_MAIL = "a mail connector (policies/connectors/mail.toml) over the mail simulator, server/sims/mail.py"
 
 SCENARIOS = [
     Scenario(name="hk-d0-ticketing-timeout", family="hong kong trip", sims=("airline",), policy=TRIP_POLICY,

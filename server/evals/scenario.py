@@ -8,7 +8,7 @@ scenario whose mechanisms do not exist yet is declared with `needs` and no `play
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from wakeful.server.evals.agents import Playbook
@@ -42,7 +42,6 @@ class Scenario:
     """The user's policy.toml for this scenario."""
     needs: str = ""
     """For a pending scenario: the mechanisms it waits for."""
-    tags: tuple[str, ...] = field(default=())
 
     @property
     def pending(self) -> bool:

@@ -130,12 +130,11 @@ class EvalWorld:
                 raise Gave(f"gave up waiting for {what}")
             time.sleep(0.05)  # a poll tick inside a bounded loop
 
-    def action_of(self, task_id: str, tool: str, verdict: str | None = None, *, skip: int = 0) -> dict[str, Any]:
-        """The task's (`skip`+1)-th action of `tool` (with the latest verdict `verdict`), once there is one."""
+    def action_of(self, task_id: str, tool: str, verdict: str | None = None) -> dict[str, Any]:
+        """The task's first action of `tool` (whose latest verdict is `verdict`, if given), once there is one."""
         def found() -> dict[str, Any] | None:
-            matching = [a for a in self.status(task_id)["actions"]
-                        if a["tool"] == tool and verdict in (None, a["verdict"])]
-            return matching[skip] if len(matching) > skip else None
+            return next((a for a in self.status(task_id)["actions"]
+                         if a["tool"] == tool and verdict in (None, a["verdict"])), None)
         return self.until(f"a {tool} action" + (f" with verdict {verdict}" if verdict else ""), found)
 
 

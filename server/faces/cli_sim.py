@@ -12,6 +12,7 @@ import os
 import signal
 import tempfile
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import Annotated
@@ -90,16 +91,20 @@ def sim(which: Annotated[str, typer.Argument(help="merchant, airline, hotel, mai
     """Run simulated services on 127.0.0.1 until interrupted (Ctrl-C or SIGTERM)."""
     names = _names(which)
     target = _target(webhook_url, webhook_secret_file, names)
-    with tempfile.TemporaryDirectory(prefix="wakeful-sim-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="wakeful-sim-") as tmp, ExitStack() as stack:
         pem = self_signed_pem(Path(tmp)) if tls else None
-        with running(names, clock=SimClock(), ports=port or [], tls=pem, webhooks=target,
-                     flush_every=flush_every or None) as fleet:
-            for name, started in fleet.items():
-                typer.echo(f"{name} {started.url}")
-                for control in CONTROLS:
-                    typer.echo(f"  {started.url}/_sim/{control}")
-            if target is not None:
-                typer.echo(f"webhooks -> {target.url}")
-            typer.echo("ready (Ctrl-C to stop)", err=True)
-            _until_signalled()
+        try:
+            fleet = stack.enter_context(running(names, clock=SimClock(), ports=port or [], tls=pem, webhooks=target,
+                                                flush_every=flush_every or None))
+        except RuntimeError as exc:  # uvicorn could not bind: the usual cause is a port already taken
+            say("not_started", f"{exc} (is one of the ports {port} in use?)" if port else str(exc))
+            raise typer.Exit(2) from None
+        for name, started in fleet.items():
+            typer.echo(f"{name} {started.url}")
+            for control in CONTROLS:
+                typer.echo(f"  {started.url}/_sim/{control}")
+        if target is not None:
+            typer.echo(f"webhooks -> {target.url}")
+        typer.echo("ready (Ctrl-C to stop)", err=True)
+        _until_signalled()
     typer.echo("stopped", err=True)

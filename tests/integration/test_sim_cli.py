@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -101,3 +102,15 @@ def test_a_webhook_url_without_a_secret_is_refused_before_anything_starts(tmp_pa
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "no_webhook_secret" in result.stderr and result.stdout == ""
+
+
+def test_a_port_already_taken_is_named_in_a_one_line_refusal() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([str(WAKEFUL), "sim", "merchant", "--port", str(port)], capture_output=True,
+                                text=True, timeout=60)
+    assert result.returncode == 2
+    assert "wakeful: not_started: " in result.stderr and str(port) in result.stderr.splitlines()[-1]
+    assert "Traceback" not in result.stderr
