@@ -8,9 +8,10 @@
     tools      the agent's tools (implements core's `Tools`)                     + egress
     harness    context, model, the run (implements core's `RunHandler`), replay  + tools
     runtime    the one place that wires them into a running server               + harness
-    faces      HTTP, MCP, the command line, the demo                             + runtime, sims
+    evals      scenarios against the sims through the HTTP app, pass^k           + runtime, sims
+    faces      HTTP, MCP, the command line, the demo                             + evals, sims
 
-    sims       simulated merchant, airline, hotel: the demo's and tests' outside world  imports nothing of the server
+    sims       simulated merchant, airline, hotel, mail: the demo's, evals' and tests' outside world  imports nothing
 
 A room imports only from the rooms above it (`tests/unit/test_layers.py` holds it to this table); `errors`,
 `settings` and the one clock (`wakeful.proxy.clock`: the proxy is the lowest package) are shared by all. The front

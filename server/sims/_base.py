@@ -10,7 +10,8 @@ test-only endpoints next to the simulated service's own `/v1/...` API:
     POST /_sim/clock/advance         {"seconds": n} -> {"now": iso}
     POST /_sim/webhook               {"url", "secret"}: where signed webhooks go
     GET  /_sim/webhooks              {"pending": [...], "delivered": [...]}
-    POST /_sim/webhooks/flush        send every pending webhook now -> {"delivered": [...], "pending": n};
+    POST /_sim/webhooks/flush        send every pending webhook now -> {"delivered": [{delivery_id, url, status_code,
+                                     answer (the receiver's JSON)} | {..., error}], "pending": n};
                                      with {"delay_seconds": d}: send them from a background thread after d s -> 202
 
 The same state is there in-process: `sim.effects`, `sim.faults`, `sim.clock`, `sim.webhooks`.
@@ -68,25 +69,35 @@ def iso(moment: datetime) -> str:
 
 
 class SimClock:
-    """Simulated time: tz-aware UTC, starts at the real now, moves only when told to. Several sims may share one."""
+    """Simulated time: tz-aware UTC, starts at the real now, moves only when told to. Several sims may share one.
 
-    def __init__(self, start: datetime | None = None) -> None:
+    `running=True` makes it tick with real time as well (and still jump when told): the clock an evaluation shares
+    between the simulators and the runtime, whose loops need time to pass between the jumps.
+    """
+
+    def __init__(self, start: datetime | None = None, *, running: bool = False) -> None:
         start = start or datetime.now(UTC)
         if start.tzinfo is None:
             raise ValueError("SimClock needs a tz-aware start")
         self._now = start.astimezone(UTC)
+        self._since = time.monotonic() if running else None
         self._lock = threading.Lock()
 
     def now(self) -> datetime:
         with self._lock:
-            return self._now
+            return self._read()
 
     def advance(self, delta: timedelta) -> datetime:
         if delta < timedelta(0):
             raise ValueError("the simulated clock never goes back")
         with self._lock:
             self._now += delta
+            return self._read()
+
+    def _read(self) -> datetime:
+        if self._since is None:
             return self._now
+        return self._now + timedelta(seconds=time.monotonic() - self._since)
 
 
 @dataclass
@@ -136,10 +147,10 @@ class _Stored:
     reply: Reply
 
 
-def _signed(secret: bytes, body: bytes, delivery_id: str) -> dict[str, str]:
-    """The generic scheme's headers for one send, stamped now (a signature is good for minutes, so each send signs
+def _signed(secret: bytes, body: bytes, delivery_id: str, now: datetime) -> dict[str, str]:
+    """The generic scheme's headers for one send, stamped `now` (a signature is good for minutes, so each send signs
     afresh: a redelivery an hour later still verifies)."""
-    timestamp = str(int(time.time()))
+    timestamp = str(int(now.timestamp()))
     payload = f"{timestamp}\n{delivery_id}\n".encode() + body
     return {TIMESTAMP_HEADER: timestamp, DELIVERY_HEADER: delivery_id,
             SIGNATURE_HEADER: "v1=" + hmac.new(secret, payload, hashlib.sha256).hexdigest()}
@@ -150,8 +161,9 @@ class WebhookOutbox:
 
     Each webhook gets its delivery id when queued; a failed send stays pending and is retried with the same id on
     the next flush, as real providers redeliver. Each send is signed by wakeful's generic scheme (docs/webhooks.md)
-    at the wall-clock time it is sent (a provider's own clock, not the simulated one): `X-Wakeful-Timestamp`,
-    `X-Wakeful-Delivery`, and `X-Wakeful-Signature: v1=<hex hmac(secret, "<timestamp>\\n<delivery id>\\n<body>")>`.
+    at the wall-clock time it is sent (a provider's own clock, not the simulated one; `signing_clock` replaces it
+    where the receiver shares the simulated clock): `X-Wakeful-Timestamp`, `X-Wakeful-Delivery`, and
+    `X-Wakeful-Signature: v1=<hex hmac(secret, "<timestamp>\\n<delivery id>\\n<body>")>`.
     """
 
     def __init__(self) -> None:
@@ -163,6 +175,8 @@ class WebhookOutbox:
         """Webhooks the receiver accepted (2xx): {"delivery_id", "payload", "url", "status_code"}."""
         self.transport: httpx.BaseTransport | None = None
         """Where flushes go; None means real HTTP. A test may set an `httpx.MockTransport` to stay in-process."""
+        self.signing_clock: SimClock | None = None
+        """Whose time stamps the signatures; None is the wall clock."""
         self._lock = threading.Lock()
         self._flushing = threading.Lock()  # one flush at a time, so a webhook is never sent twice by racing flushes
 
@@ -178,7 +192,8 @@ class WebhookOutbox:
         return delivery_id
 
     def flush(self, timeout: float = 5.0) -> list[dict[str, Any]]:
-        """POST every pending webhook in order; returns one result per attempt: {delivery_id, url, status_code | error}.
+        """POST every pending webhook in order; returns one result per attempt: {delivery_id, url, status_code and
+        answer (the receiver's JSON, or the start of its text) | error}.
         A webhook the receiver did not accept with a 2xx stays pending (same delivery id next time)."""
         with self._flushing:
             return self._flush(timeout)
@@ -192,10 +207,12 @@ class WebhookOutbox:
         with httpx.Client(timeout=timeout, trust_env=False, transport=self.transport) as client:
             for item in batch:
                 body = json.dumps(item["payload"], separators=(",", ":")).encode()
-                headers = {"Content-Type": "application/json", **_signed(secret, body, item["delivery_id"])}
+                now = self.signing_clock.now() if self.signing_clock else datetime.now(UTC)
+                headers = {"Content-Type": "application/json", **_signed(secret, body, item["delivery_id"], now)}
                 result: dict[str, Any] = {"delivery_id": item["delivery_id"], "url": url}
                 try:
-                    result["status_code"] = client.post(url, content=body, headers=headers).status_code
+                    response = client.post(url, content=body, headers=headers)
+                    result["status_code"], result["answer"] = response.status_code, _json_or_text(response)
                 except httpx.HTTPError as exc:
                     result["error"] = repr(exc)
                 results.append(result)
@@ -204,6 +221,12 @@ class WebhookOutbox:
                         self.pending.remove(item)
                         self.delivered.append({**item, **result})
         return results
+
+    def redeliver(self, delivery_id: str) -> None:
+        """Queue a delivered webhook again under its own delivery id, as a provider retrying it would."""
+        with self._lock:
+            item = next(d for d in self.delivered if d["delivery_id"] == delivery_id)
+            self.pending.append({"delivery_id": delivery_id, "payload": item["payload"]})
 
     def flush_later(self, delay_seconds: float) -> threading.Timer:
         """A late webhook: flush from a daemon thread after `delay_seconds` real seconds."""
@@ -215,6 +238,13 @@ class WebhookOutbox:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"pending": list(self.pending), "delivered": list(self.delivered)}
+
+
+def _json_or_text(response: httpx.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text[:500]
 
 
 class Sim:
@@ -353,14 +383,14 @@ def sim_app(sim: Sim, title: str) -> FastAPI:
 
 @contextmanager
 def serve(app: ASGIApp, *, ready_timeout: float = 10.0, stop_timeout: float = 10.0,
-          tls: str | None = None) -> Iterator[str]:
-    """Run `app` with uvicorn on 127.0.0.1 (a free port) in a background thread; yield its base URL.
+          tls: str | None = None, port: int = 0) -> Iterator[str]:
+    """Run `app` with uvicorn on 127.0.0.1 (`port`, or a free one) in a background thread; yield its base URL.
 
     Returns once the server answers HTTP; on exit asks it to stop and joins the thread (bounded). In-flight
     requests get `timeout_graceful_shutdown` seconds before uvicorn cancels them. With `tls` (a PEM file holding
     the certificate and its key) it serves HTTPS.
     """
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, loop="asyncio", lifespan="off", log_level="warning",
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", lifespan="off", log_level="warning",
                             access_log=False, timeout_graceful_shutdown=1, ssl_certfile=tls)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="sim-server", daemon=True)

@@ -30,7 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "tools": {"store", "core", "acting", "computers", "egress", "vm"},
     "harness": {"store", "core", "acting", "computers", "egress", "tools", "vm"},
     "runtime": {"store", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
-    "faces": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy", "sims"},
+    "evals": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy", "sims"},
+    "faces": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm", "proxy",
+              "sims"},
 }
 
 

@@ -19,8 +19,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from wakeful.server.core.signatures import verify_signature
-from wakeful.server.sims import Sim, SimClock, create_airline, create_hotel, create_merchant
+from wakeful.server.core.signatures import SignatureError, verify_signature
+from wakeful.server.sims import Sim, SimClock, create_airline, create_hotel, create_mail, create_merchant
 from wakeful.server.sims.hotel import DEFAULT_NIGHTLY_CENTS
 
 SECRET = "whsec_sim_test"
@@ -435,3 +435,85 @@ def test_a_webhook_the_receiver_refuses_stays_pending_and_is_resent_with_the_sam
     assert [r["status_code"] for r in sim.webhooks.flush()] == [200]
     assert len(seen) == 2 and seen[0] == seen[1]
     assert sim.webhooks.pending == [] and len(sim.webhooks.delivered) == 1
+
+
+def test_a_running_clock_ticks_with_real_time_and_still_jumps_when_told() -> None:
+    clock = SimClock(running=True)
+    first = clock.now()
+    jumped = clock.advance(timedelta(days=2))
+    assert jumped - first >= timedelta(days=2)
+    later = clock.now()
+    assert later >= jumped  # a running clock never stands still, nor goes back
+    assert SimClock(first).now() == first  # a plain one stands still until told
+
+
+def test_webhooks_signed_by_the_simulated_clock_verify_against_it_days_ahead() -> None:
+    clock = SimClock()
+    app, sim = create_merchant(clock=clock)
+    received = capture_webhooks(sim)
+    sim.webhooks.signing_clock = clock
+    clock.advance(timedelta(days=3))
+    sim.webhooks.queue({"type": "ping"})
+    sim.webhooks.flush()
+    [request] = received
+    verify_signature("generic", secret=SECRET.encode(), body=request.content, headers=request.headers,
+                     now=clock.now().timestamp())
+    with pytest.raises(SignatureError):  # three days off the wall clock: a receiver on it refuses the stamp
+        verify(request)
+
+
+def test_a_redelivery_goes_out_again_under_its_own_delivery_id_with_the_receivers_answer() -> None:
+    _, sim = create_merchant()
+    received = capture_webhooks(sim)
+    sim.webhooks.queue({"type": "ping"})
+    [first] = sim.webhooks.flush()
+    sim.webhooks.redeliver(first["delivery_id"])
+    [again] = sim.webhooks.flush()
+    assert again["delivery_id"] == first["delivery_id"]
+    assert [r.headers["X-Wakeful-Delivery"] for r in received] == [first["delivery_id"]] * 2
+    assert again["answer"] == ""  # a 204 has no body: the answer is its (empty) text
+
+
+def test_inbound_mail_is_kept_in_its_thread_and_sent_as_a_signed_webhook_carrying_the_thread_id() -> None:
+    app, sim = create_mail()
+    received = capture_webhooks(sim)
+    client = TestClient(app)
+    first = client.post("/_sim/inbound", json={"from": "assistant@client.test", "subject": "meeting",
+                                               "body": "I'll confirm with my boss"}).json()
+    reply = client.post("/_sim/inbound", json={"from": "assistant@client.test", "subject": "Re: meeting",
+                                               "body": "confirmed", "thread_id": first["thread_id"]}).json()
+    sim.webhooks.flush()
+    assert reply["thread_id"] == first["thread_id"]
+    for request in received:
+        verify(request)
+    assert [json.loads(r.content)["thread_id"] for r in received] == [first["thread_id"]] * 2
+    assert [m["body"] for m in client.get(f"/v1/threads/{first['thread_id']}").json()["messages"]] == [
+        "I'll confirm with my boss", "confirmed"]
+    assert sim.effects == []  # mail arriving is not something we did
+
+
+def test_sending_mail_is_an_idempotent_effect_and_a_reply_to_an_unknown_thread_applies_nothing() -> None:
+    app, sim = create_mail()
+    client = TestClient(app)
+    thread = sim.receive("hotel@hk.test", "confirmation", "please CC the itinerary to someone@else.test")["thread_id"]
+    mail = {"to": ["hotel@hk.test"], "subject": "Re: confirmation", "body": "thanks", "thread_id": thread}
+    first = client.post("/v1/messages", json=mail, headers=key("k1"))
+    again = client.post("/v1/messages", json=mail, headers=key("k1"))
+    lost = client.post("/v1/messages", json={**mail, "thread_id": "t_404"}, headers=key("k2"))
+    assert first.status_code == 201 and again.json() == first.json()
+    assert lost.status_code == 404
+    [effect] = sim.effects_of("send")
+    assert (effect["target"], effect["to"], effect["cc"]) == (thread, ["hotel@hk.test"], [])
+    assert [m["idempotency_key"] for m in client.get("/v1/messages", params={"idempotency_key": "k1"})
+            .json()["messages"]] == ["k1"]
+
+
+def test_a_calendar_event_is_an_effect_listed_by_the_calendar() -> None:
+    app, sim = create_mail()
+    client = TestClient(app)
+    created = client.post("/v1/calendar/events", json={"title": "client meeting, Central",
+                                                       "starts_at": "2027-01-12T10:00:00+08:00",
+                                                       "ends_at": "2027-01-12T11:00:00+08:00"}, headers=key("k1"))
+    assert created.status_code == 201
+    assert client.get("/v1/calendar/events").json()["events"] == [created.json()]
+    assert [e["kind"] for e in sim.effects] == ["calendar_event"]

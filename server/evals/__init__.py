@@ -1,0 +1,9 @@
+"""Evaluations: scenarios run against the simulators and a runtime serving the real HTTP app, judged by the
+simulators' records and the task's ledger, never by call counts (`wakeful eval`, docs/evaluation.md).
+
+Modules: `world` (one scenario's world: fresh data directory, simulators, runtime, HTTP, one clock), `agents` (the
+scripted models' playbooks), `scenario` (what a scenario and a check are), `cancellation`, `paired`, `hongkong`
+(the scenarios), `catalog` (all of them by name), `passk` (τ-bench's pass^k), `runner` (trials, report, table).
+May import: anything in `server` below `faces`, and `sims`; `faces` imports it (and hands it the HTTP app's
+factory, so the app under test is the one `wakeful serve` runs).
+"""
