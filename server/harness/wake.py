@@ -1,6 +1,6 @@
 """The always-on harness: one wake of the model, from records to exactly one ending.
 
-    assemble the context from records (stable prefix, this wake's tail) and record it
+    assemble the context from records (stable prefix, the task snapshot, this wake's tail) and record it
     loop: step budget → the model proposes (persisted as a decision before anything acts on it; a resumed run
           replays the stored one) → each tool call goes through the same tool layer and admission as MCP calls,
           and its result is recorded
@@ -47,7 +47,7 @@ class Harness:
         engine = ctx.engine
         with read(engine) as conn:
             context = assemble(conn, registry=self.registry, instructions=self.instructions, user_id=ctx.user_id,
-                               session_id=ctx.session_id, events=ctx.events, now=ctx.now(),
+                               session_id=ctx.session_id, run_id=ctx.run_id, events=ctx.events,
                                computers=self.computers)
         ctx.persist(lambda conn: conn.execute(run_contexts.insert().values(
             run_id=ctx.run_id, prefix_sha256=context.prefix_sha256, prefix=context.prefix,
@@ -58,7 +58,8 @@ class Harness:
         tokens = 0
         while True:
             ctx.step()
-            request = ModelRequest(prefix=context.prefix, tools=context.tools, messages=tuple(messages))
+            request = ModelRequest(prefix=context.prefix, snapshot=context.snapshot, tools=context.tools,
+                                   messages=tuple(messages))
             decision_id, proposal = ctx.propose(partial(self._ask, request))
             reply = ModelReply.from_json(proposal)
             tokens += reply.input_tokens + reply.output_tokens
