@@ -26,6 +26,7 @@ BENCHMARKS: list[tuple[str, bool]] = [
     ("idle", True),
     ("admission", True),
     ("reconcile", True),
+    ("context", True),
     ("mcp_roundtrip", False),
     ("egress_proxy", True),
     ("tool_computer", False),  # boots a 1 GiB guest: minutes under TCG, and it needs the built image
