@@ -28,9 +28,10 @@ from sqlalchemy import Connection, and_, or_, select
 from wakeful.server.acting.ledger import describe, entries
 from wakeful.server.acting.verdicts import approval_key
 from wakeful.server.core.control import state_after
+from wakeful.server.errors import NotFound
 from wakeful.server.store.tables import TaskState, TimerState, actions, runs, task_versions, timers, tool_results, waits
 
-__all__ = ["CHANGES_CAP", "COMPACT_EVERY", "OPEN_CAP", "POINTERS", "SENT_CAP", "Moment", "as_of"]
+__all__ = ["CHANGES_CAP", "COMPACT_EVERY", "OPEN_CAP", "POINTERS", "SENT_CAP", "Moment", "as_of", "record"]
 
 COMPACT_EVERY = 16  # runs between compaction points: the snapshot is refreshed at each
 CHANGES_CAP = 30
@@ -86,17 +87,30 @@ def as_of(conn: Connection, moment: Moment) -> dict[str, Any]:
     }
 
 
+def record(conn: Connection, *, user_id: str, task_id: str, session_id: str, record_id: str) -> dict[str, Any]:
+    """One record of the task's history, whole, by ID: what a pointer in the context stands for."""
+    found = [e for e in _history(conn, user_id=user_id, task_id=task_id, session_id=session_id)
+             if e.get("id") == record_id]
+    if not found:
+        raise NotFound("unknown_record", f"no record {record_id} in this task's history", record_id=record_id)
+    return found[0]
+
+
+def _history(conn: Connection, *, user_id: str, task_id: str, session_id: str) -> list[dict[str, Any]]:
+    """The task's ledger and the tool results of its session's runs, each an entry with `at`, `type` and `id`."""
+    results = conn.execute(select(tool_results).join(runs, runs.c.id == tool_results.c.run_id)
+                           .where(runs.c.session_id == session_id)).all()
+    return entries(conn, task_id=task_id, user_id=user_id) + [
+        {"at": r.created_at.isoformat(), "type": "tool_result", "id": r.id, "run_id": r.run_id, "tool": r.tool,
+         "args": json.loads(r.args), "result": json.loads(r.result)} for r in results]
+
+
 def _visible(conn: Connection, moment: Moment) -> list[dict[str, Any]]:
     """The task's ledger and the session's tool results stamped before the context time (the user's own records: at
     it too), without this run's own records or the events handed to it (those are the new events). A record a run
     writes is stamped at or after the run's start, so the run never sees its own; a replay sees what the run saw."""
     own_actions = set(conn.execute(select(actions.c.id).where(actions.c.run_id == moment.run_id)).scalars())
-    results = conn.execute(select(tool_results).join(runs, runs.c.id == tool_results.c.run_id).where(and_(
-        runs.c.session_id == moment.session_id, tool_results.c.run_id != moment.run_id,
-        tool_results.c.created_at < moment.now))).all()
-    found = entries(conn, task_id=moment.task_id, user_id=moment.user_id) + [
-        {"at": r.created_at.isoformat(), "type": "tool_result", "id": r.id, "run_id": r.run_id, "tool": r.tool,
-         "result": json.loads(r.result)} for r in results]
+    found = _history(conn, user_id=moment.user_id, task_id=moment.task_id, session_id=moment.session_id)
     return sorted((e for e in found
                    if (_at(e) < moment.now or (_at(e) == moment.now and e["type"] in _USERS))
                    and e.get("run_id") != moment.run_id
@@ -153,7 +167,8 @@ def _open(conn: Connection, moment: Moment) -> dict[str, Any]:
     """Waits and pending approvals open at the context time, and the task's active timers."""
     approval = waits.c.match_key == _APPROVAL + actions.c.id
     opened = conn.execute(select(waits, actions.c.tool).outerjoin(actions, approval)
-                          .where(and_(waits.c.session_id == moment.session_id, waits.c.created_at < moment.now,
+                          .where(and_(or_(waits.c.session_id == moment.session_id, waits.c.task_id == moment.task_id),
+                                      waits.c.created_at < moment.now,
                                       or_(waits.c.resolved_at.is_(None), waits.c.resolved_at >= moment.now)))
                           .order_by(waits.c.deadline, waits.c.id)).all()
     due = conn.execute(select(timers).where(and_(timers.c.task_id == moment.task_id,

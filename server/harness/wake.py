@@ -21,6 +21,7 @@ from sqlalchemy import Connection, Table
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.core.worker import RunContext, RunInterrupted
 from wakeful.server.errors import WakefulError
+from wakeful.server.harness import history
 from wakeful.server.harness.context import assemble, render_tail
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
 from wakeful.server.store.db import read
@@ -31,7 +32,7 @@ from wakeful.server.tools.specs import Face, spec
 __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
-_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup"})
+_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record"})
 
 
 class Harness:
@@ -100,6 +101,10 @@ class Harness:
                 return {"quiet": True}
             if task_id is None:
                 raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
+            if call.name == "read_record":
+                with read(ctx.engine) as conn:
+                    return history.record(conn, user_id=ctx.user_id, task_id=task_id, session_id=ctx.session_id,
+                                          record_id=args.record_id)
             if call.name == "schedule_followup":
                 at = ctx.now() + timedelta(seconds=args.in_seconds)
                 ctx.follow_up(task_id=task_id, at=at, note=args.note)

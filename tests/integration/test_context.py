@@ -25,7 +25,7 @@ from wakeful.server.harness.replay import replay
 from wakeful.server.harness.wake import Harness
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import Authority, ControlKind, runs
+from wakeful.server.store.tables import Authority, ControlKind, runs, tool_results
 
 pytestmark = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
 
@@ -135,6 +135,31 @@ def test_an_event_of_wake_one_is_not_new_in_wake_two_but_is_pointed_to_in_the_ea
     changes = section(second, "changes_since_last_run")
     assert any("stay_quiet → ok" in line for line in changes)  # wake 1's tool outcome
     assert first_event not in json.dumps(changes)
+
+
+def test_the_model_reads_an_earlier_record_whole_by_the_id_the_digest_points_to(w: World, settings: Settings) -> None:
+    task = w.task()
+    first_event = hook(w, task, "mail-1", {"body": "the hotel asks to CC the itinerary to x@example.com"})
+    model = ScriptedModel([])
+    wake(w, settings, model)
+    hook(w, task, "mail-2", {"body": "a second email"})
+    wake(w, settings, model)
+    hook(w, task, "mail-3", {"body": "a third email"})
+
+    def read_the_pointer(request: ModelRequest) -> ModelReply:
+        pointed = re.findall(r"ev_[0-9a-z]+", json.dumps(section(request, "earlier_history")))
+        return calls(*[("read_record", {"record_id": record_id}) for record_id in pointed],
+                     ("read_record", {"record_id": "ev_nosuchrecord"}))
+
+    wake(w, settings, model, read_the_pointer, quiet("read it"))
+    with read(w.engine) as conn:
+        results = [json.loads(r.result) for r in conn.execute(
+            select(tool_results).where(tool_results.c.tool == "read_record").order_by(tool_results.c.call_id))]
+    read_back = {r["id"]: r for r in results if "id" in r}
+    assert read_back[first_event]["payload"] == {"body": "the hotel asks to CC the itinerary to x@example.com"}
+    assert read_back[first_event]["trust"] == "third_party"
+    assert {"code": "unknown_record", "message": "no record ev_nosuchrecord in this task's history"} in [
+        r.get("error") for r in results]
 
 
 def test_a_message_sent_in_wake_one_is_listed_as_already_sent_in_wake_two(w: World, settings: Settings) -> None:
