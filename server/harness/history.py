@@ -42,6 +42,7 @@ TEXT_CAP = 500
 OPEN_CAP = 10
 _APPROVAL = approval_key("")  # every approval wait's match key: the prefix, then the action's ID
 _USERS = frozenset({"task", "task_version", "control"})  # written on the user's channel only, never by a run
+_EVERY_WAKE = frozenset({"event", "run", "tool_result"})
 _OWN_SECTION = frozenset({"message", "dispatch_intent", "decision"})  # messages have theirs; decisions: tool_result
 
 
@@ -146,11 +147,13 @@ def _line(entry: dict[str, Any]) -> str:
 
 
 def _digest(older: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kind of record: how many, and the newest IDs (the model may ask about any of them by ID)."""
+    """Per kind of record: how many, and the newest IDs (the model reads any of them with `read_record`). The kinds
+    every wake adds to come last, so the digest's start stays as the last wake's."""
     kinds: dict[str, list[str]] = {}
     for e in older:
         kinds.setdefault(e["type"], []).append(e["id"])
-    return [{"type": kind, "count": len(ids), "latest": ids[-POINTERS:]} for kind, ids in sorted(kinds.items())]
+    return [{"type": kind, "count": len(ids), "latest": ids[-POINTERS:]}
+            for kind, ids in sorted(kinds.items(), key=lambda k: (k[0] in _EVERY_WAKE, k[0]))]
 
 
 def _message(entry: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +169,7 @@ def _message(entry: dict[str, Any]) -> dict[str, Any]:
 def _open(conn: Connection, moment: Moment) -> dict[str, Any]:
     """Waits and pending approvals open at the context time, and the task's active timers."""
     approval = waits.c.match_key == _APPROVAL + actions.c.id
-    opened = conn.execute(select(waits, actions.c.tool).outerjoin(actions, approval)
+    opened = conn.execute(select(waits, actions.c.tool, actions.c.content).outerjoin(actions, approval)
                           .where(and_(or_(waits.c.session_id == moment.session_id, waits.c.task_id == moment.task_id),
                                       waits.c.created_at < moment.now,
                                       or_(waits.c.resolved_at.is_(None), waits.c.resolved_at >= moment.now)))
@@ -179,6 +182,7 @@ def _open(conn: Connection, moment: Moment) -> dict[str, Any]:
         "waits": [{"wait_id": w.id, "kind": w.kind, "key": w.match_key, "authority": w.authority,
                    "deadline": _iso(w.deadline)} for w in opened if w.kind != "approval"][:OPEN_CAP],
         "approvals": [{"action_id": w.match_key.removeprefix(_APPROVAL), "tool": w.tool,
+                       "what": str(json.loads(w.content or "{}").get("description") or w.tool)[:TEXT_CAP],
                        "expires_at": _iso(w.deadline)} for w in opened if w.kind == "approval"][:OPEN_CAP],
         "timers": [{"timer_id": t.id, "kind": t.kind, "next_due": _iso(t.due_at), "note": t.note[:TEXT_CAP],
                     "every_seconds": t.interval_seconds, "cron": t.cron} for t in due],

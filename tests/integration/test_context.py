@@ -192,6 +192,7 @@ def test_open_waits_timers_and_pending_approvals_appear_until_they_close(w: Worl
     second = wake(w, settings, model)
     (approval,) = section(second, "pending_approvals")
     assert approval["tool"] == "merchant__cancel_renewal" and approval["expires_at"]
+    assert approval["what"].startswith("Stop a subscription renewing")
     (reply,) = section(second, "open_waits")
     assert reply["key"] == "mail-thread:42" and reply["kind"] == "reply" and reply["authority"] == "any_source"
     (timer,) = section(second, "timers")
