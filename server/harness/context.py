@@ -89,8 +89,8 @@ def assemble(conn: Connection, *, registry: Registry, instructions: Path | None,
         "<tools>\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n</tools>",
     ])
     now = conn.execute(select(runs.c.started_at).where(runs.c.id == run_id)).scalar_one()
-    task = conn.execute(select(tasks.c.id).where(and_(tasks.c.session_id == session_id,
-                                                      tasks.c.user_id == user_id))
+    task = conn.execute(select(tasks.c.id).where(and_(tasks.c.session_id == session_id, tasks.c.user_id == user_id,
+                                                      tasks.c.created_at <= now))
                         .order_by(tasks.c.created_at).limit(1)).scalar()
     tail: dict[str, Any] = {
         "now": now.isoformat(),

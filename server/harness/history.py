@@ -67,7 +67,7 @@ def as_of(conn: Connection, moment: Moment) -> dict[str, Any]:
         .order_by(task_versions.c.version)).all()
     compacted = len(earlier_runs) - len(earlier_runs) % COMPACT_EVERY
     snapshot_at = earlier_runs[compacted].started_at if compacted < len(earlier_runs) else moment.now
-    snapshot = [v for v in versions if v.created_at <= snapshot_at][-1]
+    snapshot = next((v for v in reversed(versions) if v.created_at <= snapshot_at), versions[0])
     seen = _visible(conn, moment)
     since = earlier_runs[-1].started_at if earlier_runs else None
     history = [e for e in seen if e["type"] not in _OWN_SECTION]
