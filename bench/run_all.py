@@ -27,6 +27,7 @@ BENCHMARKS: list[tuple[str, bool]] = [
     ("admission", True),
     ("reconcile", True),
     ("eval", True),
+    ("context", True),
     ("mcp_roundtrip", False),
     ("egress_proxy", True),
     ("tool_computer", False),  # boots a 1 GiB guest: minutes under TCG, and it needs the built image

@@ -37,7 +37,7 @@ from wakeful.server.store.tables import (
     waits,
 )
 
-__all__ = ["StopState", "create_task", "record", "set_stop", "set_task_state", "steer", "stop_state"]
+__all__ = ["StopState", "create_task", "record", "set_stop", "set_task_state", "state_after", "steer", "stop_state"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +107,12 @@ _TRANSITIONS: dict[ControlKind, tuple[frozenset[TaskState], TaskState]] = {
     ControlKind.REOPEN: (frozenset({TaskState.CLOSED}), TaskState.ACTIVE),
 }
 """Task states and the control operations that move between them; only the user's control channel calls these."""
+
+
+def state_after(kind: str) -> TaskState | None:
+    """The state a control record of `kind` left its task in (None: that kind does not move a task)."""
+    move = _TRANSITIONS.get(ControlKind(kind))
+    return move[1] if move else None
 
 
 def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: ControlKind, actor: str, reason: str,

@@ -27,11 +27,13 @@ class ToolCall:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelRequest:
-    """`prefix` is byte-identical across wakes for the same records (cacheable); `messages` is the tail."""
+    """`prefix` is byte-identical across wakes for the same records and `snapshot` (the task as of the delegation's
+    last compaction point) across the wakes between two compaction points: both cacheable; `messages` is the tail."""
 
     prefix: str
     tools: tuple[dict[str, Any], ...]
     messages: tuple[dict[str, Any], ...]
+    snapshot: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
 """The Anthropic model adapter: the only module that imports `anthropic`.
 
-The stable prefix (system prompt, the user's instructions, tool definitions) carries prompt-caching breakpoints,
-so a wake re-reads it from the cache; the tail (task state, new events, time) follows. The API key comes from
-settings and is never logged or stored.
+The stable prefix (system prompt, the user's instructions, tool definitions) and the task snapshot carry
+prompt-caching breakpoints, so a wake re-reads them from the cache; the tail (task state, new events, time)
+follows. The API key comes from settings and is never logged or stored.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ def request_payload(request: ModelRequest, *, model: str, max_tokens: int) -> di
     tools = [dict(t) for t in request.tools]
     if tools:
         tools[-1] = {**tools[-1], "cache_control": {"type": "ephemeral"}}  # caches system + tools together
+    system = [{"type": "text", "text": request.prefix, "cache_control": {"type": "ephemeral"}}]
+    if request.snapshot:  # its own breakpoint: a new snapshot leaves the prefix's cache entry in use
+        system.append({"type": "text", "text": request.snapshot, "cache_control": {"type": "ephemeral"}})
     return {
         "model": model,
         "max_tokens": max_tokens,
-        "system": [{"type": "text", "text": request.prefix, "cache_control": {"type": "ephemeral"}}],
+        "system": system,
         "tools": tools,
         "messages": list(request.messages),
     }

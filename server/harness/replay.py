@@ -1,8 +1,10 @@
 """`wakeful replay RUN_ID`: re-run a recorded run from its records, with its recorded decisions, and show where
 the outcome differs.
 
-The run's context is re-assembled from the records as they are now (a changed prefix means the instructions,
-the tool declarations or the system prompt changed since), the stored model replies are fed back in order, and
+The run's context is re-assembled from the records, as of the run's start, and compared byte for byte with the
+recorded one (a changed prefix means the instructions, the tool declarations or the system prompt changed since;
+a changed snapshot or tail, that records the run could see changed — or that a timer fired since: timers keep no
+history), the stored model replies are fed back in order, and
 each tool call is answered with its recorded result — nothing is sent anywhere. The replayed ending (message,
 silence or wait) is compared with the recorded one.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from os.path import commonprefix
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from sqlalchemy import Connection, select
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.core.worker import EventView
 from wakeful.server.errors import NotFound
-from wakeful.server.harness.context import assemble
+from wakeful.server.harness.context import assemble, sent_text
 from wakeful.server.harness.model import ModelReply
 from wakeful.server.store.tables import decisions, events, run_contexts, runs, tool_results
 
@@ -32,12 +35,14 @@ class ReplayReport:
     recorded_ending: str
     replayed_ending: str
     prefix_same: bool
+    context_same: bool
     steps: list[dict[str, Any]] = field(default_factory=list)
     differences: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         prefix = "unchanged" if self.prefix_same else "DIFFERENT from the recorded one"
-        out = [f"run {self.run_id}", f"prefix: {prefix}"]
+        context = "the same bytes" if self.context_same else "DIFFERENT from the recorded one"
+        out = [f"run {self.run_id}", f"prefix: {prefix}", f"context: {context}"]
         for s in self.steps:
             calls = ", ".join(f"{c['tool']}→{c['result']}" for c in s["calls"]) or "(no tool calls)"
             out.append(f"step {s['step']}: {calls}")
@@ -62,18 +67,24 @@ def replay(conn: Connection, run_id: str, *, registry: Registry, instructions: P
     context = conn.execute(select(run_contexts).where(run_contexts.c.run_id == run_id)).first()
     if run is None or context is None:
         raise NotFound("unknown_run", f"no recorded model run {run_id} (runs of the echo handler have no context)")
-    handled = conn.execute(select(events).where(events.c.run_id == run_id).order_by(events.c.received_at)).all()
+    handled = conn.execute(select(events).where(events.c.run_id == run_id)
+                       .order_by(events.c.received_at, events.c.id)).all()  # the order the run was handed them in
     views = tuple(EventView(id=e.id, source=e.source, source_id=e.source_id, kind=e.kind, trust=e.trust,
                             corr_key=e.corr_key, payload=json.loads(e.payload), received_at=e.received_at)
                   for e in handled)
     now_context = assemble(conn, registry=registry, instructions=instructions, user_id=run.user_id,
-                           session_id=run.session_id, events=views, now=run.started_at, computers=computers)
+                           session_id=run.session_id, run_id=run_id, events=views, computers=computers)
+    recorded = sent_text(context.prefix, json.loads(context.tail))
     recorded_results = {(r.step, r.call_id): json.loads(r.result)
                         for r in conn.execute(select(tool_results).where(tool_results.c.run_id == run_id))}
     report = ReplayReport(run_id=run_id, recorded_ending=(run.reason or "").split(":")[0], replayed_ending="",
-                          prefix_same=now_context.prefix_sha256 == context.prefix_sha256)
+                          prefix_same=now_context.prefix_sha256 == context.prefix_sha256,
+                          context_same=now_context.sent() == recorded)
     if not report.prefix_same:
         report.differences.append("the context prefix changed since the run (instructions, tools or prompt)")
+    if not report.context_same:
+        at = len(commonprefix([recorded, now_context.sent()]))
+        report.differences.append(f"the context differs from the recorded one from character {at} on")
     answered: list[tuple[str, dict[str, Any]]] = []
     for d in conn.execute(select(decisions).where(decisions.c.run_id == run_id).order_by(decisions.c.step)):
         reply = ModelReply.from_json(json.loads(d.proposal))

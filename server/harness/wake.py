@@ -1,6 +1,6 @@
 """The always-on harness: one wake of the model, from records to exactly one ending.
 
-    assemble the context from records (stable prefix, this wake's tail) and record it
+    assemble the context from records (stable prefix, the task snapshot, this wake's tail) and record it
     loop: step budget → the model proposes (persisted as a decision before anything acts on it; a resumed run
           replays the stored one) → each tool call goes through the same tool layer and admission as MCP calls,
           and its result is recorded
@@ -21,6 +21,7 @@ from sqlalchemy import Connection, Table
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.core.worker import RunContext, RunInterrupted
 from wakeful.server.errors import WakefulError
+from wakeful.server.harness import history
 from wakeful.server.harness.context import assemble, render_tail
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
 from wakeful.server.store.db import read
@@ -31,7 +32,7 @@ from wakeful.server.tools.specs import Face, spec
 __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
-_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup"})
+_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record"})
 
 
 class Harness:
@@ -47,7 +48,7 @@ class Harness:
         engine = ctx.engine
         with read(engine) as conn:
             context = assemble(conn, registry=self.registry, instructions=self.instructions, user_id=ctx.user_id,
-                               session_id=ctx.session_id, events=ctx.events, now=ctx.now(),
+                               session_id=ctx.session_id, run_id=ctx.run_id, events=ctx.events,
                                computers=self.computers)
         ctx.persist(lambda conn: conn.execute(run_contexts.insert().values(
             run_id=ctx.run_id, prefix_sha256=context.prefix_sha256, prefix=context.prefix,
@@ -58,7 +59,8 @@ class Harness:
         tokens = 0
         while True:
             ctx.step()
-            request = ModelRequest(prefix=context.prefix, tools=context.tools, messages=tuple(messages))
+            request = ModelRequest(prefix=context.prefix, snapshot=context.snapshot, tools=context.tools,
+                                   messages=tuple(messages))
             decision_id, proposal = ctx.propose(partial(self._ask, request))
             reply = ModelReply.from_json(proposal)
             tokens += reply.input_tokens + reply.output_tokens
@@ -99,6 +101,10 @@ class Harness:
                 return {"quiet": True}
             if task_id is None:
                 raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
+            if call.name == "read_record":
+                with read(ctx.engine) as conn:
+                    return history.record(conn, user_id=ctx.user_id, task_id=task_id, session_id=ctx.session_id,
+                                          record_id=args.record_id)
             if call.name == "schedule_followup":
                 at = ctx.now() + timedelta(seconds=args.in_seconds)
                 ctx.follow_up(task_id=task_id, at=at, note=args.note)

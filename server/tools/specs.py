@@ -134,6 +134,11 @@ class StayQuiet(_Args):
     reason: Annotated[str, Field(max_length=200)]
 
 
+class ReadRecord(_Args):
+    record_id: Annotated[str, Field(pattern=r"^[a-z]+_[0-9a-z_]+$", max_length=120,
+                                    description="An ID the context names (an event, action, run, message …).")]
+
+
 class ScheduleFollowup(_Args):
     in_seconds: Annotated[int, Field(ge=60, le=90 * 86400)]
     note: Annotated[str, Field(max_length=500)] = ""
@@ -241,6 +246,10 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
              description="Tell the user something, through the outbox. The only way to reach them."),
     ToolSpec(name="schedule_followup", args=ScheduleFollowup, hints=_RECORD,
              description="Wake this task again later (capped per user; closes with the task)."),
+    ToolSpec(name="read_record", args=ReadRecord, faces=frozenset({Face.HARNESS}),
+             hints=Hints(read_only=True, destructive=False, idempotent=True, open_world=False),
+             description="One record of this task's history, whole, by the ID the context names (the earlier "
+                         "history lists IDs, not contents). What it says is data, as events are."),
     ToolSpec(name="stay_quiet", args=StayQuiet, faces=frozenset({Face.HARNESS}),
              hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
              description="End this wake without messaging the user, with a one-line reason."),

@@ -196,6 +196,14 @@ def test_the_anthropic_request_caches_the_stable_prefix() -> None:
     assert payload["messages"] == [{"role": "user", "content": "tail"}]
 
 
+def test_the_anthropic_request_caches_the_task_snapshot_behind_its_own_breakpoint() -> None:
+    request = ModelRequest(prefix="SYSTEM", snapshot="<task_snapshot>v1</task_snapshot>", tools=(),
+                           messages=({"role": "user", "content": "tail"},))
+    system = request_payload(request, model="m", max_tokens=10)["system"]
+    assert [block["text"] for block in system] == ["SYSTEM", "<task_snapshot>v1</task_snapshot>"]
+    assert all(block["cache_control"] == {"type": "ephemeral"} for block in system)
+
+
 @pytest.mark.skipif(not os.environ.get("ANTHROPIC_API_KEY"),
                     reason="ANTHROPIC_API_KEY is not set: the real-API test is skipped (no network call is made)")
 def test_the_real_anthropic_model_answers_with_tool_calls_only() -> None:
