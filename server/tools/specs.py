@@ -226,7 +226,10 @@ class TaskRef(BaseModel):
 def _with_task_id(args: type[BaseModel]) -> type[BaseModel]:
     """`args` plus the task's ID, as an MCP client passes them (the task's ID first)."""
     fields = {name: (field.annotation, field) for name, field in args.model_fields.items()}
-    model: type[BaseModel] = create_model(args.__name__, __base__=_McpArgs, **fields)  # type: ignore[call-overload]
+    checks = {name: model_validator(mode=check.info.mode)(check.func)  # e.g. "exactly one of …": they hold here too
+              for name, check in args.__pydantic_decorators__.model_validators.items()}
+    model: type[BaseModel] = create_model(args.__name__, __base__=_McpArgs, __validators__=checks,  # type: ignore[call-overload]
+                                          **fields)
     return model
 
 
