@@ -24,9 +24,10 @@ from tests.support.records import messages
 from tests.support.serve import ServeProcess
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
+from wakeful.server.core import control
 from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import task_versions
+from wakeful.server.store.tables import ControlKind, task_versions
 from wakeful.server.store.users import ensure_user, set_zone
 
 pytestmark = pytest.mark.anyio
@@ -182,6 +183,30 @@ async def test_an_mcp_client_keeps_time_for_a_task_within_its_caps(w: World, set
         "waits for the client until 2026-12-04 09:00; then looks again"]
     assert not cancelled.is_error and again.is_error and again.content[0].text.startswith("unknown_timer: ")
     assert status.structured_content["waits"] == [] and len(status.structured_content["timers"]) == 1
+
+
+async def test_a_paused_or_stopped_task_takes_no_new_timers_or_waits(w: World, settings: Any) -> None:
+    def control_as_user(**change: Any) -> None:
+        with write(w.engine) as conn:
+            if "kind" in change:
+                control.set_task_state(conn, user_id=w.owner, actor="user:test", reason="test", now=w.clock.now(),
+                                       **change)
+            else:
+                control.set_stop(conn, user_id=w.owner, actor="user:test", reason="test", now=w.clock.now(),
+                                 **change)
+
+    async with Client(mcp_for(w, settings).server) as client:
+        task_id = (await client.call_tool("create_responsibility", {"title": "t"})).structured_content["task_id"]
+        control_as_user(task_id=task_id, kind=ControlKind.PAUSE)
+        paused = await client.call_tool("keep_checking", {"task_id": task_id, "note": "n", "every_seconds": 3600})
+        control_as_user(task_id=task_id, kind=ControlKind.RESUME)
+        control_as_user(stopped=True)
+        stopped = await client.call_tool("wait_for_reply", {"task_id": task_id, "key": "k", "note": "n",
+                                                            "within_seconds": 3600})
+        listed = await client.call_tool("list_timers", {"task_id": task_id})
+    assert paused.is_error and paused.content[0].text.startswith("paused: ")
+    assert stopped.is_error and stopped.content[0].text.startswith("stopped: ")
+    assert listed.structured_content == {"timers": [], "waits": []}
 
 
 async def test_the_stdio_command_from_the_docs_lists_tools_and_calls_one(tmp_path: Path) -> None:
