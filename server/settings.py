@@ -215,8 +215,15 @@ class Settings(BaseSettings):
     """Runs that may pick up one event before it is marked failed and the user told."""
     followup_cap: int = 20
     """Active follow-ups per user."""
-    schedule_min_interval: Duration = timedelta(minutes=1)
-    """The shortest gap a recurring schedule may have."""
+    schedule_min_interval: Duration = timedelta(minutes=15)
+    """The shortest gap a recurring check may have (for cron, the shortest between its next firings)."""
+    timers_per_task: int = 10
+    """Open follow-ups and recurring checks one task may hold (`server.core.agenda`)."""
+    waits_per_task: int = 10
+    """Open reply waits one task may hold."""
+    check_wakes_per_day: float = 48.0
+    """The wake budget of one task's recurring checks together: their expected wakes per day (86400 s over an
+    interval; a cron's firings over the next week, over seven). A new check past it is refused."""
     workers: int = 2
     """Worker threads: different sessions run in parallel, one run per session at a time."""
     ingest_run_share: float = Field(default=0.05, gt=0, le=1)

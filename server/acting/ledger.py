@@ -2,7 +2,8 @@
 
 Events, runs, decisions, task versions, steers the agent proposed and the user's answer, control decisions, actions
 with their content hashes, admission verdicts with reasons, approvals with their approver, attempts with outcomes,
-evidence from responses and reconciliation, refusals, and messages to the user. Enough to answer "why did this
+evidence from responses and reconciliation, refusals, messages to the user, and the timers and waits set for the
+task (each in plain words, `said`) with when and how each ended. Enough to answer "why did this
 effect happen, and on whose authority".
 """
 
@@ -15,7 +16,9 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, and_, or_, select
 
+from wakeful.server.core import agenda
 from wakeful.server.errors import NotFound
+from wakeful.server.store import users
 from wakeful.server.store.tables import (
     actions,
     approvals,
@@ -30,6 +33,7 @@ from wakeful.server.store.tables import (
     steer_proposals,
     task_versions,
     tasks,
+    timers,
     verdicts,
     waits,
 )
@@ -38,7 +42,7 @@ __all__ = ["EntryType", "describe", "entries", "four_facts", "task_status"]
 
 EntryType = Literal["task", "task_version", "control", "steer_proposal", "steer_decision", "event", "run", "decision",
                     "action", "verdict", "approval", "attempt", "outcome", "evidence", "refusal", "message",
-                    "dispatch_intent"]
+                    "dispatch_intent", "timer", "timer_ended", "wait", "wait_ended"]
 """Every kind of ledger entry (the HTTP API documents them: a kind missing here fails the type check where it is
 written)."""
 
@@ -103,9 +107,28 @@ def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
         yield _row("evidence", r.checked_at, r)
     for r in conn.execute(select(refusals).where(refusals.c.task_id == task.id)):
         yield _row("refusal", r.created_at, r)
+    yield from _agenda(conn, task)
     intents = [outbox.c.id.like(f"dsp_{a}%") for a in action_ids]  # the first intent and any resends
     for r in conn.execute(select(outbox).where(or_(outbox.c.session_id == task.session_id, *intents))):
         yield _row("message" if r.kind == "user_message" else "dispatch_intent", r.created_at, r)
+
+
+def _agenda(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
+    """The task's timers and waits: when each was set (in plain words) and when and how it ended."""
+    zone = users.zone(conn, task.user_id)
+    for r in conn.execute(select(timers).where(timers.c.task_id == task.id)):
+        yield {**_row("timer", r.created_at, r, skip=("ended_at", "end_reason")),
+               "said": agenda.said_of_timer(r, zone)}
+        if r.ended_at is not None:
+            yield {"at": r.ended_at.isoformat(), "type": "timer_ended", "id": r.id, "state": r.state,
+                   "end_reason": r.end_reason}
+    for r in conn.execute(select(waits).where(waits.c.task_id == task.id)):
+        said = agenda.said_of_wait(r, zone)
+        yield {**_row("wait", r.created_at, r, skip=("resolved_at", "resolved_event_id")),
+               **({"said": said} if said else {})}
+        if r.resolved_at is not None:
+            yield {"at": r.resolved_at.isoformat(), "type": "wait_ended", "id": r.id, "state": r.state,
+                   **({"event_id": r.resolved_event_id} if r.resolved_event_id else {})}
 
 
 def four_facts(conn: Connection, *, task_id: str) -> dict[str, str | None]:
@@ -154,19 +177,21 @@ def describe(entry: dict[str, Any]) -> str:
         "refusal": lambda e: f"{e['tool']}: {e['code']}: {e['detail']}",
         "message": lambda e: f"to user [{e['state']}]: {str(e['body'].get('text') or e['body'].get('kind'))[:100]}",
         "dispatch_intent": lambda e: f"{e['id']} [{e['state']}]",
+        "timer": lambda e: f"{e['id']} {e['said']}",
+        "timer_ended": lambda e: f"{e['id']} {e['state']} ({e.get('end_reason', '')})",
+        "wait": lambda e: f"{e['id']} {e.get('said') or e['kind'] + ' for ' + e['match_key']}",
+        "wait_ended": lambda e: f"{e['id']} {e['state']}",
     }
     detail = formats.get(kind)
     return f"{entry['at']}  {kind:<15} {detail(entry) if detail else ''}"
 
 
 def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, Any]:
-    """A task's state from its records: the four facts, pending waits, actions with verdicts and outcomes, and the
-    agent's proposed steers."""
+    """A task's state from its records: the four facts, open timers and pending waits (each in plain words),
+    actions with verdicts and outcomes, and the agent's proposed steers."""
     row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
     if row is None:
         raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
-    pending = conn.execute(select(waits.c.id, waits.c.kind, waits.c.match_key, waits.c.authority, waits.c.deadline)
-                           .where(and_(waits.c.task_id == task_id, waits.c.state == "pending"))).all()
     action_rows = []
     for a in conn.execute(select(actions).where(actions.c.task_id == task_id).order_by(actions.c.created_at)):
         verdict = conn.execute(select(verdicts.c.verdict, verdicts.c.code).where(verdicts.c.action_id == a.id)
@@ -178,8 +203,7 @@ def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, An
                             "code": verdict.code if verdict else None, "outcome": outcome})
     return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state,
             "version": row.current_version, "facts": four_facts(conn, task_id=task_id),
-            "waits": [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key, "authority": w.authority,
-                       "deadline": w.deadline.isoformat() if w.deadline else None} for w in pending],
+            **agenda.listing(conn, user_id=user_id, task_id=task_id),
             "actions": action_rows, "proposed_steers": _proposed_steers(conn, task_id)}
 
 

@@ -136,7 +136,8 @@ def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: Contro
     if target in (TaskState.CLOSED, TaskState.REVOKED):
         # Proactivity closes with its task: timers and pending waits end here.
         conn.execute(update(timers).where(and_(timers.c.task_id == task_id, timers.c.state == TimerState.ACTIVE.value))
-                     .values(state=TimerState.CANCELLED.value))
+                     .values(state=TimerState.CANCELLED.value, ended_at=now,
+                             end_reason=f"the task was {target.value} by {actor}"))
         # ... except reconciliation: a request that already left is still found out about and reported.
         conn.execute(update(waits).where(and_(waits.c.task_id == task_id, waits.c.state == WaitState.PENDING.value,
                                               waits.c.kind != "reconcile"))

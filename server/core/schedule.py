@@ -4,7 +4,12 @@ No I/O and no clock reads: the caller always passes ``now``. Every datetime must
 returned in UTC. Durations are :class:`datetime.timedelta`.
 
 A timer is either a one-shot *follow-up* (``recurrence is None``: due once at ``due_at``) or a *schedule* (a
-:class:`Recurrence`: every ``interval``, or a 5-field ``cron`` expression evaluated in UTC).
+:class:`Recurrence`: every ``interval``, or a 5-field ``cron`` expression read on the wall clock of ``tz``, an IANA
+zone, UTC when unset).
+
+A cron read in a zone with daylight saving time keeps its wall-clock hour ("0 9 * * *" is 09:00 local in winter and
+in summer). A slot the clock skips (02:30 on the spring-forward night) fires once, at the moment the clock jumps past
+it; a slot the clock repeats (01:30 on the fall-back night) fires once, at its first occurrence.
 
 Slots of an interval schedule are ``anchor + k * interval`` for ``k >= 0``; slots of a cron schedule are the
 croniter matches (the anchor is not used for cron slots). ``due_at`` -- the timer's stored due time -- always counts
@@ -20,9 +25,11 @@ Misfire policy, when the scheduler was down and more than one slot passed:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 from enum import StrEnum
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter  # type: ignore[import-untyped,unused-ignore]
 
@@ -74,17 +81,51 @@ def _utc(value: datetime, name: str) -> datetime:
 
 
 def _as_datetime(value: object) -> datetime:
+    """What croniter returned: a wall-clock time, as naive as the start it was given."""
     if not isinstance(value, datetime):  # pragma: no cover - croniter always returns datetimes when asked to
         raise TypeError(f"croniter returned {type(value).__name__}, expected datetime")
-    return value.astimezone(UTC)
+    return value
+
+
+def _zone(name: str | None) -> tzinfo:
+    if name is None:
+        return UTC
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError) as exc:
+        raise ScheduleError("unknown_timezone", f"{name!r} is not an IANA time zone") from exc
+
+
+def _wall(t: datetime, zone: tzinfo) -> datetime:
+    """`t` on the zone's wall clock, without its zone (what a cron expression is read against)."""
+    return t.astimezone(zone).replace(tzinfo=None)
+
+
+def _instant(wall: datetime, zone: tzinfo) -> datetime:
+    """The UTC instant of a wall-clock time: its first occurrence when the clock repeats it, the moment the clock
+    jumps past it when the clock skips it. Non-decreasing in `wall`, so slots keep their order."""
+    first = wall.replace(tzinfo=zone, fold=0).astimezone(UTC)
+    if _wall(first, zone) == wall:
+        return first
+    # Skipped: the jump is the first whole second whose wall clock reads past `wall` (offsets are whole seconds).
+    before, after = int(wall.replace(tzinfo=zone, fold=1).timestamp()), int(first.timestamp())
+    while after - before > 1:
+        middle = (before + after) // 2
+        if _wall(datetime.fromtimestamp(middle, UTC), zone) < wall:
+            before = middle
+        else:
+            after = middle
+    return datetime.fromtimestamp(after, UTC)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Recurrence:
-    """Exactly one of ``interval`` (> 0) or ``cron`` (a valid 5-field expression, evaluated in UTC)."""
+    """Exactly one of ``interval`` (> 0) or ``cron`` (a valid 5-field expression, read on ``tz``'s wall clock)."""
 
     interval: timedelta | None = None
     cron: str | None = None
+    tz: str | None = None
+    """The IANA zone a cron is read in (None: UTC). An interval is elapsed time and takes no zone."""
 
     def __post_init__(self) -> None:
         if (self.interval is None) == (self.cron is None):
@@ -94,8 +135,11 @@ class Recurrence:
                 raise ScheduleError("invalid_schedule", f"interval must be a timedelta, got {self.interval!r}")
             if self.interval <= _ZERO:
                 raise ScheduleError("invalid_schedule", f"interval must be positive, got {self.interval}")
+            if self.tz is not None:
+                raise ScheduleError("invalid_schedule", "an interval is elapsed time: it takes no time zone")
         if self.cron is not None:
             self._validate_cron(self.cron)
+        _zone(self.tz)
 
     @staticmethod
     def _validate_cron(expr: object) -> None:
@@ -116,7 +160,7 @@ class Recurrence:
             if t < anchor:
                 return anchor
             return anchor + ((t - anchor) // self.interval + 1) * self.interval
-        return _as_datetime(croniter(self._cron_expr, t).get_next(datetime))
+        return next(self._cron_slots(t))
 
     def latest_at_or_before(self, t: datetime, *, anchor: datetime) -> datetime | None:
         """The last slot ``<= t`` (UTC), or None if there is none (an interval schedule before its anchor)."""
@@ -126,10 +170,27 @@ class Recurrence:
             if t < anchor:
                 return None
             return anchor + ((t - anchor) // self.interval) * self.interval
-        # croniter's get_prev is strict at exact slot times; step back then forward to include t itself.
-        prev = _as_datetime(croniter(self._cron_expr, t).get_prev(datetime))
-        nxt = _as_datetime(croniter(self._cron_expr, prev).get_next(datetime))
-        return nxt if nxt <= t else prev
+        # A wall-clock slot before t's own happened before t; walk forward from there over any the clock repeated.
+        zone = _zone(self.tz)
+        it = croniter(self._cron_expr, _wall(t, zone))
+        latest = _as_datetime(it.get_prev(datetime))
+        it = croniter(self._cron_expr, latest)
+        while True:
+            wall = _as_datetime(it.get_next(datetime))
+            if _instant(wall, zone) > t:
+                return _instant(latest, zone)
+            latest = wall
+
+    def _cron_slots(self, t: datetime) -> Iterator[datetime]:
+        """The cron's slots strictly after ``t``, in UTC, strictly increasing."""
+        zone = _zone(self.tz)
+        it = croniter(self._cron_expr, _wall(t, zone))
+        last = t
+        while True:
+            slot = _instant(_as_datetime(it.get_next(datetime)), zone)
+            if slot > last:
+                last = slot
+                yield slot
 
     @property
     def _cron_expr(self) -> str:
@@ -146,13 +207,13 @@ class Recurrence:
                 return 0, None, False
             first = self.next_after(lo, anchor=anchor)
             return (last - first) // self.interval + 1, last, False
-        it = croniter(self._cron_expr, lo)
         count = 0
         latest: datetime | None = None
-        while count < CRON_SCAN_CAP:
-            slot = _as_datetime(it.get_next(datetime))
+        for slot in self._cron_slots(lo):
             if slot > hi:
                 return count, latest, False
+            if count == CRON_SCAN_CAP:
+                break
             count += 1
             latest = slot
         # Capped: there may be more slots; the latest one is still exact.
@@ -216,11 +277,11 @@ def min_gap(recurrence: Recurrence, *, anchor: datetime) -> timedelta:
     anchor = _utc(anchor, "anchor")
     if recurrence.interval is not None:
         return recurrence.interval
-    it = croniter(recurrence._cron_expr, anchor)
-    prev = _as_datetime(it.get_next(datetime))
+    slots = recurrence._cron_slots(anchor)
+    prev = next(slots)
     smallest: timedelta | None = None
     for _ in range(MIN_GAP_FIRINGS - 1):
-        slot = _as_datetime(it.get_next(datetime))
+        slot = next(slots)
         gap = slot - prev
         smallest = gap if smallest is None else min(smallest, gap)
         prev = slot

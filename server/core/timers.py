@@ -2,8 +2,10 @@
 
 A timer never starts a run. The scheduler turns a due timer into an ordinary inbox event whose source ID is
 `<timer id>@<slot>` (so a double firing is one event) and, in the same transaction, marks the follow-up done or
-advances the schedule. Timers of a paused task do not fire; a closed task's timers are cancelled with it.
-Creating a timer is itself capped: active follow-ups per user and a minimum schedule interval.
+advances the schedule. Timers of a paused task do not fire (on resume, the slots missed meanwhile go by the
+schedule's misfire policy); a closed task's timers are cancelled with it. Creating a timer is itself capped: active
+follow-ups per user and a minimum schedule interval (`server.core.agenda` adds the task's caps and wake budget).
+A cron schedule is read in the zone it was set in (`tz`: the user's, then). A timer that ends records when and why.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from typing import Any
 from sqlalchemy import Connection, and_, func, select, update
 
 from wakeful.server.core import inbox
-from wakeful.server.core.schedule import Misfire, Recurrence, ScheduleError, decide, min_gap
-from wakeful.server.errors import BadRequest, NotFound, Refused
+from wakeful.server.core.schedule import Misfire, Recurrence, decide, min_gap
+from wakeful.server.errors import NotFound, Refused
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import Authority, EventKind, TaskState, TimerKind, TimerState, tasks, timers
 
-__all__ = ["check_followup", "create_followup", "create_schedule", "fire_due"]
+__all__ = ["check_followup", "check_interval", "create_followup", "create_schedule", "fire_due", "recurrence"]
 
 
 def _task_session(conn: Connection, *, user_id: str, task_id: str) -> str:
@@ -61,32 +63,37 @@ def create_followup(conn: Connection, *, user_id: str, task_id: str, due_at: dat
     return timer_id
 
 
-def create_schedule(conn: Connection, *, user_id: str, task_id: str, now: datetime, note: str,
-                    every: timedelta | None = None, cron: str | None = None, misfire: Misfire = Misfire.SKIP,
-                    min_interval: timedelta) -> str:
-    session_id = _task_session(conn, user_id=user_id, task_id=task_id)
-    try:
-        recurrence = Recurrence(interval=every, cron=cron)
-        gap = min_gap(recurrence, anchor=now)
-    except ScheduleError as exc:
-        raise BadRequest(exc.code, str(exc)) from exc
+def check_interval(recurrence: Recurrence, *, now: datetime, min_interval: timedelta) -> None:
+    """Refuse a schedule that would fire more often than every `min_interval`."""
+    gap = min_gap(recurrence, anchor=now)
     if gap < min_interval:
-        raise Refused("cap_exceeded", f"schedules may not fire more often than every {min_interval}; this one "
+        raise Refused("interval_too_short", f"schedules may not fire more often than every {min_interval}; this one "
                       f"fires every {gap}", min_interval_seconds=min_interval.total_seconds())
+
+
+def create_schedule(conn: Connection, *, user_id: str, task_id: str, now: datetime, note: str,
+                    every: timedelta | None = None, cron: str | None = None, tz: str | None = None,
+                    misfire: Misfire = Misfire.SKIP, min_interval: timedelta) -> str:
+    """A recurring schedule; `cron` is read on the wall clock of the IANA zone `tz` (UTC when None)."""
+    session_id = _task_session(conn, user_id=user_id, task_id=task_id)
+    recurrence = Recurrence(interval=every, cron=cron, tz=tz)  # a ScheduleError is a 400 with its code
+    check_interval(recurrence, now=now, min_interval=min_interval)
     timer_id = new_id("tmr")
     conn.execute(timers.insert().values(
         id=timer_id, user_id=user_id, task_id=task_id, session_id=session_id, kind=TimerKind.SCHEDULE.value,
         state=TimerState.ACTIVE.value, due_at=recurrence.next_after(now, anchor=now),
-        anchor=now, interval_seconds=int(every.total_seconds()) if every else None, cron=cron,
+        anchor=now, interval_seconds=int(every.total_seconds()) if every else None, cron=cron, tz=tz,
         misfire=misfire.value, note=note, fire_count=0, created_at=now,
     ))
     return timer_id
 
 
-def _recurrence(row: Any) -> Recurrence | None:
+def recurrence(row: Any) -> Recurrence | None:
+    """A timer row's recurrence; None for a follow-up."""
     if row.interval_seconds is None and row.cron is None:
         return None
-    return Recurrence(interval=timedelta(seconds=row.interval_seconds) if row.interval_seconds else None, cron=row.cron)
+    return Recurrence(interval=timedelta(seconds=row.interval_seconds) if row.interval_seconds else None,
+                      cron=row.cron, tz=row.tz)
 
 
 def fire_due(conn: Connection, *, now: datetime, blocked: Callable[[str], bool] = lambda _user: False,
@@ -106,7 +113,7 @@ def fire_due(conn: Connection, *, now: datetime, blocked: Callable[[str], bool] 
     for t in due:
         if blocked(t.user_id):
             continue
-        decision = decide(due_at=t.due_at, now=now, recurrence=_recurrence(t), anchor=t.anchor,
+        decision = decide(due_at=t.due_at, now=now, recurrence=recurrence(t), anchor=t.anchor,
                           misfire=Misfire(t.misfire))
         if decision is None:
             continue
@@ -118,6 +125,8 @@ def fire_due(conn: Connection, *, now: datetime, blocked: Callable[[str], bool] 
                 due_at=decision.next_due or t.due_at,
                 fire_count=t.fire_count + (1 if decision.fire_slot else 0),
                 last_slot=decision.fire_slot or t.last_slot,
+                ended_at=now if decision.next_due is None else None,
+                end_reason="fired" if decision.next_due is None else None,
             )
         ).rowcount
         if moved != 1 or decision.fire_slot is None:

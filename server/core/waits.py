@@ -13,6 +13,11 @@ and wakes its session (see `server.core.inbox`); one matching only a terminal wa
 nothing; one from any other sender does neither, as if the wait were not there. Registration locks the session first
 and looks for an answer that arrived before the wait existed from a sender the wait accepts, so an early answer is
 not lost.
+
+A reply wait the agent set (`server.core.agenda`) says what its deadline does (`on_timeout`): `follow_up` wakes the
+session with a timeout event saying what was awaited (as every other wait's deadline does), `tell_user` queues one
+plain message to the user through the outbox and wakes nothing, `close` only ends it. While its task is paused it
+does not time out; it does on resume, if its deadline has passed.
 """
 
 from __future__ import annotations
@@ -20,13 +25,24 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Row, and_, select, update
+from sqlalchemy import ColumnElement, Connection, Row, and_, or_, select, update
 
-from wakeful.server.core import inbox, sessions
+from wakeful.server.core import inbox, outbox, sessions
 from wakeful.server.core.authority import may_satisfy
 from wakeful.server.errors import Conflict
+from wakeful.server.store import users
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import Authority, EventKind, EventStatus, WaitState, events, waits
+from wakeful.server.store.tables import (
+    Authority,
+    EventKind,
+    EventStatus,
+    OnTimeout,
+    TaskState,
+    WaitState,
+    events,
+    tasks,
+    waits,
+)
 
 __all__ = ["TERMINAL", "cancel", "expire_due", "register", "resolve", "settle"]
 
@@ -34,8 +50,10 @@ TERMINAL = frozenset({WaitState.SATISFIED, WaitState.TIMED_OUT, WaitState.CANCEL
 
 
 def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str, authority: str,
-             deadline: datetime | None, now: datetime, task_id: str | None = None) -> str:
-    """A pending wait for `match_key` that only a delivery from `authority` may satisfy (`server.core.authority`)."""
+             deadline: datetime | None, now: datetime, task_id: str | None = None,
+             on_timeout: OnTimeout | None = None, note: str | None = None) -> str:
+    """A pending wait for `match_key` that only a delivery from `authority` may satisfy (`server.core.authority`);
+    `on_timeout` and `note`: a reply wait the agent set (None: its deadline wakes the session)."""
     sessions.lock(conn, session_id)
     taken = conn.execute(
         select(waits.c.id).where(and_(waits.c.user_id == user_id, waits.c.match_key == match_key))
@@ -50,7 +68,8 @@ def register(conn: Connection, *, user_id: str, session_id: str, match_key: str,
             id=wait_id, user_id=user_id, session_id=session_id, task_id=task_id, match_key=match_key,
             authority=authority, kind=kind, state=(WaitState.SATISFIED if early else WaitState.PENDING).value,
             deadline=deadline, created_at=now, resolved_at=now if early else None,
-            resolved_event_id=early.id if early else None,
+            resolved_event_id=early.id if early else None, on_timeout=on_timeout.value if on_timeout else None,
+            note=note,
         )
     )
     if early is not None:
@@ -103,17 +122,35 @@ def settle(conn: Connection, *, user_id: str, match_key: str, now: datetime) -> 
 
 
 def expire_due(conn: Connection, *, now: datetime, limit: int = 500) -> int:
-    """Time out pending waits past their deadline; each timeout is an inbox event that wakes the wait's session."""
+    """Time out pending waits past their deadline, each as its `on_timeout` says (none: a timeout event wakes the
+    wait's session). A reply wait of a paused task is held until the task resumes."""
     due = conn.execute(
-        select(waits.c.id, waits.c.user_id, waits.c.session_id, waits.c.match_key)
-        .where(and_(waits.c.state == WaitState.PENDING.value, waits.c.deadline <= now))
+        select(waits.c.id, waits.c.user_id, waits.c.session_id, waits.c.task_id, waits.c.match_key,
+               waits.c.deadline, waits.c.on_timeout, waits.c.note)
+        .where(and_(waits.c.state == WaitState.PENDING.value, waits.c.deadline <= now,
+                    or_(waits.c.on_timeout.is_(None),
+                        waits.c.task_id.not_in(select(tasks.c.id).where(tasks.c.state == TaskState.PAUSED.value)))))
         .limit(limit)
     ).all()
     for w in due:
         if _end_pending(conn, waits.c.id == w.id, to=WaitState.TIMED_OUT, now=now) == 1:
-            inbox.record(conn, inbox.Delivery(
-                user_id=w.user_id, source="wait", source_id=f"{w.id}:timed_out", kind=EventKind.WAIT_TIMEOUT,
-                trust="system", authority=Authority.SYSTEM, session_id=w.session_id,
-                payload={"wait_id": w.id, "match_key": w.match_key},
-            ), now=now)
+            _timed_out(conn, w, now=now)
     return len(due)
+
+
+def _timed_out(conn: Connection, w: Any, *, now: datetime) -> None:
+    if w.on_timeout == OnTimeout.CLOSE.value:
+        return
+    if w.on_timeout == OnTimeout.TELL_USER.value:
+        when = w.deadline.astimezone(users.zone(conn, w.user_id)).strftime("%Y-%m-%d %H:%M")
+        outbox.enqueue(conn, user_id=w.user_id, session_id=w.session_id, now=now, message_id=f"wto_{w.id}",
+                       once=True, body={"kind": "wait_timed_out", "task_id": w.task_id, "wait_id": w.id,
+                                        "text": f"No reply came by {when}: I was waiting for "
+                                                f"{w.note or 'a reply carrying ' + w.match_key}."})
+        return
+    inbox.record(conn, inbox.Delivery(
+        user_id=w.user_id, source="wait", source_id=f"{w.id}:timed_out", kind=EventKind.WAIT_TIMEOUT,
+        trust="system", authority=Authority.SYSTEM, session_id=w.session_id,
+        payload={"wait_id": w.id, "match_key": w.match_key,
+                 **({"awaited": w.note, "deadline": w.deadline.isoformat()} if w.on_timeout else {})},
+    ), now=now)

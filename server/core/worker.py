@@ -18,21 +18,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
 
 from wakeful.proxy.clock import Clock
-from wakeful.server.core import control, faults, outbox, sessions, timers, waits
+from wakeful.server.core import agenda, control, faults, outbox, sessions, timers, waits
 from wakeful.server.core.authority import of_source
-from wakeful.server.core.schedule import Misfire
+from wakeful.server.core.schedule import Misfire, Recurrence
 from wakeful.server.errors import StaleToken
 from wakeful.server.settings import Settings
+from wakeful.server.store import users
 from wakeful.server.store.db import read, upsert, write, write_lock_time
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import Authority, EventStatus, RunOutcome, events, runs, usage_daily
+from wakeful.server.store.tables import Authority, EventStatus, OnTimeout, RunOutcome, events, runs, usage_daily
 from wakeful.server.store.tables import decisions as decisions_table
 from wakeful.server.store.tables import sessions as sessions_table
 
@@ -187,6 +188,8 @@ class RunContext:
     """Decisions of the run this one resumes (it died mid-way), by step: replayed, never asked again."""
     decisions: int = 0
     followups: int = 0
+    planned: agenda.Planned = field(default_factory=agenda.Planned)
+    """The timers and waits this run set, not committed yet: counted against the task's caps."""
 
     @property
     def engine(self) -> Engine:
@@ -256,26 +259,76 @@ class RunContext:
         self.effects.append(effect)
         self.ended_by = self.ended_by or f"wait: {match_key}"
 
+    def _admit(self, admit: Callable[[Connection, agenda.Limits], object]) -> agenda.Limits:
+        """Check a timer or a wait against the task's caps now, counting what this run set already, so that a
+        refusal is heard at once (the commit checks it again, in the transaction that writes it)."""
+        limits = agenda.Limits.of(self._worker.settings)
+        with read(self._worker.engine) as conn:
+            admit(conn, limits)
+        return limits
+
     def follow_up(self, *, task_id: str, at: datetime, note: str) -> None:
         settings = self._worker.settings
-        with read(self._worker.engine) as conn:  # check the cap now, counting this run's own, so it is heard at once
+
+        def admit(conn: Connection, limits: agenda.Limits) -> None:
             timers.check_followup(conn, user_id=self.user_id, task_id=task_id,
                                   cap=settings.followup_cap - self.followups)
+            agenda.admit_timer(conn, user_id=self.user_id, task_id=task_id, limits=limits, now=self.now(),
+                               recurrence=None, planned=self.planned)
+
+        limits = self._admit(admit)
         self.followups += 1
+        self.planned = replace(self.planned, timers=self.planned.timers + 1)
 
         def effect(conn: Connection, now: datetime) -> None:
-            timers.create_followup(conn, user_id=self.user_id, task_id=task_id, due_at=at, note=note, now=now,
-                                   cap=settings.followup_cap)
+            agenda.add_followup(conn, user_id=self.user_id, task_id=task_id, due_at=at, note=note, now=now,
+                                limits=limits)
 
         self.effects.append(effect)
 
     def schedule(self, *, task_id: str, note: str, every: timedelta | None = None, cron: str | None = None,
-                 misfire: Misfire = Misfire.SKIP) -> None:
-        min_interval = self._worker.settings.schedule_min_interval
+                 misfire: Misfire = Misfire.SKIP) -> datetime:
+        """A recurring check; a cron is read in the user's time zone. Returns its first slot."""
+        with read(self._worker.engine) as conn:
+            tz = users.zone(conn, self.user_id).key if cron is not None else None
+        recurrence = Recurrence(interval=every, cron=cron, tz=tz)
+        limits = self._admit(lambda conn, limits: agenda.admit_timer(
+            conn, user_id=self.user_id, task_id=task_id, limits=limits, now=self.now(), recurrence=recurrence,
+            planned=self.planned))
+        self.planned = replace(self.planned, timers=self.planned.timers + 1,
+                               wakes_per_day=self.planned.wakes_per_day
+                               + agenda.wakes_per_day(recurrence, now=self.now()))
 
         def effect(conn: Connection, now: datetime) -> None:
-            timers.create_schedule(conn, user_id=self.user_id, task_id=task_id, now=now, note=note, every=every,
-                                   cron=cron, misfire=misfire, min_interval=min_interval)
+            agenda.add_check(conn, user_id=self.user_id, task_id=task_id, note=note, now=now, limits=limits,
+                             every=every, cron=cron, misfire=misfire)
+
+        self.effects.append(effect)
+        return recurrence.next_after(self.now(), anchor=self.now())
+
+    def wait_for_reply(self, key: str, *, task_id: str, deadline: datetime, on_timeout: OnTimeout, note: str,
+                       source: str | None = None) -> None:
+        """Wait, for the task, for a delivery carrying `key` until `deadline` (`server.core.agenda`)."""
+        agenda.check_deadline(deadline, now=self.now())
+        limits = self._admit(lambda conn, limits: agenda.admit_wait(
+            conn, user_id=self.user_id, task_id=task_id, limits=limits, planned=self.planned))
+        self.planned = replace(self.planned, waits=self.planned.waits + 1)
+
+        def effect(conn: Connection, now: datetime) -> None:
+            agenda.add_wait(conn, user_id=self.user_id, task_id=task_id, key=key, deadline=deadline,
+                            on_timeout=on_timeout, note=note, now=now, limits=limits, source=source)
+
+        self.effects.append(effect)
+        self.ended_by = self.ended_by or f"wait: {key}"
+
+    def cancel_timer(self, *, task_id: str, item_id: str) -> None:
+        """End one of the task's own timers or reply waits when the run commits."""
+        with read(self._worker.engine) as conn:
+            agenda.check_open(conn, user_id=self.user_id, task_id=task_id, item_id=item_id)
+
+        def effect(conn: Connection, now: datetime) -> None:
+            agenda.cancel(conn, user_id=self.user_id, task_id=task_id, item_id=item_id,
+                          reason=f"cancelled by the agent in run {self.run_id}", now=now)
 
         self.effects.append(effect)
 

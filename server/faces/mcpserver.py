@@ -5,7 +5,9 @@ the task's ID as `task_id`):
     create_responsibility, steer_responsibility, task_status      delegation (steering makes a new task version)
     <connector>__<operation>                                      one per declared operation; reads return
                                                                   server-issued object IDs, writes accept only those
-    send_to_user, schedule_followup                               through the outbox / a capped timer
+    send_to_user                                                  through the outbox
+    schedule_followup, wait_for_reply, keep_checking,             the task's timers and waits, admitted against
+    list_timers, cancel_timer                                     its caps (`server.core.agenda`)
     computer__observe, computer__act, computer__request_handoff   when the server runs tool computers
 Resources (read-only): wakeful://tasks/{id}, wakeful://tasks/{id}/ledger, wakeful://approvals.
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any, Final
 
 import anyio
@@ -38,14 +40,15 @@ from sqlalchemy import Engine, and_, select
 from wakeful.proxy.clock import Clock
 from wakeful.server.acting import ledger
 from wakeful.server.acting.connectors import Registry
-from wakeful.server.core import outbox, steers, timers
+from wakeful.server.core import agenda, outbox, steers
+from wakeful.server.core.schedule import Misfire
 from wakeful.server.core.worker import Binding
 from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.routes import check_completion
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import actions, tasks, verdicts
+from wakeful.server.store.tables import OnTimeout, actions, tasks, verdicts
 from wakeful.server.tools.layer import ToolLayer
 from wakeful.server.tools.specs import CreateResponsibility, Face, ToolSpec, input_schema, tool_specs
 
@@ -153,6 +156,8 @@ class WakefulMCP:
         handlers: dict[str, Callable[[str, Any], dict[str, Any]]] = {
             "create_responsibility": self._create, "steer_responsibility": self._steer,
             "task_status": self._status, "send_to_user": self._send, "schedule_followup": self._followup,
+            "wait_for_reply": self._wait_for_reply, "keep_checking": self._keep_checking,
+            "list_timers": self._list_timers, "cancel_timer": self._cancel_timer,
         }
         if name in handlers:
             return handlers[name](user, spec.validate(Face.MCP, args))
@@ -202,10 +207,40 @@ class WakefulMCP:
         now = self.clock.now()
         due = now + timedelta(seconds=args.in_seconds)
         with write(self.engine) as conn:
-            task = self._own_task(conn, user, args.task_id)
-            timer_id = timers.create_followup(conn, user_id=user, task_id=task.id, due_at=due, note=args.note,
-                                              now=now, cap=self.settings.followup_cap)
+            timer_id = agenda.add_followup(conn, user_id=user, task_id=args.task_id, due_at=due, note=args.note,
+                                           now=now, limits=agenda.Limits.of(self.settings))
         return {"timer_id": timer_id, "due_at": due.isoformat()}
+
+    def _wait_for_reply(self, user: str, args: Any) -> dict[str, Any]:
+        now = self.clock.now()
+        deadline = args.until or now + timedelta(seconds=args.within_seconds)
+        with write(self.engine) as conn:
+            wait_id = agenda.add_wait(conn, user_id=user, task_id=args.task_id, key=args.key, deadline=deadline,
+                                      on_timeout=OnTimeout(args.on_timeout), note=args.note, now=now,
+                                      limits=agenda.Limits.of(self.settings), source=args.source)
+        return {"wait_id": wait_id, "deadline": deadline.astimezone(UTC).isoformat(), "on_timeout": args.on_timeout}
+
+    def _keep_checking(self, user: str, args: Any) -> dict[str, Any]:
+        every = timedelta(seconds=args.every_seconds) if args.every_seconds is not None else None
+        with write(self.engine) as conn:
+            timer_id = agenda.add_check(conn, user_id=user, task_id=args.task_id, note=args.note,
+                                        now=self.clock.now(), limits=agenda.Limits.of(self.settings), every=every,
+                                        cron=args.cron, misfire=Misfire(args.misfire))
+            said = next(t for t in agenda.listing(conn, user_id=user, task_id=args.task_id)["timers"]
+                        if t["timer_id"] == timer_id)
+        return said
+
+    def _list_timers(self, user: str, args: Any) -> dict[str, Any]:
+        with read(self.engine) as conn:
+            self._own_task(conn, user, args.task_id)
+            return agenda.listing(conn, user_id=user, task_id=args.task_id)
+
+    def _cancel_timer(self, user: str, args: Any) -> dict[str, Any]:
+        with write(self.engine) as conn:
+            agenda.check_open(conn, user_id=user, task_id=args.task_id, item_id=args.id)
+            agenda.cancel(conn, user_id=user, task_id=args.task_id, item_id=args.id,
+                          reason=f"cancelled by {agent_actor(user)}", now=self.clock.now())
+        return {"cancelled": args.id}
 
     # -- resources -----------------------------------------------------------------------------------------------
 

@@ -124,6 +124,24 @@ class PendingWait(_Answer):
     authority: str
     """Who may satisfy it: `user`, `system`, `any_source` or `source:<name>` (one webhook source)."""
     deadline: str | None
+    on_timeout: Literal["follow_up", "tell_user", "close"] | None
+    """A reply wait the agent set: what its deadline does (null: the server's own wait; its deadline wakes the
+    task)."""
+    note: str | None
+    said: str | None
+    """A reply wait the agent set, in plain words, in the user's time zone."""
+
+
+class OpenTimer(_Answer):
+    """A follow-up or a recurring check set for the task."""
+
+    timer_id: str
+    kind: Literal["followup", "schedule"]
+    note: str
+    next_at: str
+    """When it fires next (ISO 8601, UTC)."""
+    said: str
+    """In plain words, in the user's time zone: "checks prices every day at 09:00 Asia/Hong_Kong; next …"."""
 
 
 class ActionSummary(_Answer):
@@ -153,6 +171,7 @@ class TaskStatus(_Answer):
     state: TaskState
     version: int
     facts: Facts
+    timers: list[OpenTimer]
     waits: list[PendingWait]
     actions: list[ActionSummary]
     proposed_steers: list[ProposedSteer]

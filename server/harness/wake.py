@@ -11,6 +11,7 @@ Plain model text is stored with its decision and never reaches the user.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -19,6 +20,8 @@ from typing import Any
 from sqlalchemy import Connection, Table
 
 from wakeful.server.acting.connectors import Registry
+from wakeful.server.core import agenda
+from wakeful.server.core.schedule import Misfire
 from wakeful.server.core.worker import RunContext, RunInterrupted
 from wakeful.server.errors import WakefulError
 from wakeful.server.harness import history
@@ -26,13 +29,14 @@ from wakeful.server.harness.context import assemble, render_tail
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import RunOutcome, run_contexts, tool_results
+from wakeful.server.store.tables import OnTimeout, RunOutcome, run_contexts, tool_results
 from wakeful.server.tools.specs import Face, spec
 
 __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
-_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record"})
+_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record", "wait_for_reply", "keep_checking",
+                  "list_timers", "cancel_timer"})
 
 
 class Harness:
@@ -105,10 +109,8 @@ class Harness:
                 with read(ctx.engine) as conn:
                     return history.record(conn, user_id=ctx.user_id, task_id=task_id, session_id=ctx.session_id,
                                           record_id=args.record_id)
-            if call.name == "schedule_followup":
-                at = ctx.now() + timedelta(seconds=args.in_seconds)
-                ctx.follow_up(task_id=task_id, at=at, note=args.note)
-                return {"scheduled_for": at.isoformat()}
+            if call.name in _TIMEKEEPING:
+                return _TIMEKEEPING[call.name](ctx, task_id, args)
             result: dict[str, Any] = ctx.call_tool(task_id=task_id, tool=call.name, args=dict(call.args),
                                                    decision_id=decision_id)
             if result.pop("screenshot_png_base64", None) is not None:
@@ -121,6 +123,42 @@ class Harness:
             return {"error": {"code": exc.code, "message": exc.message}}
         except (KeyError, ValueError, TypeError) as exc:
             return {"error": {"code": "invalid_arguments", "message": f"{call.name}: {exc}"}}
+
+
+def _follow_up(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
+    at = ctx.now() + timedelta(seconds=args.in_seconds)
+    ctx.follow_up(task_id=task_id, at=at, note=args.note)
+    return {"scheduled_for": at.isoformat()}
+
+
+def _wait_for_reply(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
+    deadline = args.until or ctx.now() + timedelta(seconds=args.within_seconds)
+    ctx.wait_for_reply(args.key, task_id=task_id, deadline=deadline, on_timeout=OnTimeout(args.on_timeout),
+                       note=args.note, source=args.source)
+    return {"waiting_for": args.key, "until": deadline.isoformat(), "on_timeout": args.on_timeout}
+
+
+def _keep_checking(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
+    every = timedelta(seconds=args.every_seconds) if args.every_seconds is not None else None
+    first = ctx.schedule(task_id=task_id, note=args.note, every=every, cron=args.cron, misfire=Misfire(args.misfire))
+    return {"checking": args.note, "first_at": first.isoformat()}
+
+
+def _list_timers(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
+    with read(ctx.engine) as conn:
+        return agenda.listing(conn, user_id=ctx.user_id, task_id=task_id)
+
+
+def _cancel_timer(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
+    ctx.cancel_timer(task_id=task_id, item_id=args.id)
+    return {"cancelled": args.id}
+
+
+_TIMEKEEPING: dict[str, Callable[[RunContext, str, Any], dict[str, Any]]] = {
+    "schedule_followup": _follow_up, "wait_for_reply": _wait_for_reply, "keep_checking": _keep_checking,
+    "list_timers": _list_timers, "cancel_timer": _cancel_timer,
+}
+"""The task's timers and waits (`server.core.agenda`): set when the run commits, listed from the records."""
 
 
 def _insert(table: Table, row: dict[str, Any], conn: Connection) -> None:

@@ -163,6 +163,14 @@ class SteerState(StrEnum):
     SUPERSEDED = "superseded"        # the task got a newer version first: it asked against an old one
 
 
+class OnTimeout(StrEnum):
+    """What a reply wait the agent set does at its deadline (`server.core.agenda`)."""
+
+    FOLLOW_UP = "follow_up"  # the task's session wakes with a timeout event
+    TELL_USER = "tell_user"  # one plain message to the user, through the outbox; no wake
+    CLOSE = "close"          # the wait ends timed out, recorded; no wake
+
+
 class TimerKind(StrEnum):
     FOLLOWUP = "followup"
     SCHEDULE = "schedule"
@@ -403,9 +411,12 @@ waits = Table(
     _now_col("resolved_at"),
     Column("resolved_event_id", String(40)),
     Column("authority", String(120), nullable=False),  # who may satisfy it (`server.core.authority`)
+    Column("on_timeout", String(16)),  # a reply wait the agent set; None: a timeout wakes the session
+    Column("note", Text),  # what the agent awaits, in its words
     UniqueConstraint("user_id", "match_key"),
     Index(None, "state", "deadline"),
     _check("state", WaitState),
+    _check("on_timeout", OnTimeout),
     _authority_check(Authority.USER, Authority.SYSTEM, Authority.ANY_SOURCE),
 )
 
@@ -427,6 +438,9 @@ timers = Table(
     Column("fire_count", Integer, nullable=False, default=0),
     _now_col("last_slot"),
     _now_col("created_at", nullable=False),
+    Column("tz", String(64)),  # the IANA zone a cron is read in (the user's when it was set); None: UTC
+    _now_col("ended_at"),  # when it was cancelled or fired its last
+    Column("end_reason", Text),
     Index(None, "state", "due_at"),
     _check("kind", TimerKind),
     _check("state", TimerState),

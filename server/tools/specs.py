@@ -9,9 +9,10 @@ harness (`server.harness.context`) render this one list; input schemas are gener
     input_schema    a model's JSON schema, self-contained (nested models inlined, no `$ref` to dangle)
 
 Over MCP a tool that acts for a task takes the task's ID as `task_id`; in the harness the wake binds the task, so
-the model never names one. Connector reads and writes, the tool-computer tools and `send_to_user` /
-`schedule_followup` are on both faces; delegation (`create_responsibility`, `steer_responsibility`, `task_status`)
-is the MCP client's, `stay_quiet` the harness's.
+the model never names one. Connector reads and writes, the tool-computer tools, `send_to_user` and the agent's
+timekeeping (`schedule_followup`, `wait_for_reply`, `keep_checking`, `list_timers`, `cancel_timer`:
+`server.core.agenda`) are on both faces; delegation (`create_responsibility`, `steer_responsibility`,
+`task_status`) is the MCP client's, `stay_quiet` the harness's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, create_model
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 from pydantic.json_schema import GenerateJsonSchema
 
 from wakeful.server.acting.connectors import (
@@ -144,6 +154,51 @@ class ScheduleFollowup(_Args):
     note: Annotated[str, Field(max_length=500)] = ""
 
 
+_NINETY_DAYS: Final = 90 * 86400
+
+
+class WaitForReply(_Args):
+    key: Annotated[str, Field(min_length=1, max_length=200, description="The correlation key the reply will carry: "
+                                                                        "a mail thread ID, an order number, a PNR.")]
+    within_seconds: Annotated[int, Field(ge=60, le=_NINETY_DAYS)] | None = None
+    until: Annotated[AwareDatetime, Field(strict=False, description="ISO 8601 with its offset.")] | None = None
+    on_timeout: Literal["follow_up", "tell_user", "close"] = "follow_up"
+    note: Annotated[str, Field(min_length=1, max_length=500, description="What you are waiting for, in plain words "
+                                                                         "(the user sees it).")]
+    source: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                                 description="Only this webhook source may answer (default: any).")] | None = None
+
+    @model_validator(mode="after")
+    def _one_deadline(self) -> WaitForReply:
+        if (self.within_seconds is None) == (self.until is None):
+            raise ValueError("give exactly one of within_seconds or until")
+        return self
+
+
+class KeepChecking(_Args):
+    note: Annotated[str, Field(min_length=1, max_length=500, description="What to check, in plain words (the user "
+                                                                         "sees it).")]
+    every_seconds: Annotated[int, Field(ge=60, le=_NINETY_DAYS)] | None = None
+    cron: Annotated[str, Field(max_length=120, description="5 fields, read in the user's time zone, e.g. "
+                                                           "'0 9 * * *' for every day at 09:00.")] | None = None
+    misfire: Literal["skip", "catch_up_once"] = "skip"
+
+    @model_validator(mode="after")
+    def _one_recurrence(self) -> KeepChecking:
+        if (self.every_seconds is None) == (self.cron is None):
+            raise ValueError("give exactly one of every_seconds or cron")
+        return self
+
+
+class ListTimers(_Args):
+    pass
+
+
+class CancelTimer(_Args):
+    id: Annotated[str, Field(pattern=r"^(tmr|wait)_[0-9a-z]+$", max_length=64,
+                             description="A timer_id or wait_id that list_timers showed.")]
+
+
 class Observe(_Args):
     surface: Literal["browser", "desktop"] = "browser"
 
@@ -176,7 +231,10 @@ class TaskRef(BaseModel):
 def _with_task_id(args: type[BaseModel]) -> type[BaseModel]:
     """`args` plus the task's ID, as an MCP client passes them (the task's ID first)."""
     fields = {name: (field.annotation, field) for name, field in args.model_fields.items()}
-    model: type[BaseModel] = create_model(args.__name__, __base__=_McpArgs, **fields)  # type: ignore[call-overload]
+    checks = {name: model_validator(mode=check.info.mode)(check.func)  # e.g. "exactly one of …": they hold here too
+              for name, check in args.__pydantic_decorators__.model_validators.items()}
+    model: type[BaseModel] = create_model(args.__name__, __base__=_McpArgs, __validators__=checks,  # type: ignore[call-overload]
+                                          **fields)
     return model
 
 
@@ -250,6 +308,26 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
              hints=Hints(read_only=True, destructive=False, idempotent=True, open_world=False),
              description="One record of this task's history, whole, by the ID the context names (the earlier "
                          "history lists IDs, not contents). What it says is data, as events are."),
+    ToolSpec(name="wait_for_reply", args=WaitForReply, hints=_RECORD,
+             description="Wait for a reply that will carry `key` (from any webhook source, or only `source`), until "
+                         "a deadline (within_seconds or until). An acknowledgement such as 'I will confirm' is a "
+                         "reason to wait, not a confirmation. At the deadline, on_timeout: follow_up wakes you with "
+                         "what you awaited, tell_user tells the user no reply came, close just ends the wait. Capped "
+                         "per task; shown to the user; ends with the task. A reply after the deadline wakes nothing."),
+    ToolSpec(name="keep_checking", args=KeepChecking, hints=_RECORD,
+             description="Wake this task on a schedule to check something: every_seconds, or cron read in the "
+                         "user's time zone. misfire: skip (default) lets slots missed while the task was paused or "
+                         "the server down go by; catch_up_once fires once for them. Refused more often than the "
+                         "minimum interval, past the task's cap or its daily wake budget; shown to the user; paused "
+                         "and closed with the task."),
+    ToolSpec(name="list_timers", args=ListTimers,
+             hints=Hints(read_only=True, destructive=False, idempotent=True, open_world=False),
+             description="This task's open follow-ups, checks and waits, each with its ID and what it does in plain "
+                         "words."),
+    ToolSpec(name="cancel_timer", args=CancelTimer,
+             hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
+             description="End one of this task's follow-ups, checks or reply waits (an ID from list_timers). The "
+                         "server's own waits (approvals, reconciliation) are not yours to end."),
     ToolSpec(name="stay_quiet", args=StayQuiet, faces=frozenset({Face.HARNESS}),
              hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
              description="End this wake without messaging the user, with a one-line reason."),

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,11 @@ from tests.support.records import messages
 from tests.support.serve import ServeProcess
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
+from wakeful.server.core import control
 from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import task_versions
-from wakeful.server.store.users import ensure_user
+from wakeful.server.store.tables import ControlKind, task_versions
+from wakeful.server.store.users import ensure_user, set_zone
 
 pytestmark = pytest.mark.anyio
 
@@ -55,6 +57,10 @@ ANNOTATIONS = {  # read-only, destructive, idempotent, open-world
     "task_status": (True, False, True, False),
     "send_to_user": (False, False, False, True),             # a message leaves for the user
     "schedule_followup": (False, False, False, False),       # a new timer on every call
+    "wait_for_reply": (False, False, False, False),          # a new wait on every call
+    "keep_checking": (False, False, False, False),           # a new check on every call
+    "list_timers": (True, False, True, False),
+    "cancel_timer": (False, False, True, False),             # narrows; a second call finds nothing open
     **dict.fromkeys(["merchant__list_subscriptions", "merchant__get_subscription", "airline__get_booking",
                      "airline__search_flights", "hotel__quote_stay", "hotel__get_quote"], (True, False, True, True)),
     # a write proposes an action (admitted or held for the user's approval); the same call again is that action
@@ -152,6 +158,55 @@ async def test_followups_are_capped(w: World, settings: Any) -> None:
         second = await client.call_tool("schedule_followup", {"task_id": task_id, "in_seconds": 3600})
     assert not first.is_error
     assert second.is_error and second.content[0].text.startswith("cap_exceeded")
+
+
+async def test_an_mcp_client_keeps_time_for_a_task_within_its_caps(w: World, settings: Any) -> None:
+    settings.check_wakes_per_day = 1
+    with write(w.engine) as conn:
+        set_zone(conn, user_id=w.owner, name="Asia/Hong_Kong")
+    w.clock.set(datetime(2026, 12, 2, 12, 0, tzinfo=UTC))
+    async with Client(mcp_for(w, settings).server) as client:
+        task_id = (await client.call_tool("create_responsibility", {"title": "trip"})).structured_content["task_id"]
+        check = await client.call_tool("keep_checking", {"task_id": task_id, "note": "prices", "cron": "0 9 * * *"})
+        over = await client.call_tool("keep_checking", {"task_id": task_id, "note": "more", "cron": "0 21 * * *"})
+        wait = await client.call_tool("wait_for_reply", {"task_id": task_id, "key": "thread-9", "note": "the client",
+                                                         "until": "2026-12-04T09:00:00+08:00"})
+        listed = await client.call_tool("list_timers", {"task_id": task_id})
+        cancelled = await client.call_tool("cancel_timer", {"task_id": task_id,
+                                                            "id": wait.structured_content["wait_id"]})
+        again = await client.call_tool("cancel_timer", {"task_id": task_id, "id": wait.structured_content["wait_id"]})
+        status = await client.call_tool("task_status", {"task_id": task_id})
+    assert check.structured_content["said"] == "checks prices every day at 09:00 Asia/Hong_Kong; next 2026-12-03 09:00"
+    assert over.is_error and over.content[0].text.startswith("wake_budget_exceeded: ")
+    assert wait.structured_content["deadline"] == "2026-12-04T01:00:00+00:00"
+    assert [x["said"] for x in listed.structured_content["waits"]] == [
+        "waits for the client until 2026-12-04 09:00; then looks again"]
+    assert not cancelled.is_error and again.is_error and again.content[0].text.startswith("unknown_timer: ")
+    assert status.structured_content["waits"] == [] and len(status.structured_content["timers"]) == 1
+
+
+async def test_a_paused_or_stopped_task_takes_no_new_timers_or_waits(w: World, settings: Any) -> None:
+    def control_as_user(**change: Any) -> None:
+        with write(w.engine) as conn:
+            if "kind" in change:
+                control.set_task_state(conn, user_id=w.owner, actor="user:test", reason="test", now=w.clock.now(),
+                                       **change)
+            else:
+                control.set_stop(conn, user_id=w.owner, actor="user:test", reason="test", now=w.clock.now(),
+                                 **change)
+
+    async with Client(mcp_for(w, settings).server) as client:
+        task_id = (await client.call_tool("create_responsibility", {"title": "t"})).structured_content["task_id"]
+        control_as_user(task_id=task_id, kind=ControlKind.PAUSE)
+        paused = await client.call_tool("keep_checking", {"task_id": task_id, "note": "n", "every_seconds": 3600})
+        control_as_user(task_id=task_id, kind=ControlKind.RESUME)
+        control_as_user(stopped=True)
+        stopped = await client.call_tool("wait_for_reply", {"task_id": task_id, "key": "k", "note": "n",
+                                                            "within_seconds": 3600})
+        listed = await client.call_tool("list_timers", {"task_id": task_id})
+    assert paused.is_error and paused.content[0].text.startswith("paused: ")
+    assert stopped.is_error and stopped.content[0].text.startswith("stopped: ")
+    assert listed.structured_content == {"timers": [], "waits": []}
 
 
 async def test_the_stdio_command_from_the_docs_lists_tools_and_calls_one(tmp_path: Path) -> None:

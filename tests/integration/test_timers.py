@@ -129,7 +129,7 @@ def test_schedules_more_frequent_than_the_minimum_interval_are_refused(engine: E
     with write(engine) as conn, pytest.raises(Refused) as refused:
         timers.create_schedule(conn, user_id=owner, task_id=task, now=clock.now(), note="n", every=every, cron=cron,
                                min_interval=timedelta(minutes=5))
-    assert refused.value.code == "cap_exceeded"
+    assert refused.value.code == "interval_too_short"
 
 
 def test_an_invalid_cron_expression_is_a_clear_error(engine: Engine, clock: FakeClock, owner: str) -> None:

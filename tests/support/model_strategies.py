@@ -13,10 +13,11 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import AwareDatetime, BaseModel
 from pydantic.fields import FieldInfo
 
 __all__ = ["JSON", "Special", "arguments"]
@@ -82,6 +83,8 @@ def _value(tp: Any, metadata: list[Any], special: Special, name: str | None) -> 
         return st.none()
     if tp is Any:
         return JSON
+    if tp is AwareDatetime:  # as JSON carries it: ISO 8601 with an offset, anywhere from year 1 to 9999
+        return st.datetimes(timezones=st.timezones()).map(datetime.isoformat)
     if origin is list:
         (item,) = get_args(tp)
         high = _constraint(metadata, "max_length")

@@ -462,3 +462,72 @@ def test_a_schedule_error_is_both_a_value_error_and_a_bad_request() -> None:
     assert isinstance(error, ValueError) and isinstance(error, BadRequest)
     assert error.code == "invalid_schedule" and error.http_status == 400
     assert error.to_json() == {"error": {"code": "invalid_schedule", "message": "interval must be positive"}}
+
+
+# --- cron in the user's time zone ---------------------------------------------------------------------------------
+
+NEW_YORK = "America/New_York"  # DST: 2027-03-14 02:00 → 03:00, 2027-11-07 02:00 → 01:00
+
+
+def _slots(recurrence: Recurrence, start: datetime, count: int) -> list[datetime]:
+    found, t = [], start
+    for _ in range(count):
+        t = recurrence.next_after(t, anchor=start)
+        found.append(t)
+    return found
+
+
+def test_a_daily_0900_check_in_hong_kong_fires_at_0100_utc() -> None:
+    recurrence = Recurrence(cron="0 9 * * *", tz="Asia/Hong_Kong")
+    assert recurrence.next_after(datetime(2026, 12, 2, 12, 0, tzinfo=UTC), anchor=T0) == \
+        datetime(2026, 12, 3, 1, 0, tzinfo=UTC)
+
+
+def test_a_daily_0900_check_stays_at_0900_local_across_both_dst_changes() -> None:
+    spring = _slots(Recurrence(cron="0 9 * * *", tz=NEW_YORK), datetime(2027, 3, 13, 0, 0, tzinfo=UTC), 2)
+    assert spring == [datetime(2027, 3, 13, 14, 0, tzinfo=UTC), datetime(2027, 3, 14, 13, 0, tzinfo=UTC)]
+    autumn = _slots(Recurrence(cron="0 9 * * *", tz=NEW_YORK), datetime(2027, 11, 6, 0, 0, tzinfo=UTC), 2)
+    assert autumn == [datetime(2027, 11, 6, 13, 0, tzinfo=UTC), datetime(2027, 11, 7, 14, 0, tzinfo=UTC)]
+
+
+def test_a_slot_in_the_skipped_hour_fires_once_when_the_clock_jumps() -> None:
+    slots = _slots(Recurrence(cron="30 2 * * *", tz=NEW_YORK), datetime(2027, 3, 13, 12, 0, tzinfo=UTC), 2)
+    # 02:30 does not exist on 14 March: it fires at 03:00 EDT (07:00 UTC), the moment the clock jumps past it.
+    assert slots == [datetime(2027, 3, 14, 7, 0, tzinfo=UTC), datetime(2027, 3, 15, 6, 30, tzinfo=UTC)]
+
+
+def test_a_slot_in_the_repeated_hour_fires_once_at_its_first_occurrence() -> None:
+    slots = _slots(Recurrence(cron="30 1 * * *", tz=NEW_YORK), datetime(2027, 11, 6, 12, 0, tzinfo=UTC), 2)
+    assert slots == [datetime(2027, 11, 7, 5, 30, tzinfo=UTC), datetime(2027, 11, 8, 6, 30, tzinfo=UTC)]
+
+
+def test_slots_stay_strictly_increasing_through_the_repeated_hour() -> None:
+    recurrence = Recurrence(cron="*/30 * * * *", tz=NEW_YORK)
+    start = datetime(2027, 11, 7, 4, 50, tzinfo=UTC)  # 00:50 EDT
+    slots = _slots(recurrence, start, 4)
+    assert slots == [datetime(2027, 11, 7, 5, 0, tzinfo=UTC), datetime(2027, 11, 7, 5, 30, tzinfo=UTC),
+                     datetime(2027, 11, 7, 7, 0, tzinfo=UTC), datetime(2027, 11, 7, 7, 30, tzinfo=UTC)]
+    inside = datetime(2027, 11, 7, 6, 10, tzinfo=UTC)  # 01:10 EST, the hour's second pass
+    assert recurrence.latest_at_or_before(inside, anchor=start) == datetime(2027, 11, 7, 5, 30, tzinfo=UTC)
+    assert recurrence.next_after(inside, anchor=start) == datetime(2027, 11, 7, 7, 0, tzinfo=UTC)
+
+
+def test_a_missed_week_of_a_local_daily_check_counts_seven_slots() -> None:
+    recurrence = Recurrence(cron="0 9 * * *", tz=NEW_YORK)
+    due = datetime(2027, 3, 10, 14, 0, tzinfo=UTC)
+    decision = _decide(due_at=due, now=due + 7 * DAY, recurrence=recurrence, misfire=Misfire.CATCH_UP_ONCE)
+    assert decision == Decision(fire_slot=datetime(2027, 3, 17, 13, 0, tzinfo=UTC),
+                                next_due=datetime(2027, 3, 18, 13, 0, tzinfo=UTC), missed=7)
+
+
+def test_min_gap_of_a_local_cron_sees_the_short_day() -> None:
+    recurrence = Recurrence(cron="0 9 * * *", tz=NEW_YORK)
+    assert min_gap(recurrence, anchor=datetime(2027, 3, 12, tzinfo=UTC)) == timedelta(hours=23)
+
+
+def test_an_unknown_zone_is_rejected() -> None:
+    with pytest.raises(ScheduleError) as info:
+        Recurrence(cron="0 9 * * *", tz="Mars/Olympus")
+    assert info.value.code == "unknown_timezone"
+    with pytest.raises(ScheduleError):
+        Recurrence(interval=HOUR, tz="Asia/Hong_Kong")  # an interval is elapsed time: no zone to read it in
