@@ -31,7 +31,7 @@ from wakeful.server.tools.specs import Face, spec
 __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
-_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup"})
+_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "confirm_pause"})
 
 
 class Harness:
@@ -99,6 +99,9 @@ class Harness:
                 return {"quiet": True}
             if task_id is None:
                 raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
+            if call.name == "confirm_pause":
+                ctx.confirm_pause(task_id=task_id, reason=args.reason)
+                return {"paused": True}
             if call.name == "schedule_followup":
                 at = ctx.now() + timedelta(seconds=args.in_seconds)
                 ctx.follow_up(task_id=task_id, at=at, note=args.note)

@@ -11,7 +11,7 @@ harness (`server.harness.context`) render this one list; input schemas are gener
 Over MCP a tool that acts for a task takes the task's ID as `task_id`; in the harness the wake binds the task, so
 the model never names one. Connector reads and writes, the tool-computer tools and `send_to_user` /
 `schedule_followup` are on both faces; delegation (`create_responsibility`, `steer_responsibility`, `task_status`)
-is the MCP client's, `stay_quiet` the harness's.
+is the MCP client's, `stay_quiet` and `confirm_pause` the harness's.
 """
 
 from __future__ import annotations
@@ -134,6 +134,10 @@ class StayQuiet(_Args):
     reason: Annotated[str, Field(max_length=200)]
 
 
+class ConfirmPause(_Args):
+    reason: Annotated[str, Field(min_length=1, max_length=500)]
+
+
 class ScheduleFollowup(_Args):
     in_seconds: Annotated[int, Field(ge=60, le=90 * 86400)]
     note: Annotated[str, Field(max_length=500)] = ""
@@ -244,6 +248,11 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
     ToolSpec(name="stay_quiet", args=StayQuiet, faces=frozenset({Face.HARNESS}),
              hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
              description="End this wake without messaging the user, with a one-line reason."),
+    ToolSpec(name="confirm_pause", args=ConfirmPause, faces=frozenset({Face.HARNESS}),
+             hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
+             description="The user's message in this wake asks you to stop or wait: turn the hold it put on the "
+                         "task into a pause, which only the user resumes. Without it the hold lifts when this wake "
+                         "ends. Refused (not_held) when no message of the user holds the task."),
 )
 
 COMPUTER: Final[tuple[ToolSpec, ...]] = (
