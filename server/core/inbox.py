@@ -10,9 +10,10 @@ one fsync, and each request is acknowledged only after that commit returned. A d
 retried alone, so one bad delivery never fails its neighbours.
 
 When a delivery's run falls due (`due_at`): several outside deliveries that arrive together are one run, so a
-webhook makes its session's todo due `coalesce` after it arrived and those that follow within that window join it
-(the earliest due time stands); the user's messages and control are due at once, and pull the window in; a timer
-joins the work already there at its time (it never hastens it).
+webhook with a correlation key makes its session's todo due `coalesce` after it arrived and those that follow within
+that window join it (the earliest due time stands); one without a key starts a session nothing else can join, and is
+due at once. The user's messages and control are due at once, and pull a window in; a timer joins the work already
+there at its time (it never hastens it).
 """
 
 from __future__ import annotations
@@ -87,9 +88,11 @@ _NOW = timedelta(0)
 
 
 def due_at(delivery: Delivery, *, now: datetime, coalesce: timedelta) -> tuple[datetime, bool]:
-    """(when the delivery's run falls due, whether that may hasten work already due later): an outside delivery
-    after the coalescing window, a timer at once but never ahead of work already waiting, anything else at once."""
-    if delivery.authority.startswith(SOURCE_PREFIX):
+    """(when the delivery's run falls due, whether that may hasten work already due later): an outside delivery that
+    others may join (it names a key or a session) after the coalescing window, a timer at once but never ahead of work
+    already waiting, anything else at once."""
+    joinable = delivery.corr_key is not None or delivery.session_id is not None
+    if delivery.authority.startswith(SOURCE_PREFIX) and joinable:
         return now + coalesce, True
     return now, delivery.kind not in (EventKind.TIMER, EventKind.WAIT_TIMEOUT)
 
@@ -158,8 +161,8 @@ def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime,
                                 status=EventStatus.PENDING)
         else:
             fresh[i] = record(conn, d, now=now, coalesce=coalesce)
-    if simple_rows:
-        _insert_fresh_sessions(conn, simple_rows, now=now, coalesce=coalesce)
+    if simple_rows:  # nothing can join a session without a key: due at once
+        _insert_fresh_sessions(conn, simple_rows, now=now)
     results = []
     for i, d in enumerate(deliveries):
         key = (d.source, d.source_id)
@@ -194,8 +197,7 @@ def _known(conn: Connection, source: str, source_ids: list[str]) -> Sequence[tup
     return rows
 
 
-def _insert_fresh_sessions(conn: Connection, rows: list[tuple[Delivery, str, str]], *, now: datetime,
-                           coalesce: timedelta) -> None:
+def _insert_fresh_sessions(conn: Connection, rows: list[tuple[Delivery, str, str]], *, now: datetime) -> None:
     """Each (delivery, event id, session id) as a new session, its event and its todo: one insert per table.
 
     The inbox's hot path: values go to the driver as they are (`insert_many`), so the shared ones are converted
@@ -209,9 +211,8 @@ def _insert_fresh_sessions(conn: Connection, rows: list[tuple[Delivery, str, str
                                "authority", "preempt", "payload", "status", "attempts", "received_at"),
                 [(eid, d.user_id, d.source, d.source_id, sid, None, d.kind.value, d.trust, d.authority,
                   preempt[d.preempt], _payload(d.payload), pending, 0, at) for d, eid, sid in rows])
-    due = {moment: bound(conn, todos.c.due_at, moment) for moment in (now, now + coalesce)}
     insert_many(conn, todos, ("session_id", "user_id", "version", "due_at"),  # a new session has no todo yet
-                [(sid, d.user_id, 1, due[due_at(d, now=now, coalesce=coalesce)[0]]) for d, _, sid in rows])
+                [(sid, d.user_id, 1, at) for d, _, sid in rows])
 
 
 def _payload(payload: Any) -> str:

@@ -94,6 +94,11 @@ def test_a_delivery_after_the_window_is_a_run_of_its_own(live: Inbox, clock: Fak
     assert [r.outcome for r in run_rows(live.runtime.engine)] == [RunOutcome.COMPLETED] * 2
 
 
+def test_a_delivery_without_a_key_starts_at_once_since_nothing_could_join_it(live: Inbox) -> None:
+    live.hook("alone", {"kind": "newsletter"})
+    assert live.run_once()
+
+
 def deliver(engine: Engine, clock: FakeClock, owner: str, delivery: inbox.Delivery) -> str:
     with write(engine) as conn:
         return inbox.record(conn, delivery, now=clock.now(), coalesce=WINDOW).session_id
