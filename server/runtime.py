@@ -106,7 +106,8 @@ class Runtime:
         self.clock = clock or SystemClock()
         self.engine = engine or make_engine(settings.db_url)
         self.signals = Signals()
-        self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set)
+        self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set,
+                                        coalesce=timedelta(seconds=settings.coalesce_seconds))
         self.policy = load_policy(settings.policies / "policy.toml")
         self.registry = registry or load_registry(settings)
         self.egress = ConnectorHTTP.from_settings(settings)

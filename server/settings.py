@@ -211,6 +211,11 @@ class Settings(BaseSettings):
     """The user's standing instructions (the agent reads, never edits them); default `<data_dir>/instructions.md`."""
     daily_max_steps: int = 5000
     """Steps per user per UTC day across all runs."""
+    coalesce_seconds: float = Field(default=2.0, ge=0, le=300)
+    """Webhook deliveries for one session (by their correlation key) that arrive within this many seconds of the first
+    are handled by one run (a warning and two cancellations: one run, one rebooking): the run starts this long after
+    the first arrived. One without a key starts at once (nothing can join it); so do the user's messages and control,
+    taking what is pending with them. 0 turns coalescing off."""
     event_max_attempts: int = 5
     """Runs that may pick up one event before it is marked failed and the user told."""
     followup_cap: int = 20

@@ -2,8 +2,8 @@
 
 Checks run in a fixed order and every one is reported, so the recorded verdict explains itself:
 
-    STOP → revoked → paused → closed → current task version → objects valid   (`leave.leave_check`, the rule the
-    → per-action ceiling → task total → daily cap → risk tier and approval      dispatcher and egress ask too)
+    STOP → revoked → paused → held → closed → current task version → objects valid   (`leave.leave_check`, the rule
+    → per-action ceiling → task total → daily cap → risk tier and approval      the dispatcher and egress ask too)
 
 Limits are checked against the facts at admission time (which may be long after the proposal: an approval
 re-admits the action with fresh facts). The caller gathers the facts and records the verdict.

@@ -2,9 +2,10 @@
 
 Checks run in a fixed order; the first that fails decides, and says what it means for the request:
 
-    STOP → revoked → paused → closed → the attempt has no outcome yet → current task version → objects valid
+    STOP → revoked → paused → held → closed → the attempt has no outcome yet → current task version → objects valid
 
-    hold  STOP, pause: nothing leaves now; the same request may leave once the user lifts the hold
+    hold  STOP, pause, the hold of the user's message: nothing leaves now; the same request may leave once it is
+          lifted
     void  revoked, closed, a settled attempt, a moved task version, a stale object: it never leaves
     go    every check passed
 
@@ -59,7 +60,7 @@ class LeaveFacts:
 class LeaveVerdict:
     kind: Leave
     code: str
-    """Stable: `ok`, or the failed check's code (stopped, revoked, paused, task_closed, attempt_settled,
+    """Stable: `ok`, or the failed check's code (stopped, revoked, paused, held, task_closed, attempt_settled,
     task_version_changed, unknown_object, quote_expired)."""
     checks: tuple[Check, ...]
     """Every check run, in order; the last one failed unless the verdict is GO."""
@@ -81,6 +82,9 @@ def leave_check(f: LeaveFacts) -> LeaveVerdict:
          "STOP is in force; nothing new goes out until the user lifts it" if f.stopped else "no STOP"),
         ("revoked", "revoked", Leave.VOID, f.task_state is not TaskState.REVOKED, f"the task is {state}"),
         ("paused", "paused", Leave.HOLD, f.task_state is not TaskState.PAUSED, f"the task is {state}"),
+        ("held", "held", Leave.HOLD, f.task_state is not TaskState.HELD,
+         "the user wrote about the task: nothing new goes out until a run has read the message"
+         if f.task_state is TaskState.HELD else f"the task is {state}"),
         ("closed", "task_closed", Leave.VOID, f.task_state is not TaskState.CLOSED, f"the task is {state}"),
     ]
     if f.attempt is not None:

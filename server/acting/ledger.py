@@ -17,6 +17,7 @@ from typing import Any, Literal
 from sqlalchemy import Connection, and_, or_, select
 
 from wakeful.server.core import agenda
+from wakeful.server.core.holds import current_hold
 from wakeful.server.errors import NotFound
 from wakeful.server.store import users
 from wakeful.server.store.tables import (
@@ -156,7 +157,8 @@ def describe(entry: dict[str, Any]) -> str:
     formats: dict[str, Callable[[dict[str, Any]], str]] = {
         "task": lambda e: f"{e['id']} {e['title']!r}",
         "task_version": lambda e: f"v{e['version']}: {e['goal']} (by {e['created_by']})",
-        "control": lambda e: f"{e['kind']} by {e['actor']} {e.get('reason', '')}".rstrip(),
+        "control": lambda e: f"{e['kind']} by {e['actor']} {e.get('reason', '')}".rstrip()
+                             + (f" [message {e['event_id']}]" if "event_id" in e else ""),
         "steer_proposal": lambda e: f"{e['id']} by {e['proposed_by']} against v{e['base_version']}: "
                                     + "; ".join(e["widens"])[:200],
         "steer_decision": lambda e: f"{e['id']} {e['state']} by {e['decided_by']}"
@@ -188,7 +190,8 @@ def describe(entry: dict[str, Any]) -> str:
 
 def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, Any]:
     """A task's state from its records: the four facts, open timers and pending waits (each in plain words),
-    actions with verdicts and outcomes, and the agent's proposed steers."""
+    actions with verdicts and outcomes, the agent's proposed steers, and the hold of the user's message while there
+    is one."""
     row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
     if row is None:
         raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
@@ -204,7 +207,13 @@ def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, An
     return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state,
             "version": row.current_version, "facts": four_facts(conn, task_id=task_id),
             **agenda.listing(conn, user_id=user_id, task_id=task_id),
-            "actions": action_rows, "proposed_steers": _proposed_steers(conn, task_id)}
+            "actions": action_rows, "proposed_steers": _proposed_steers(conn, task_id), "hold": _hold(conn, task_id)}
+
+
+def _hold(conn: Connection, task_id: str) -> dict[str, Any] | None:
+    held = current_hold(conn, task_id=task_id)
+    return None if held is None else {"hold_id": held.hold_id, "event_id": held.event_id, "held_by": held.held_by,
+                                      "since": held.since.isoformat()}
 
 
 def _proposed_steers(conn: Connection, task_id: str) -> list[dict[str, Any]]:

@@ -56,11 +56,13 @@ def set_stop(conn: Connection, *, stopped: bool, user_id: str | None, actor: str
 
 
 def record(conn: Connection, *, user_id: str | None, task_id: str | None, kind: ControlKind, actor: str,
-           reason: str, now: datetime) -> str:
-    """Append one control decision to the history; returns its ID."""
+           reason: str, now: datetime, event_id: str | None = None, run_id: str | None = None) -> str:
+    """Append one control decision to the history; returns its ID. `event_id` and `run_id` name the message and the
+    run a hold, a release or a confirmed pause answers (`core.holds`)."""
     record_id = new_id("ctl")
     conn.execute(control.insert().values(id=record_id, user_id=user_id, task_id=task_id, kind=kind.value,
-                                         actor=actor, reason=reason, created_at=now))
+                                         actor=actor, reason=reason, created_at=now, event_id=event_id,
+                                         run_id=run_id))
     return record_id
 
 
@@ -100,13 +102,15 @@ def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, 
 
 
 _TRANSITIONS: dict[ControlKind, tuple[frozenset[TaskState], TaskState]] = {
-    ControlKind.PAUSE: (frozenset({TaskState.ACTIVE}), TaskState.PAUSED),
-    ControlKind.RESUME: (frozenset({TaskState.PAUSED}), TaskState.ACTIVE),
-    ControlKind.REVOKE: (frozenset({TaskState.ACTIVE, TaskState.PAUSED}), TaskState.REVOKED),
-    ControlKind.CLOSE: (frozenset({TaskState.ACTIVE, TaskState.PAUSED, TaskState.REVOKED}), TaskState.CLOSED),
+    ControlKind.PAUSE: (frozenset({TaskState.ACTIVE, TaskState.HELD}), TaskState.PAUSED),
+    ControlKind.RESUME: (frozenset({TaskState.PAUSED, TaskState.HELD}), TaskState.ACTIVE),
+    ControlKind.REVOKE: (frozenset({TaskState.ACTIVE, TaskState.PAUSED, TaskState.HELD}), TaskState.REVOKED),
+    ControlKind.CLOSE: (frozenset({TaskState.ACTIVE, TaskState.PAUSED, TaskState.HELD, TaskState.REVOKED}),
+                        TaskState.CLOSED),
     ControlKind.REOPEN: (frozenset({TaskState.CLOSED}), TaskState.ACTIVE),
 }
-"""Task states and the control operations that move between them; only the user's control channel calls these."""
+"""Task states and the control operations that move between them; only the user's control channel calls these.
+A hold (`core.holds`) is lifted by any of them: the user's own word settles what their message left open."""
 
 
 def state_after(kind: str) -> TaskState | None:

@@ -8,6 +8,12 @@ sender that bound it, so no delivery reaches a wait or a session through a key a
 `GroupCommitter` is how the HTTP handler uses it: deliveries from many requests are written in one transaction and
 one fsync, and each request is acknowledged only after that commit returned. A delivery whose transaction fails is
 retried alone, so one bad delivery never fails its neighbours.
+
+When a delivery's run falls due (`due_at`): several outside deliveries that arrive together are one run, so a
+webhook with a correlation key makes its session's todo due `coalesce` after it arrived and those that follow within
+that window join it (the earliest due time stands); one without a key starts a session nothing else can join, and is
+due at once. The user's messages and control are due at once, and pull a window in; a timer joins the work already
+there at its time (it never hastens it).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, select, update
@@ -29,10 +35,19 @@ from wakeful.server.core import faults, sessions
 from wakeful.server.core.authority import of_source, satisfiable_by
 from wakeful.server.store.db import bound, connect_nowait, insert_many, sqlite_driver, upsert, write, write_unless_busy
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import EventKind, EventStatus, WaitState, events, session_keys, todos, waits
+from wakeful.server.store.tables import (
+    SOURCE_PREFIX,
+    EventKind,
+    EventStatus,
+    WaitState,
+    events,
+    session_keys,
+    todos,
+    waits,
+)
 from wakeful.server.store.tables import sessions as sessions_table
 
-__all__ = ["Delivery", "GroupCommitter", "Recorded", "record", "record_many"]
+__all__ = ["Delivery", "GroupCommitter", "Recorded", "due_at", "record", "record_many"]
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +84,22 @@ class Recorded:
     status: EventStatus
 
 
-def record(conn: Connection, delivery: Delivery, *, now: datetime) -> Recorded:
-    """Persist one delivery in the caller's transaction. Idempotent by `(source, source_id)`."""
+_NOW = timedelta(0)
+
+
+def due_at(delivery: Delivery, *, now: datetime, coalesce: timedelta) -> tuple[datetime, bool]:
+    """(when the delivery's run falls due, whether that may hasten work already due later): an outside delivery that
+    others may join (it names a key or a session) after the coalescing window, a timer at once but never ahead of work
+    already waiting, anything else at once."""
+    joinable = delivery.corr_key is not None or delivery.session_id is not None
+    if delivery.authority.startswith(SOURCE_PREFIX) and joinable:
+        return now + coalesce, True
+    return now, delivery.kind not in (EventKind.TIMER, EventKind.WAIT_TIMEOUT)
+
+
+def record(conn: Connection, delivery: Delivery, *, now: datetime, coalesce: timedelta = _NOW) -> Recorded:
+    """Persist one delivery in the caller's transaction. Idempotent by `(source, source_id)`. `coalesce`: the window
+    an outside delivery waits for others to join its run."""
     existing = conn.execute(
         select(events.c.id, events.c.session_id, events.c.status).where(
             events.c.source == delivery.source, events.c.source_id == delivery.source_id
@@ -100,11 +129,13 @@ def record(conn: Connection, delivery: Delivery, *, now: datetime) -> Recorded:
         )
     )
     if status is EventStatus.PENDING:
-        sessions.wake(conn, session_id=session_id, user_id=delivery.user_id, due_at=now)
+        due, hasten = due_at(delivery, now=now, coalesce=coalesce)
+        sessions.wake(conn, session_id=session_id, user_id=delivery.user_id, due_at=due, hasten=hasten)
     return Recorded(event_id=event_id, session_id=session_id, duplicate=False, status=status)
 
 
-def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime) -> list[Recorded]:
+def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime,
+                coalesce: timedelta = _NOW) -> list[Recorded]:
     """`record` for a batch, in the caller's transaction, with the same results in the same order.
 
     The common case — a delivery with no correlation key, which starts a session of its own — is written with one
@@ -129,8 +160,8 @@ def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime) 
             fresh[i] = Recorded(event_id=simple_rows[-1][1], session_id=simple_rows[-1][2], duplicate=False,
                                 status=EventStatus.PENDING)
         else:
-            fresh[i] = record(conn, d, now=now)
-    if simple_rows:
+            fresh[i] = record(conn, d, now=now, coalesce=coalesce)
+    if simple_rows:  # nothing can join a session without a key: due at once
         _insert_fresh_sessions(conn, simple_rows, now=now)
     results = []
     for i, d in enumerate(deliveries):
@@ -246,8 +277,10 @@ class GroupCommitter:
     """Seconds before the loop looks again at a database another process is writing to."""
 
     def __init__(self, engine: Engine, clock: Clock, *, on_commit: Callable[[], None] = lambda: None,
-                 max_batch: int = 512) -> None:
+                 max_batch: int = 512, coalesce: timedelta = _NOW) -> None:
+        """`coalesce`: how long an outside delivery waits for others to join its run (`due_at`)."""
         self._engine = engine
+        self._coalesce = coalesce
         self._clock = clock
         self._on_commit = on_commit
         self._max_batch = max_batch
@@ -295,7 +328,8 @@ class GroupCommitter:
             now = self._clock.now()
             with write_unless_busy(self._loop_conn, loop,
                                    lambda: loop.call_soon_threadsafe(self._commit_turn, loop)) as conn:
-                results = None if conn is None else record_many(conn, [p.delivery for p in batch], now=now)
+                results = None if conn is None else record_many(conn, [p.delivery for p in batch], now=now,
+                                                                 coalesce=self._coalesce)
         except Exception:  # the writer thread retries them one by one, and refuses only a delivery that fails alone
             log.exception("inbox batch of %d failed on the event loop; the writer retries it", len(batch))
             for pending in batch:
@@ -358,7 +392,7 @@ class GroupCommitter:
     def _write(self, deliveries: list[Delivery]) -> list[Recorded]:
         now = self._clock.now()
         with write(self._engine) as conn:
-            results = record_many(conn, deliveries, now=now)
+            results = record_many(conn, deliveries, now=now, coalesce=self._coalesce)
         self._committed(len(deliveries))
         return results
 

@@ -21,8 +21,8 @@ from wakeful.server.store.db import upsert
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import sessions, todos
 
-__all__ = ["claim", "claimable", "create_session", "fence", "holds", "lock", "release", "settle_todo", "todo_version",
-           "wake"]
+__all__ = ["claim", "claimable", "create_session", "fence", "holds", "lock", "next_due", "release", "settle_todo",
+           "todo_version", "wake"]
 
 
 def create_session(conn: Connection, *, user_id: str, now: datetime) -> str:
@@ -36,15 +36,18 @@ def lock(conn: Connection, session_id: str) -> None:
     conn.execute(select(sessions.c.id).where(sessions.c.id == session_id).with_for_update())
 
 
-def wake(conn: Connection, *, session_id: str, user_id: str, due_at: datetime) -> None:
-    """Record that the session has work: create its todo, or bump its version so a running run leaves it."""
+def wake(conn: Connection, *, session_id: str, user_id: str, due_at: datetime, hasten: bool = True) -> None:
+    """Record that the session has work: create its todo, or bump its version so a running run leaves it.
+
+    A todo falls due at the earliest `due_at` it was given; one given with `hasten=False` (a timer) joins the work
+    already there at its time, and is due at `due_at` only when there was none."""
     stmt = upsert(conn, todos).values(session_id=session_id, user_id=user_id, version=1, due_at=due_at)
+    earliest = func.min if conn.dialect.name == "sqlite" else func.least
     conn.execute(
         stmt.on_conflict_do_update(
             index_elements=[todos.c.session_id],
-            set_={"version": todos.c.version + 1, "due_at": func.min(todos.c.due_at, stmt.excluded.due_at)}
-            if conn.dialect.name == "sqlite"
-            else {"version": todos.c.version + 1, "due_at": func.least(todos.c.due_at, stmt.excluded.due_at)},
+            set_={"version": todos.c.version + 1,
+                  "due_at": earliest(todos.c.due_at, stmt.excluded.due_at) if hasten else todos.c.due_at},
         )
     )
 
@@ -58,6 +61,15 @@ _CLAIMABLE = (select(todos.c.session_id, todos.c.user_id)
               .where(_LEASE_FREE)
               .order_by(todos.c.due_at)
               .limit(bindparam("limit")))
+
+
+_NEXT_DUE = select(func.min(todos.c.due_at)).where(todos.c.due_at > bindparam("now"))
+
+
+def next_due(conn: Connection, *, now: datetime) -> datetime | None:
+    """When the next todo not yet due falls due (None: none is waiting to)."""
+    due: datetime | None = conn.execute(_NEXT_DUE, {"now": now}).scalar()
+    return due
 
 
 def claimable(conn: Connection, *, now: datetime, limit: int = 10) -> list[tuple[str, str]]:

@@ -5,10 +5,13 @@ One wake, end to end:
     claim (lease + new fencing token; poison events failed; attempts counted)   ── one transaction
     handler(ctx)        effects are buffered; ctx.step() checks the token, STOP, preemption and budgets (a read)
                         and renews the lease once a tenth of it has run down
-    commit              release(token) first (it fences), then outbox rows, waits, timers, events → processed,
+    commit              release(token) first (it fences), then outbox rows, waits, timers, the holds of the user's
+                        messages it read and did not confirm as pauses (`core.holds`), events → processed,
                         run → ended                                               ── one transaction
-A run that is interrupted (STOP, pause) or fails commits none of its effects: its events stay pending for the
-next run. A run that exhausts its budget commits what it did and tells the user.
+A run that is interrupted (STOP, pause, the user's message) or fails commits none of its effects: its events stay
+pending for the next run, and a hold stays. A run that exhausts its budget commits what it did and tells the user.
+Every pending event of a session goes to its one next run: deliveries that arrived together are one run (the inbox
+makes an outside delivery due a short window after it arrived, so those that follow it join it).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
 
 from wakeful.proxy.clock import Clock
-from wakeful.server.core import agenda, control, faults, outbox, sessions, timers, waits
+from wakeful.server.core import agenda, control, faults, holds, outbox, sessions, timers, waits
 from wakeful.server.core.authority import of_source
 from wakeful.server.core.schedule import Misfire, Recurrence
 from wakeful.server.errors import StaleToken
@@ -286,6 +289,13 @@ class RunContext:
 
         self.effects.append(effect)
 
+    def confirm_pause(self, *, task_id: str, reason: str) -> None:
+        """The user's message that holds the task means "stop": the hold becomes a pause, committed now (a narrowing;
+        the user resumes it). Refused (`not_held`) unless the task is held."""
+        self.persist(lambda conn: holds.confirm_pause(
+            conn, user_id=self.user_id, task_id=task_id, run_id=self.run_id, reason=reason,
+            actor=f"agent:{self.user_id} in {self.run_id}", now=self.now()))
+
     def schedule(self, *, task_id: str, note: str, every: timedelta | None = None, cron: str | None = None,
                  misfire: Misfire = Misfire.SKIP) -> datetime:
         """A recurring check; a cron is read in the user's time zone. Returns its first slot."""
@@ -362,11 +372,18 @@ class Worker:
                 log.exception("worker %s: unexpected error", self.name)
                 worked = False
             if not worked:
-                idle.wait(wakeup)
+                idle.wait(wakeup, at_most=self._until_next_due())
                 continue
             idle.reset()
             if self._share is not None:
                 self._share.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
+
+    def _until_next_due(self) -> float | None:
+        """Seconds until a session's work falls due (a delivery's coalescing window ends); None: nothing is coming."""
+        now = self.clock.now()
+        with read(self.engine) as conn:
+            due = sessions.next_due(conn, now=now)
+        return None if due is None else (due - now).total_seconds()
 
     def run_once(self) -> bool:
         """Claim one session with due work and run it. Returns False when there was nothing to do."""
@@ -457,7 +474,7 @@ class Worker:
             if control.stop_state(conn).blocks(ctx.user_id):
                 raise RunInterrupted(RunOutcome.INTERRUPTED, "STOP is in force")
             if conn.execute(_PREEMPTING, {"session_id": ctx.session_id, "handed": [e.id for e in ctx.events]}).first():
-                raise RunInterrupted(RunOutcome.INTERRUPTED, "the user paused or closed the task")
+                raise RunInterrupted(RunOutcome.INTERRUPTED, "the user paused, closed or wrote about the task")
             if _steps_today(conn, ctx.user_id, now) + ctx.steps >= self.settings.daily_max_steps:
                 raise RunInterrupted(RunOutcome.BUDGET_EXHAUSTED,
                                      f"daily budget of {self.settings.daily_max_steps} steps used")
@@ -474,6 +491,8 @@ class Worker:
             if keep:
                 for effect in ctx.effects:
                     effect(conn, now)
+                if outcome is RunOutcome.COMPLETED:
+                    holds.release_read(conn, event_ids=ids, run_id=ctx.run_id, now=now)
                 if outcome is RunOutcome.BUDGET_EXHAUSTED:
                     outbox.enqueue(conn, user_id=ctx.user_id, session_id=ctx.session_id, run_id=ctx.run_id, now=now,
                                    body={"text": f"I stopped working on this for now: {reason}. What I did so far "

@@ -163,9 +163,10 @@ class ActionDispatcher:
     kind = OutboxKind.DISPATCH
 
     def ready(self) -> ColumnElement[bool]:
-        # Intents held by a pause are left unclaimed (STOP the drain leaves out itself), so they never crowd out
-        # the others.
-        paused = select(tasks_table.c.session_id).where(tasks_table.c.state == TaskState.PAUSED.value)
+        # Intents held by a pause or the hold of the user's message are left unclaimed (STOP the drain leaves out
+        # itself), so they never crowd out the others.
+        paused = select(tasks_table.c.session_id).where(
+            tasks_table.c.state.in_([TaskState.PAUSED.value, TaskState.HELD.value]))
         return or_(outbox_table.c.session_id.is_(None), outbox_table.c.session_id.not_in(paused))
 
     def handle(self, rows: Sequence[Any]) -> int:

@@ -23,7 +23,7 @@ from sqlalchemy import Engine, func, select
 from wakeful.proxy.clock import SystemClock
 from wakeful.server.acting import approvals, ledger
 from wakeful.server.acting.policy import load_policy
-from wakeful.server.core import control, steers
+from wakeful.server.core import control, holds, steers
 from wakeful.server.core.nudge import nudge
 from wakeful.server.errors import WakefulError
 from wakeful.server.faces.cli_common import DataDir, DbUrl, Json, err, print_json, say
@@ -321,6 +321,28 @@ def reopen(task: Target, reason: Reason = "", user: UserOpt = "owner", data_dir:
            database_url: DbUrl = None) -> None:
     """Reopen a closed task."""
     _control(ControlKind.REOPEN, task, reason, user, data_dir, database_url)
+
+
+Text = Annotated[str, typer.Argument(help="What you want the agent to hear, in your own words.")]
+
+
+@app.command("say")
+def say_to_task(task: Target, text: Text, user: UserOpt = "owner", data_dir: DataDir = None,
+                database_url: DbUrl = None) -> None:
+    """Write to the agent about a task. The task is held at once (nothing new goes out) and a run in progress
+    stops at its next step; the next run reads your message and either confirms a pause or lets the work go on."""
+    if not text.strip():
+        say("invalid_parameter", "the message is empty")
+        raise typer.Exit(2)
+    try:
+        _, engine, user_id = _as_user(data_dir, database_url, user)
+        with write(engine) as conn:
+            said = holds.say(conn, user_id=user_id, task_id=task, text=text, actor=f"cli:{user}",
+                             now=SystemClock().now())
+    except WakefulError as exc:
+        _fail(exc)
+    nudge(_settings(data_dir, database_url))
+    typer.echo(f"{task} is {said.state.value}; your message is {said.event_id}.")
 
 
 def _decide(action: str, approve: bool, reason: str, user: str, data_dir: Path | None,

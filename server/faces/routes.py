@@ -5,6 +5,7 @@
     POST /v1/tasks                              delegate: title, goal, constraints, completion conditions
     POST /v1/tasks/{id}/steer                   a new task version
     POST /v1/tasks/{id}/steers/{steer}/confirm|reject   answer a steer the agent proposed (it asked for more)
+    POST /v1/tasks/{id}/messages                the user's chat about the task: holds it until a run reads it
     POST /v1/tasks/{id}/pause|resume|revoke|close|reopen
     GET  /v1/tasks/{id}                         status: the four facts, waits, actions with verdicts and outcomes
     GET  /v1/tasks/{id}/ledger                  the whole history in order
@@ -33,7 +34,7 @@ from wakeful.server.acting import approvals, ledger
 from wakeful.server.acting.actions import load_action
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.acting.verdicts import gather_facts, render_card
-from wakeful.server.core import control, sessions, steers
+from wakeful.server.core import control, holds, sessions, steers
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.faces.auth import User
@@ -45,6 +46,7 @@ from wakeful.server.faces.schemas import (
     EventView,
     Ledger,
     MessagePage,
+    MessageRecorded,
     SteerDecision,
     StopAnswer,
     StopRecorded,
@@ -91,6 +93,11 @@ class SteerIn(BaseModel):
     goal: str = Field(min_length=1, max_length=4000)
     constraints: dict[str, Any] = Field(default_factory=dict)
     completion: list[Completion] = Field(default_factory=list)
+
+
+class MessageIn(BaseModel):
+    model_config = {"extra": "forbid"}
+    text: str = Field(min_length=1, max_length=4000)
 
 
 class ControlIn(BaseModel):
@@ -176,6 +183,18 @@ def decide_steer(user: User, rt: Rt, task_id: str, steer_id: str, decision: Stee
                          now=rt.clock.now())
     rt.signals.wake_all()
     return {"steer_id": steer_id, "task_id": task_id, "state": decided.state.value, "version": decided.version}
+
+
+@router.post("/v1/tasks/{task_id}/messages", status_code=201, response_model=MessageRecorded,
+             responses=refusals("unknown_task", "invalid_transition"))
+def say(user: User, rt: Rt, task_id: str, body: MessageIn) -> dict[str, Any]:
+    """The user writes about a task (their token only: the agent has no route here). The task is held and the
+    message recorded in one transaction; a run in progress stops at its next step, and the next run reads it."""
+    with write(rt.engine) as conn:
+        said = holds.say(conn, user_id=user, task_id=task_id, text=body.text, actor=f"user:{user}",
+                         now=rt.clock.now())
+    rt.signals.wake_all()
+    return {"task_id": task_id, "event_id": said.event_id, "state": said.state.value}
 
 
 def transition(rt: Runtime, user: str, task_id: str, kind: ControlKind, reason: str) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from wakeful.server.store.tables import EventStatus, OutboxState, SteerState, Ta
 __all__ = [
     "CODES", "ActionView", "ApprovalCard", "Decision", "Done", "EgressPage", "ErrorEnvelope", "EventView", "Health",
     "HookReceipt",
-    "Ledger", "MessagePage", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
+    "Ledger", "MessagePage",
+    "MessageRecorded", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
     "TaskStateAnswer", "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
 ]
 
@@ -108,6 +109,24 @@ class TaskStateAnswer(_Answer):
     state: TaskState
 
 
+class MessageRecorded(_Answer):
+    """The user's message about a task, recorded as an event; `state` is the task's afterwards: `held` until a run
+    reads the message (or `paused`, when it already was)."""
+
+    task_id: str
+    event_id: str
+    state: TaskState
+
+
+class Hold(_Answer):
+    """The hold the user's latest message put on the task: nothing new goes out until a run has read it."""
+
+    hold_id: str
+    event_id: str
+    held_by: str
+    since: str
+
+
 class Facts(_Answer):
     """The four facts of a task, each with its own time (ISO 8601); null: not yet."""
 
@@ -175,6 +194,8 @@ class TaskStatus(_Answer):
     waits: list[PendingWait]
     actions: list[ActionSummary]
     proposed_steers: list[ProposedSteer]
+    hold: Hold | None = None
+    """Set while the task is `held`."""
 
 
 class SteerDecision(_Answer):

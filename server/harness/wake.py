@@ -36,7 +36,7 @@ __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
 _OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record", "wait_for_reply", "keep_checking",
-                  "list_timers", "cancel_timer"})
+                  "list_timers", "cancel_timer", "confirm_pause"})
 
 
 class Harness:
@@ -109,6 +109,9 @@ class Harness:
                 with read(ctx.engine) as conn:
                     return history.record(conn, user_id=ctx.user_id, task_id=task_id, session_id=ctx.session_id,
                                           record_id=args.record_id)
+            if call.name == "confirm_pause":
+                ctx.confirm_pause(task_id=task_id, reason=args.reason)
+                return {"paused": True}
             if call.name in _TIMEKEEPING:
                 return _TIMEKEEPING[call.name](ctx, task_id, args)
             result: dict[str, Any] = ctx.call_tool(task_id=task_id, tool=call.name, args=dict(call.args),

@@ -117,6 +117,7 @@ class EventKind(StrEnum):
     TIMER = "timer"
     WAIT_TIMEOUT = "wait_timeout"
     CONTROL = "control"
+    MESSAGE = "message"  # the user's own chat about a task: it preempts, and holds the task until a run reads it
 
 
 class RunOutcome(StrEnum):
@@ -154,6 +155,7 @@ class TaskState(StrEnum):
     PAUSED = "paused"
     REVOKED = "revoked"   # the user withdrew the delegation: nothing more is dispatched for it
     CLOSED = "closed"
+    HELD = "held"         # the user wrote: held like a pause until a run reads it (`core.holds`)
 
 
 class SteerState(StrEnum):
@@ -204,6 +206,8 @@ class ControlKind(StrEnum):
     STEER = "steer"       # a new task version
     APPROVE = "approve"
     DENY = "deny"
+    HOLD = "hold"         # the user's message holds the task (`core.holds`)
+    RELEASE = "release"   # the system lifts a hold: the run that read the message did not confirm a pause
 
 
 class Effect(StrEnum):
@@ -477,6 +481,8 @@ control = Table(
     Column("actor", String(100), nullable=False),
     Column("reason", Text, nullable=False, default=""),
     _now_col("created_at", nullable=False),
+    Column("event_id", String(40)),  # the event it answers: a hold's or a release's message
+    Column("run_id", String(40)),    # the run that confirmed a pause or whose end released a hold
     Index(None, "user_id", "task_id", "created_at"),
     _check("kind", ControlKind),
 )

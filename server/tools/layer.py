@@ -109,6 +109,9 @@ class ToolLayer:
             raise NotFound("unknown_task", f"there is no task {binding.task_id!r} of yours: use the task ID that "
                                            "create_responsibility returned", task_id=binding.task_id)
         task = lock_task(conn, binding.task_id)
+        if task.state == TaskState.HELD.value:
+            raise Refused(task.state, "the user wrote about the task and it is held until this wake ends: read their "
+                                      "message; confirm_pause if they asked to stop, else the hold lifts after it")
         if task.state != TaskState.ACTIVE.value:
             raise Refused(task.state, f"the task is {task.state}; nothing is done for it until the user resumes it")
         return task

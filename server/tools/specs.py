@@ -12,7 +12,7 @@ Over MCP a tool that acts for a task takes the task's ID as `task_id`; in the ha
 the model never names one. Connector reads and writes, the tool-computer tools, `send_to_user` and the agent's
 timekeeping (`schedule_followup`, `wait_for_reply`, `keep_checking`, `list_timers`, `cancel_timer`:
 `server.core.agenda`) are on both faces; delegation (`create_responsibility`, `steer_responsibility`,
-`task_status`) is the MCP client's, `stay_quiet` the harness's.
+`task_status`) is the MCP client's, `stay_quiet`, `read_record` and `confirm_pause` the harness's.
 """
 
 from __future__ import annotations
@@ -147,6 +147,10 @@ class StayQuiet(_Args):
 class ReadRecord(_Args):
     record_id: Annotated[str, Field(pattern=r"^[a-z]+_[0-9a-z_]+$", max_length=120,
                                     description="An ID the context names (an event, action, run, message …).")]
+
+
+class ConfirmPause(_Args):
+    reason: Annotated[str, Field(min_length=1, max_length=500)]
 
 
 class ScheduleFollowup(_Args):
@@ -331,6 +335,11 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
     ToolSpec(name="stay_quiet", args=StayQuiet, faces=frozenset({Face.HARNESS}),
              hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
              description="End this wake without messaging the user, with a one-line reason."),
+    ToolSpec(name="confirm_pause", args=ConfirmPause, faces=frozenset({Face.HARNESS}),
+             hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
+             description="The user's message in this wake asks you to stop or wait: turn the hold it put on the "
+                         "task into a pause, which only the user resumes. Without it the hold lifts when this wake "
+                         "ends. Refused (not_held) when no message of the user holds the task."),
 )
 
 COMPUTER: Final[tuple[ToolSpec, ...]] = (

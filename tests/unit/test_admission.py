@@ -29,7 +29,7 @@ def verdict(**changes: object) -> tuple[VerdictKind, str]:
 def test_an_approved_action_within_every_limit_is_admitted_with_its_approver() -> None:
     v = admit(BASE)
     assert (v.kind, v.approver, v.approval_id) == (VerdictKind.ADMITTED, "user:usr_1", "apr_1")
-    assert [c.name for c in v.checks] == ["stop", "revoked", "paused", "closed", "task_version", "objects",
+    assert [c.name for c in v.checks] == ["stop", "revoked", "paused", "held", "closed", "task_version", "objects",
                                           "per_action_ceiling", "task_total", "daily_cap", "approval"]
 
 
@@ -37,6 +37,7 @@ def test_an_approved_action_within_every_limit_is_admitted_with_its_approver() -
     ({"stopped": True}, "stopped"),
     ({"task_state": TaskState.REVOKED}, "revoked"),
     ({"task_state": TaskState.PAUSED}, "paused"),
+    ({"task_state": TaskState.HELD}, "held"),
     ({"task_state": TaskState.CLOSED}, "task_closed"),
     ({"current_version": 2}, "task_version_changed"),
     ({"objects_problem": ("unknown_object", "never issued")}, "unknown_object"),

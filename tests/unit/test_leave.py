@@ -29,12 +29,13 @@ facts = st.builds(
 def test_an_action_with_every_fact_in_order_goes() -> None:
     v = leave_check(ACTION)
     assert (v.kind, v.code) == (Leave.GO, "ok")
-    assert [c.name for c in v.checks] == ["stop", "revoked", "paused", "closed", "task_version", "objects"]
+    assert [c.name for c in v.checks] == ["stop", "revoked", "paused", "held", "closed", "task_version", "objects"]
 
 
 @pytest.mark.parametrize(("changes", "kind", "code"), [
     ({"stopped": True}, Leave.HOLD, "stopped"),
     ({"task_state": TaskState.PAUSED}, Leave.HOLD, "paused"),
+    ({"task_state": TaskState.HELD}, Leave.HOLD, "held"),
     ({"task_state": TaskState.REVOKED}, Leave.VOID, "revoked"),
     ({"task_state": TaskState.CLOSED}, Leave.VOID, "task_closed"),
     ({"attempt": ("att_1", "unknown")}, Leave.VOID, "attempt_settled"),
@@ -61,7 +62,7 @@ def test_the_refusal_says_what_moved() -> None:
 
 def test_a_read_without_an_action_skips_the_action_checks() -> None:
     v = leave_check(LeaveFacts(stopped=False, task_state=TaskState.ACTIVE, current_version=1))
-    assert v.kind is Leave.GO and [c.name for c in v.checks] == ["stop", "revoked", "paused", "closed"]
+    assert v.kind is Leave.GO and [c.name for c in v.checks] == ["stop", "revoked", "paused", "held", "closed"]
 
 
 @given(facts)
@@ -90,11 +91,12 @@ def test_a_reconcile_or_verify_read_always_goes(f: LeaveFacts) -> None:
 
 
 @given(facts)
-def test_a_hold_is_only_ever_stop_or_pause_and_everything_else_that_fails_voids(f: LeaveFacts) -> None:
+def test_a_hold_is_only_ever_stop_pause_or_held_and_everything_else_that_fails_voids(f: LeaveFacts) -> None:
     v = leave_check(f)
     if v.kind is Leave.HOLD:
-        assert v.code in ("stopped", "paused") and (f.stopped or f.task_state is TaskState.PAUSED)
+        assert v.code in ("stopped", "paused", "held") and (f.stopped or f.task_state in (TaskState.PAUSED,
+                                                                                          TaskState.HELD))
     if v.kind is not Leave.GO:
         assert all(c.ok for c in v.checks[:-1]) and not v.checks[-1].ok
-        assert v.code in ("stopped", "paused", "revoked", "task_closed", "attempt_settled", "task_version_changed",
-                          "unknown_object", "quote_expired")
+        assert v.code in ("stopped", "paused", "held", "revoked", "task_closed", "attempt_settled",
+                          "task_version_changed", "unknown_object", "quote_expired")
