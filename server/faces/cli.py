@@ -429,12 +429,12 @@ def mcp(user: Annotated[str, typer.Option(help="The local user the tools act for
     from mcp.server.stdio import stdio_server
 
     from wakeful.server.faces.mcpserver import WakefulMCP
-    from wakeful.server.harness.handlers import EchoHandler
+    from wakeful.server.harness.handlers import NoModelHandler
     from wakeful.server.runtime import Runtime
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     settings = _settings(data_dir, database_url)
-    runtime = Runtime(settings, handler=EchoHandler())
+    runtime = Runtime(settings, handler=NoModelHandler())  # it starts no workers: the handler is never called
     if runtime.prepare():
         err.print("Created user 'owner'; `wakeful token` issues its API token.")
     server = WakefulMCP(engine=runtime.engine, clock=runtime.clock, settings=settings, tools=runtime.tools,

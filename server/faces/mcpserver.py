@@ -195,7 +195,8 @@ class WakefulMCP:
         with write(self.engine) as conn:
             task = self._own_task(conn, user, args.task_id)
             message_id = outbox.enqueue(conn, user_id=user, session_id=task.session_id, now=self.clock.now(),
-                                        body={"text": args.text, "task_id": task.id, "via": "mcp"})
+                                        body={"text": args.text, "task_id": task.id, "via": "mcp"},
+                                        level=args.level, urgency=args.urgency())
         return {"message_id": message_id, "state": "queued"}
 
     def _followup(self, user: str, args: Any) -> dict[str, Any]:

@@ -92,7 +92,7 @@ class Harness:
             # The run's own tools, checked against their specs like every other (the tool layer checks the rest).
             args: Any = spec(call.name).validate(Face.HARNESS, call.args) if call.name in _OWN else None
             if call.name == "send_to_user":
-                ctx.send_to_user(args.text)
+                ctx.send_to_user(args.text, level=args.level, urgency=args.urgency())
                 return {"sent": True}
             if call.name == "stay_quiet":
                 ctx.silence(args.reason or "no reason given")
