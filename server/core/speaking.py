@@ -2,7 +2,7 @@
 
     Level, Urgency     what a message says it is (notify, suggest, ask, act) and, when urgent, why and by when
     Preferences        the user's time zone, quiet hours and daily attention budget: control state, written only by
-                       the user on the control channel (`PUT /v1/preferences`), never by the agent
+                       the user (`change_preferences`: `PUT /v1/preferences`, `wakeful preferences`), never the agent
     decide             the gate, a pure function of the preferences, the time, the message's urgency and how many
                        messages went out today: send now, or hold until a time, and why
     admit              the gate's shell for one message being queued: its state, `seq` and recorded reason
@@ -21,11 +21,12 @@ seen seq N never later finds a message below N (`GET /v1/messages?after=`).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 from zoneinfo import ZoneInfo
 
 from sqlalchemy import Connection, and_, bindparam, func, select, update
@@ -33,9 +34,14 @@ from sqlalchemy import Connection, and_, bindparam, func, select, update
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OutboxKind, OutboxState, outbox, users
+from wakeful.server.store.users import set_zone
 
-__all__ = ["Gate", "Level", "Preferences", "QuietHours", "Urgency", "admit", "any_held_due", "decide", "next_summary",
-           "preferences", "release_due", "set_preferences", "summarize"]
+__all__ = ["HH_MM", "Gate", "Level", "Preferences", "QuietHours", "Urgency", "admit", "any_held_due",
+           "change_preferences", "decide", "describe", "next_summary", "preferences", "release_due", "summarize"]
+
+
+HH_MM: Final = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
+"""A local wall-clock time as quiet hours are written: 23:00, 07:30."""
 
 
 class Level(StrEnum):
@@ -63,7 +69,10 @@ class QuietHours:
 
     @classmethod
     def parse(cls, start: str, end: str) -> QuietHours:
-        """From "HH:MM" strings; equal times are refused (quiet all day, or never?) with 400 `invalid_quiet_hours`."""
+        """From "HH:MM" strings; anything else, or equal times (quiet all day, or never?), is a 400
+        `invalid_quiet_hours`."""
+        if not (re.fullmatch(HH_MM, start) and re.fullmatch(HH_MM, end)):
+            raise BadRequest("invalid_quiet_hours", f"quiet hours are two local times HH:MM, not {start!r}, {end!r}")
         quiet = cls(start=time.fromisoformat(start), end=time.fromisoformat(end))
         if quiet.start == quiet.end:
             raise BadRequest("invalid_quiet_hours", "quiet hours must start and end at different times")
@@ -140,12 +149,25 @@ def preferences(conn: Connection, user_id: str) -> Preferences:
     return Preferences(zone=ZoneInfo(row.timezone), quiet=quiet, budget=row.attention_budget)
 
 
-def set_preferences(conn: Connection, *, user_id: str, quiet: QuietHours | None, budget: int | None) -> None:
-    """Quiet hours and the budget (the zone is `store.users.set_zone`'s). Only the control channel calls this."""
+def change_preferences(conn: Connection, *, user_id: str, changes: Mapping[str, Any]) -> Preferences:
+    """Set what `changes` names (`timezone`: an IANA name; `quiet_hours`: `QuietHours` or None; `attention_budget`:
+    messages per day or None), keep the rest; returns what holds afterwards. Only the user's channels call this."""
+    if "timezone" in changes:
+        set_zone(conn, user_id=user_id, name=changes["timezone"])
+    current = preferences(conn, user_id)
+    quiet: QuietHours | None = changes.get("quiet_hours", current.quiet)
     values = {"quiet_start": f"{quiet.start:%H:%M}" if quiet else None,
-              "quiet_end": f"{quiet.end:%H:%M}" if quiet else None, "attention_budget": budget}
-    if conn.execute(update(users).where(users.c.id == user_id).values(**values)).rowcount != 1:
-        raise NotFound("unknown_user", f"no user {user_id}")
+              "quiet_end": f"{quiet.end:%H:%M}" if quiet else None,
+              "attention_budget": changes.get("attention_budget", current.budget)}
+    conn.execute(update(users).where(users.c.id == user_id).values(**values))
+    return preferences(conn, user_id)
+
+
+def describe(prefs: Preferences) -> dict[str, Any]:
+    """As the control channel shows them (`GET /v1/preferences`, `wakeful preferences`)."""
+    quiet = prefs.quiet
+    return {"timezone": prefs.zone.key, "attention_budget": prefs.budget,
+            "quiet_hours": {"start": f"{quiet.start:%H:%M}", "end": f"{quiet.end:%H:%M}"} if quiet else None}
 
 
 def admit(conn: Connection, *, user_id: str, now: datetime, urgency: Urgency | None) -> dict[str, Any]:

@@ -57,7 +57,6 @@ from wakeful.server.faces.schemas import (
     refusals,
 )
 from wakeful.server.runtime import Runtime
-from wakeful.server.store import users
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, events, outbox
 from wakeful.server.tools.layer import Completion
@@ -74,7 +73,6 @@ def _runtime(request: Request) -> Runtime:
 
 Rt = Annotated[Runtime, Depends(_runtime)]
 After = Annotated[int | None, Query(ge=0, le=2**62, description="the `after` of the previous answer; 0 at first")]
-_HH_MM = r"^([01][0-9]|2[0-3]):[0-5][0-9]$"
 
 TASK_OPERATIONS = {k.value: k for k in (ControlKind.PAUSE, ControlKind.RESUME, ControlKind.REVOKE, ControlKind.CLOSE,
                                         ControlKind.REOPEN)}
@@ -291,8 +289,8 @@ def egress_audit(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None,
 
 class QuietHoursIn(BaseModel):
     model_config = {"extra": "forbid"}
-    start: str = Field(pattern=_HH_MM, description="local time, HH:MM (24-hour)")
-    end: str = Field(pattern=_HH_MM, description="local time, HH:MM; before `start`: they cross midnight")
+    start: str = Field(pattern=speaking.HH_MM, description="local time, HH:MM (24-hour)")
+    end: str = Field(pattern=speaking.HH_MM, description="local time, HH:MM; before `start`: they cross midnight")
 
 
 class PreferencesIn(BaseModel):
@@ -307,28 +305,15 @@ class PreferencesIn(BaseModel):
 @router.get("/v1/preferences", response_model=PreferencesView)
 def get_preferences(user: User, rt: Rt) -> dict[str, Any]:
     with read(rt.engine) as conn:
-        return _preferences(speaking.preferences(conn, user))
+        return speaking.describe(speaking.preferences(conn, user))
 
 
 @router.put("/v1/preferences", response_model=PreferencesView,
             responses=refusals("unknown_timezone", "invalid_quiet_hours"))
 def put_preferences(user: User, rt: Rt, body: PreferencesIn) -> dict[str, Any]:
     """The user's time zone, quiet hours and daily attention budget: control state, so only this channel sets it."""
-    given = body.model_fields_set
+    changes = {name: getattr(body, name) for name in body.model_fields_set}
+    if body.quiet_hours is not None:
+        changes["quiet_hours"] = speaking.QuietHours.parse(body.quiet_hours.start, body.quiet_hours.end)
     with write(rt.engine) as conn:
-        if "timezone" in given:
-            users.set_zone(conn, user_id=user, name=body.timezone)
-        current = speaking.preferences(conn, user)
-        quiet = current.quiet
-        if "quiet_hours" in given:
-            quiet = speaking.QuietHours.parse(body.quiet_hours.start, body.quiet_hours.end) if body.quiet_hours \
-                else None
-        budget = body.attention_budget if "attention_budget" in given else current.budget
-        speaking.set_preferences(conn, user_id=user, quiet=quiet, budget=budget)
-        return _preferences(speaking.preferences(conn, user))
-
-
-def _preferences(prefs: speaking.Preferences) -> dict[str, Any]:
-    quiet = prefs.quiet
-    return {"timezone": prefs.zone.key, "attention_budget": prefs.budget,
-            "quiet_hours": {"start": f"{quiet.start:%H:%M}", "end": f"{quiet.end:%H:%M}"} if quiet else None}
+        return speaking.describe(speaking.change_preferences(conn, user_id=user, changes=changes))

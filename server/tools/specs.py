@@ -38,7 +38,7 @@ from wakeful.server.core.speaking import Level, Urgency
 from wakeful.server.errors import BadRequest
 
 __all__ = ["TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args", "input_schema",
-           "TaskRef", "spec", "tool_specs"]
+           "TaskRef", "spec", "tool_specs", "urgency_of"]
 
 TASK_ID_PATTERN: Final = "^task_[0-9a-z]+$"
 
@@ -140,8 +140,11 @@ class SendToUser(_Args):
     urgent: Urgent | None = Field(default=None, description="only when it cannot wait for the user's morning "
                                                             "summary; otherwise leave it out")
 
-    def urgency(self) -> Urgency | None:
-        return Urgency(reason=self.urgent.reason, deadline=self.urgent.deadline) if self.urgent else None
+
+def urgency_of(args: Any) -> Urgency | None:
+    """The urgency a `send_to_user` call claims, on either face (the MCP face's model is a copy of `SendToUser`)."""
+    urgent: Urgent | None = args.urgent
+    return Urgency(reason=urgent.reason, deadline=urgent.deadline) if urgent else None
 
 
 class StayQuiet(_Args):

@@ -8,10 +8,12 @@ the hotel; nothing reaches the user until 07:30, then exactly one summary with b
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -21,6 +23,7 @@ from fastapi.testclient import TestClient
 from mcp import Client
 from sqlalchemy import Engine, select
 
+from tests.integration.test_cli import run
 from tests.support.records import run_rows
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.connectors import Registry
@@ -228,11 +231,12 @@ def test_polling_after_seq_while_two_writers_commit_never_misses_or_repeats_a_me
         thread.start()
     seen: list[dict[str, Any]] = []
     after = 0
-    while any(t.is_alive() for t in threads) or len(seen) < 2 * per_writer:
+    while True:
+        finished = not any(t.is_alive() for t in threads)  # before the poll: all they wrote is committed by then
         page = phone.feed(after=after, limit=7)
         seen += page["messages"]
         after = page["after"]
-        if not page["messages"] and not any(t.is_alive() for t in threads):
+        if finished and not page["messages"]:
             break
     for thread in threads:
         thread.join(30)
@@ -301,15 +305,23 @@ async def test_the_agent_over_mcp_has_no_way_to_set_quiet_hours(phone: Phone, se
     """Principle 9: quiet hours are the user's control state; the agent's channel reaches nothing that writes it."""
     server = WakefulMCP(engine=phone.runtime.engine, clock=phone.clock, settings=settings,
                         tools=phone.runtime.tools, local_user="owner").server
+    phone.night()
+    phone.clock.set(hk(3, 2, 12))
     async with Client(server) as agent:
         names = {tool.name for tool in (await agent.list_tools()).tools}
         refused = await agent.call_tool("set_preferences", {"quiet_hours": None})
+        task_id = (await agent.call_tool("create_responsibility", {"title": "trip"})).structured_content["task_id"]
+        sent = await agent.call_tool("send_to_user", {"task_id": task_id, "text": "Extend the hotel?", "level": "ask"})
+    assert not sent.is_error, sent.content
+    assert [(m["state"], m["body"]["level"]) for m in phone.everything() if m["body"].get("via") == "mcp"] == [
+        ("held", "ask")]  # the agent's messages pass the same gate
     assert not {n for n in names if "prefer" in n or "quiet" in n or "budget" in n}, names
     assert refused.is_error
     for face in Face:  # nor does the harness's model
         offered = {s.name for s in tool_specs(phone.runtime.registry, face, computers=True)}
         assert "send_to_user" in offered and not {n for n in offered if "prefer" in n or "quiet_hours" in n}
-    assert phone.http.get("/v1/preferences", headers=phone.auth).json()["quiet_hours"] is None
+    assert phone.http.get("/v1/preferences", headers=phone.auth).json()["quiet_hours"] == {
+        "start": "23:00", "end": "07:30"}
 
 
 # -- without a model ---------------------------------------------------------------------------------------------
@@ -340,3 +352,17 @@ def test_without_a_model_events_are_settled_in_silence_and_the_user_is_told_once
     assert [n.id for n in notices] == [f"nomodel_{owner}"]
     assert "WAKEFUL_ANTHROPIC_API_KEY" in notices[0].body
 
+
+
+def test_the_cli_sets_preferences_as_the_user_and_refuses_bad_ones_with_their_code(tmp_path: Path) -> None:
+    run(tmp_path, "token")  # the owner exists
+    shown = json.loads(run(tmp_path, "preferences", "--timezone", "Asia/Hong_Kong", "--quiet", "23:00-07:30",
+                           "--budget", "5").stdout)
+    assert shown == {"timezone": "Asia/Hong_Kong", "quiet_hours": {"start": "23:00", "end": "07:30"},
+                     "attention_budget": 5}
+    assert json.loads(run(tmp_path, "preferences", "--budget", "off").stdout)["attention_budget"] is None
+    for args, code in ((("--quiet", "23:00"), "invalid_quiet_hours"), (("--quiet", "7:00-7:00"), "invalid_quiet_hours"),
+                       (("--budget", "-1"), "invalid_parameter"), (("--timezone", "Nowhere"), "unknown_timezone")):
+        refused = run(tmp_path, "preferences", *args, check=False)
+        assert refused.returncode != 0 and code in refused.stderr, (args, refused.stderr)
+    assert json.loads(run(tmp_path, "preferences").stdout)["quiet_hours"] == {"start": "23:00", "end": "07:30"}
