@@ -24,6 +24,7 @@ from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm
 from wakeful.server.core import control, faults, outbox, speaking, timers, waits
 from wakeful.server.core.inbox import GroupCommitter
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
+from wakeful.server.core.speaking import Level
 from wakeful.server.core.sweeper import sweep
 from wakeful.server.core.worker import Binding, IdlePoll, InboxRate, RunHandler, RunShare, Worker
 from wakeful.server.egress.dispatch import ActionDispatcher
@@ -175,9 +176,10 @@ class Runtime:
             session_id = conn.execute(select(tasks_table.c.session_id).where(
                 tasks_table.c.id == binding.task_id)).scalar_one()
             outbox.enqueue(conn, user_id=binding.user_id, session_id=session_id, run_id=binding.run_id,
-                           now=self.clock.now(), body={"kind": "handoff", "task_id": binding.task_id, "link": link,
-                                                       "text": "Your tool computer needs you: open the link to take "
-                                                               "the screen, and press 'Return control' when done."})
+                           level=Level.ASK, now=self.clock.now(),
+                           body={"kind": "handoff", "task_id": binding.task_id, "link": link,
+                                 "text": "Your tool computer needs you: open the link to take the screen, and press "
+                                         "'Return control' when done."})
         self.signals.dispatch.set()
 
     def _after_run(self) -> None:

@@ -217,13 +217,22 @@ def summarize(held: Sequence[Any], zone: ZoneInfo) -> dict[str, Any]:
     for row in held:
         body = json.loads(row.body)
         items.append({"message_id": row.id, "level": body.get("level", Level.NOTIFY.value),
-                      "text": body.get("text") or body.get("kind", "a message"),
+                      "text": _said(body),
                       "at": f"{row.created_at.astimezone(zone):%H:%M}"})
     lines = [f"{n}. [{i['level']}, {i['at']}] {i['text']}" for n, i in enumerate(items, 1)]
     levels = list(Level)
     top = max((Level(i["level"]) for i in items), key=levels.index, default=Level.NOTIFY)
     return {"kind": "summary", "level": top.value, "items": items,
             "text": f"While you were not to be disturbed, {len(items)} message(s) waited:\n" + "\n".join(lines)}
+
+
+def _said(body: dict[str, Any]) -> str:
+    """A held message in one line: its text, else its card's lines (an approval or steer request), else its kind."""
+    if body.get("text"):
+        return str(body["text"])
+    kind = str(body.get("kind", "a message"))
+    lines = "; ".join(str(line) for line in (body.get("card") or {}).get("lines", []))
+    return f"{kind}: {lines}" if lines else kind
 
 
 _HELD_DUE = and_(outbox.c.state == OutboxState.HELD.value, outbox.c.held_until <= bindparam("now"))
