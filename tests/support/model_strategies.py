@@ -13,10 +13,12 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta, timezone
+from enum import Enum
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import AwareDatetime, BaseModel
 from pydantic.fields import FieldInfo
 
 __all__ = ["JSON", "Special", "arguments"]
@@ -93,6 +95,11 @@ def _value(tp: Any, metadata: list[Any], special: Special, name: str | None) -> 
                                _value(value, [], special, None), max_size=3)
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return arguments(tp, special)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return st.sampled_from([member.value for member in tp])
+    if tp is AwareDatetime:  # as JSON carries it: ISO 8601 with an offset
+        return st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1),
+                            timezones=st.sampled_from([UTC, timezone(timedelta(hours=8))])).map(datetime.isoformat)
     raise TypeError(f"no strategy for {tp!r}: teach tests/support/model_strategies.py this type")
 
 
