@@ -21,16 +21,17 @@ from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.computers.handoff import LiveViews
 from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm_packages
-from wakeful.server.core import control, faults, outbox, timers, waits
+from wakeful.server.core import control, faults, outbox, speaking, timers, waits
 from wakeful.server.core.inbox import GroupCommitter
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
+from wakeful.server.core.speaking import Level
 from wakeful.server.core.sweeper import sweep
 from wakeful.server.core.worker import Binding, IdlePoll, InboxRate, RunHandler, RunShare, Worker
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.egress.grants import issue_client_token
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.egress.pacing import Pacing
-from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.harness.handlers import EchoHandler, NoModelHandler
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.db import make_engine, migrate, read, write
@@ -84,10 +85,13 @@ def load_registry(settings: Settings) -> Registry:
 
 
 def make_handler(settings: Settings, registry: Registry) -> RunHandler:
-    """The model harness when a model is configured, else the echo handler (and a log line saying so)."""
-    if settings.anthropic_api_key is None:
-        log.warning("no model configured (WAKEFUL_ANTHROPIC_API_KEY or ANTHROPIC_API_KEY): runs use the echo handler")
+    """The model harness when a model is configured, else the quiet no-model handler (and a log line saying so)."""
+    if settings.anthropic_api_key is None and settings.echo_without_model:
         return EchoHandler()
+    if settings.anthropic_api_key is None:
+        log.warning("no model configured (WAKEFUL_ANTHROPIC_API_KEY or ANTHROPIC_API_KEY): runs record and settle "
+                    "their events in silence, and each user is told once")
+        return NoModelHandler()
     from wakeful.server.harness.model_anthropic import AnthropicModel
     from wakeful.server.harness.wake import Harness
 
@@ -173,9 +177,10 @@ class Runtime:
             session_id = conn.execute(select(tasks_table.c.session_id).where(
                 tasks_table.c.id == binding.task_id)).scalar_one()
             outbox.enqueue(conn, user_id=binding.user_id, session_id=session_id, run_id=binding.run_id,
-                           now=self.clock.now(), body={"kind": "handoff", "task_id": binding.task_id, "link": link,
-                                                       "text": "Your tool computer needs you: open the link to take "
-                                                               "the screen, and press 'Return control' when done."})
+                           level=Level.ASK, now=self.clock.now(),
+                           body={"kind": "handoff", "task_id": binding.task_id, "link": link,
+                                 "text": "Your tool computer needs you: open the link to take the screen, and press "
+                                         "'Return control' when done."})
         self.signals.dispatch.set()
 
     def _after_run(self) -> None:
@@ -252,11 +257,19 @@ class Runtime:
     def _dispatcher_loop(self) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)
         while not self.signals.stop.is_set():
-            attempted = self._guarded("dispatcher", lambda: float(self.outbox.drain()))
+            attempted = self._guarded("dispatcher", lambda: float(self.release_held() + self.outbox.drain()))
             if attempted:
                 idle.reset()
             else:
                 idle.wait(self.signals.dispatch)
+
+    def release_held(self) -> int:
+        """Queue the summary of each user's held messages whose hold has ended (`core.speaking`)."""
+        with read(self.engine) as conn:  # most rounds find nothing: look before taking the write lock
+            if not speaking.any_held_due(conn, now=self.clock.now()):
+                return 0
+        with write(self.engine) as conn:
+            return speaking.release_due(conn, now=self.clock.now())
 
     def _reconciler_loop(self) -> None:
         # It sleeps until the next read about an unsettled action is due (each action keeps its own pace), or until

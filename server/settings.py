@@ -250,6 +250,9 @@ class Settings(BaseSettings):
     """First retry delay for a failed delivery; doubles each time."""
     crash_at: str = ""
     """Fault injection for tests only: `point[:probability],...` makes the process `os._exit` there."""
+    echo_without_model: bool = False
+    """For tests only: without a model, runs reply naming the events they handled (the crash campaigns count
+    those replies) instead of settling them in silence."""
 
     @classmethod
     def settings_customise_sources(

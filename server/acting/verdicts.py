@@ -19,6 +19,7 @@ from wakeful.server.acting.admission import ApprovalFacts, Facts, Verdict, admit
 from wakeful.server.acting.leave import LeaveFacts
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import control, outbox, waits
+from wakeful.server.core.speaking import Level
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
     ApprovalDecision,
@@ -135,7 +136,7 @@ def admit_and_record(conn: Connection, action: Action, *, policy: Policy, now: d
                            kind="approval", authority=Authority.USER, deadline=now + policy.approval_ttl, now=now,
                            task_id=action.task_id)
             outbox.enqueue(conn, user_id=action.user_id, session_id=session_id, run_id=action.run_id, now=now,
-                           message_id=f"card_{action.id}",
+                           message_id=f"card_{action.id}", level=Level.ASK,
                            body={"kind": "approval_request", "card": render_card(action, facts, policy=policy)})
     return verdict
 

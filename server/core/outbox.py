@@ -11,6 +11,8 @@ reconciled, never re-sent).
 Handlers here: `MessageDelivery` (kind `message`) delivers each message with its ID as the `Idempotency-Key` and
 marks it sent with a guarded update; failures back off exponentially and are marked failed past the attempt cap.
 Without a `notify_url` messages go to the local feed (`GET /v1/messages`) and are sent the moment they are drained.
+A message to the user passes the speaking gate as it is queued (`core.speaking`): one it holds stays `held`, out of
+the drain's reach, until its summary goes out.
 The action intents' handler lives with the dispatcher (`egress.dispatch.ActionDispatcher`): the core never imports
 it, the runtime registers it.
 """
@@ -27,7 +29,8 @@ import httpx
 from sqlalchemy import ColumnElement, Connection, Engine, and_, bindparam, select, true, update
 
 from wakeful.proxy.clock import Clock
-from wakeful.server.core import control, faults
+from wakeful.server.core import control, faults, speaking
+from wakeful.server.core.speaking import Level, Urgency
 from wakeful.server.store.db import read, upsert, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OutboxKind, OutboxState, outbox
@@ -42,15 +45,23 @@ _ENQUEUE = outbox.insert()  # built once (see `sessions`): a run enqueues while 
 
 def enqueue(conn: Connection, *, user_id: str, body: dict[str, Any], now: datetime,
             kind: OutboxKind = OutboxKind.USER_MESSAGE, session_id: str | None = None, run_id: str | None = None,
-            message_id: str | None = None, once: bool = False) -> str:
+            message_id: str | None = None, once: bool = False, level: Level = Level.NOTIFY,
+            urgency: Urgency | None = None) -> str:
     """Queue one message; with `once` (and a fixed `message_id`), a row with that ID already queued is kept and this
-    one dropped, so a check that runs every round (or on several servers) sends its message once."""
+    one dropped, so a check that runs every round (or on several servers) sends its message once. A message to the
+    user passes the speaking gate (`core.speaking`): its level and urgency are stored in its body."""
     message_id = message_id or new_id("msg")
+    if once and conn.execute(select(outbox.c.id).where(outbox.c.id == message_id)).first() is not None:
+        return message_id  # before the gate, which would take the user's row lock for nothing
     row = {
         "id": message_id, "user_id": user_id, "kind": kind.value, "session_id": session_id, "run_id": run_id,
         "body": json.dumps(body, sort_keys=True), "state": OutboxState.PENDING.value, "attempts": 0,
         "next_attempt_at": now, "created_at": now,
     }
+    if kind is OutboxKind.USER_MESSAGE:
+        urgent = {"urgent": {"reason": urgency.reason, "deadline": urgency.deadline.isoformat()}} if urgency else {}
+        row["body"] = json.dumps({**body, "level": level.value, **urgent}, sort_keys=True)
+        row |= speaking.admit(conn, user_id=user_id, now=now, urgency=urgency)
     if once:
         conn.execute(upsert(conn, outbox).values(row).on_conflict_do_nothing())
     else:
@@ -164,7 +175,7 @@ class MessageDelivery:
 
     def _deliver(self, row: Any) -> str | None:
         assert self._notify_url is not None
-        body = {"id": row.id, "user_id": row.user_id, "kind": row.kind, "session_id": row.session_id,
+        body = {"id": row.id, "seq": row.seq, "user_id": row.user_id, "kind": row.kind, "session_id": row.session_id,
                 "created_at": row.created_at.isoformat(), "body": json.loads(row.body)}
         try:
             response = self._http.post(self._notify_url, json=body, headers={"Idempotency-Key": row.id})

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal
 from sqlalchemy import Connection, and_, select, update
 
 from wakeful.server.core import control, outbox, sessions
+from wakeful.server.core.speaking import Level
 from wakeful.server.core.widening import Delegation, over_ceilings, widenings
 from wakeful.server.errors import Conflict, NotFound, Refused
 from wakeful.server.store.ids import new_id
@@ -101,7 +102,7 @@ def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraint
         constraints=json.dumps(dict(constraints), sort_keys=True), completion=json.dumps(list(completion)),
         widens=json.dumps(list(widens)), proposed_by=actor, state=SteerState.AWAITING_USER.value, created_at=now))
     outbox.enqueue(conn, user_id=user_id, session_id=task.session_id, now=now, message_id=f"card_{steer_id}",
-                   body={"kind": "steer_request", "card": _card(steer_id, task, widens)})
+                   level=Level.ASK, body={"kind": "steer_request", "card": _card(steer_id, task, widens)})
     return Steered(task_id=task_id, version=task.current_version, state="awaiting_user", steer_id=steer_id,
                    widens=widens)
 

@@ -31,6 +31,7 @@ from wakeful.proxy.clock import Clock
 from wakeful.server.core import agenda, control, faults, holds, outbox, sessions, timers, waits
 from wakeful.server.core.authority import of_source
 from wakeful.server.core.schedule import Misfire, Recurrence
+from wakeful.server.core.speaking import Level, Urgency
 from wakeful.server.errors import StaleToken
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
@@ -235,10 +236,12 @@ class RunContext:
         self._worker.check_step(self)
         self.steps += 1
 
-    def send_to_user(self, text: str, **extra: Any) -> None:
+    def send_to_user(self, text: str, *, level: Level = Level.NOTIFY, urgency: Urgency | None = None,
+                     **extra: Any) -> None:
+        """A message through the outbox, at commit; the speaking gate may hold it for the next summary."""
         def effect(conn: Connection, now: datetime) -> None:
             outbox.enqueue(conn, user_id=self.user_id, session_id=self.session_id, run_id=self.run_id, now=now,
-                           body={"text": text, **extra})
+                           body={"text": text, **extra}, level=level, urgency=urgency)
 
         self.effects.append(effect)
         self.ended_by = "message"

@@ -23,9 +23,9 @@ from sqlalchemy import Engine, func, select
 from wakeful.proxy.clock import SystemClock
 from wakeful.server.acting import approvals, ledger
 from wakeful.server.acting.policy import load_policy
-from wakeful.server.core import control, holds, steers
+from wakeful.server.core import control, holds, speaking, steers
 from wakeful.server.core.nudge import nudge
-from wakeful.server.errors import WakefulError
+from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.faces.cli_common import DataDir, DbUrl, Json, err, print_json, say
 from wakeful.server.faces.cli_common import fail as _fail
 from wakeful.server.faces.cli_common import open_engine as _engine
@@ -400,6 +400,37 @@ def reject(steer: SteerId, user: UserOpt = "owner", data_dir: DataDir = None, da
     _answer_steer(steer, False, user, data_dir, database_url)
 
 
+@app.command()
+def preferences(
+        timezone: Annotated[str | None, typer.Option(help="Your IANA time zone, e.g. Asia/Hong_Kong.")] = None,
+        quiet: Annotated[str | None, typer.Option(help="Quiet hours, local HH:MM-HH:MM (23:00-07:30), or off.")] = None,
+        budget: Annotated[str | None, typer.Option(help="Messages per local day, or off.")] = None,
+        user: UserOpt = "owner", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+    """Show, or set, when the agent may speak: time zone, quiet hours, daily attention budget (as JSON)."""
+    changes: dict[str, Any] = {} if timezone is None else {"timezone": timezone}
+    try:
+        if quiet is not None:
+            changes["quiet_hours"] = None if quiet == "off" else _quiet_hours(quiet)
+        if budget is not None:
+            changes["attention_budget"] = None if budget == "off" else _budget(budget)
+        _, engine, user_id = _as_user(data_dir, database_url, user)
+        with write(engine) as conn:
+            print_json(speaking.describe(speaking.change_preferences(conn, user_id=user_id, changes=changes)))
+    except WakefulError as exc:
+        _fail(exc)
+
+
+def _quiet_hours(text: str) -> speaking.QuietHours:
+    start, _, end = text.partition("-")
+    return speaking.QuietHours.parse(start, end)
+
+
+def _budget(text: str) -> int:
+    if not text.isdigit() or int(text) > 1000:
+        raise BadRequest("invalid_parameter", f"{text!r}: the budget is a whole number of messages, 0..1000, or off")
+    return int(text)
+
+
 @app.command("ledger")
 def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID, or `export` for every task as JSON Lines.")],
                output: Annotated[Path | None, typer.Option("--output", "-o", help="For export: a file.")] = None,
@@ -455,12 +486,12 @@ def mcp(user: Annotated[str, typer.Option(help="The local user the tools act for
     from mcp.server.stdio import stdio_server
 
     from wakeful.server.faces.mcpserver import WakefulMCP
-    from wakeful.server.harness.handlers import EchoHandler
+    from wakeful.server.harness.handlers import NoModelHandler
     from wakeful.server.runtime import Runtime
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     settings = _settings(data_dir, database_url)
-    runtime = Runtime(settings, handler=EchoHandler())
+    runtime = Runtime(settings, handler=NoModelHandler())  # it starts no workers: the handler is never called
     if runtime.prepare():
         err.print("Created user 'owner'; `wakeful token` issues its API token.")
     server = WakefulMCP(engine=runtime.engine, clock=runtime.clock, settings=settings, tools=runtime.tools,

@@ -50,7 +50,7 @@ from wakeful.server.store import users
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import OnTimeout, actions, tasks, verdicts
 from wakeful.server.tools.layer import ToolLayer
-from wakeful.server.tools.specs import CreateResponsibility, Face, ToolSpec, input_schema, tool_specs
+from wakeful.server.tools.specs import CreateResponsibility, Face, ToolSpec, input_schema, tool_specs, urgency_of
 
 __all__ = ["TokenVerifier", "WakefulMCP"]
 
@@ -200,7 +200,8 @@ class WakefulMCP:
         with write(self.engine) as conn:
             task = self._own_task(conn, user, args.task_id)
             message_id = outbox.enqueue(conn, user_id=user, session_id=task.session_id, now=self.clock.now(),
-                                        body={"text": args.text, "task_id": task.id, "via": "mcp"})
+                                        body={"text": args.text, "task_id": task.id, "via": "mcp"},
+                                        level=args.level, urgency=urgency_of(args))
         return {"message_id": message_id, "state": "queued"}
 
     def _followup(self, user: str, args: Any) -> dict[str, Any]:

@@ -11,7 +11,8 @@
     GET  /v1/tasks/{id}/ledger                  the whole history in order
     GET  /v1/actions/{id}                       the action and its approval card
     POST /v1/actions/{id}/approve|deny
-    GET  /v1/events/{id}, /v1/messages
+    GET  /v1/events/{id}, /v1/messages          the feed: ?after=SEQ in feed order, or newest first by cursor
+    GET|PUT /v1/preferences                     time zone, quiet hours, daily attention budget
     GET  /v1/egress                             the egress proxy's audit of the caller's requests
 
 Every write wakes the runtime's loops (`Signals.wake_all`, as MCP writes and `POST /v1/wake` do), so what it
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import BaseModel, Field
 from sqlalchemy import and_, select
 
@@ -34,7 +35,7 @@ from wakeful.server.acting import approvals, ledger
 from wakeful.server.acting.actions import load_action
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.acting.verdicts import gather_facts, render_card
-from wakeful.server.core import control, holds, sessions, steers
+from wakeful.server.core import control, holds, sessions, speaking, steers
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.faces.auth import User
@@ -47,6 +48,7 @@ from wakeful.server.faces.schemas import (
     Ledger,
     MessagePage,
     MessageRecorded,
+    PreferencesView,
     SteerDecision,
     StopAnswer,
     StopRecorded,
@@ -72,6 +74,7 @@ def _runtime(request: Request) -> Runtime:
 
 
 Rt = Annotated[Runtime, Depends(_runtime)]
+After = Annotated[int | None, Query(ge=0, le=2**62, description="the `after` of the previous answer; 0 at first")]
 
 TASK_OPERATIONS = {k.value: k for k in (ControlKind.PAUSE, ControlKind.RESUME, ControlKind.REVOKE, ControlKind.CLOSE,
                                         ControlKind.REOPEN)}
@@ -262,19 +265,32 @@ def get_event(user: User, rt: Rt, event_id: str) -> dict[str, Any]:
             "received_at": row.received_at.isoformat()}
 
 
-@router.get("/v1/messages", response_model=MessagePage, responses=refusals("bad_cursor"))
-def messages(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None) -> dict[str, Any]:
-    """The messages sent to the user, newest first, a page at a time."""
-    after = decode_cursor(cursor, parts=1)
+@router.get("/v1/messages", response_model=MessagePage, response_model_exclude_unset=True,
+            responses=refusals("bad_cursor"))
+def messages(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None, after: After = None) -> dict[str, Any]:
+    """The messages to the user: with `after=SEQ`, those the user was sent after SEQ in feed order (poll with the
+    answer's `after`: none is missed or repeated); else every message, held ones too, newest first, by cursor."""
     query = select(outbox).where(and_(outbox.c.user_id == user, outbox.c.kind == "user_message"))
     if after is not None:
-        query = query.where(outbox.c.id < after[0])
+        if cursor is not None:
+            raise BadRequest("invalid_parameter", "pass `after` or `cursor`, not both")
+        with read(rt.engine) as conn:
+            rows = conn.execute(query.where(outbox.c.seq > after).order_by(outbox.c.seq).limit(limit)).all()
+        return {"messages": [_message(r) for r in rows], "next": None, "after": rows[-1].seq if rows else after}
+    before = decode_cursor(cursor, parts=1)
+    if before is not None:
+        query = query.where(outbox.c.id < before[0])
     with read(rt.engine) as conn:
         rows = conn.execute(query.order_by(outbox.c.id.desc()).limit(limit + 1)).all()
     page = rows[:limit]
-    return {"messages": [{"id": r.id, "state": r.state, "created_at": r.created_at.isoformat(),
-                          "body": json.loads(r.body)} for r in page],
+    return {"messages": [_message(r) for r in page],
             "next": encode_cursor([page[-1].id]) if len(rows) > limit else None}
+
+
+def _message(row: Any) -> dict[str, Any]:
+    return {"id": row.id, "seq": row.seq, "state": row.state, "created_at": row.created_at.isoformat(),
+            "body": json.loads(row.body), "gate": row.gate, "summary_id": row.summary_id,
+            "held_until": row.held_until.isoformat() if row.held_until else None}
 
 
 @router.get("/v1/egress", response_model=EgressPage, responses=refusals("bad_cursor"))
@@ -288,3 +304,35 @@ def egress_audit(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None,
     page = list(rows[:limit])
     return {"requests": page,
             "next": encode_cursor([page[-1]["at"], page[-1]["request_id"]]) if len(rows) > limit else None}
+
+
+class QuietHoursIn(BaseModel):
+    model_config = {"extra": "forbid"}
+    start: str = Field(pattern=speaking.HH_MM, description="local time, HH:MM (24-hour)")
+    end: str = Field(pattern=speaking.HH_MM, description="local time, HH:MM; before `start`: they cross midnight")
+
+
+class PreferencesIn(BaseModel):
+    """A field left out keeps its value; `null` clears quiet hours or the budget."""
+
+    model_config = {"extra": "forbid"}
+    timezone: str = Field(default="UTC", max_length=64, description="IANA name, e.g. Asia/Hong_Kong")
+    quiet_hours: QuietHoursIn | None = None
+    attention_budget: int | None = Field(default=None, ge=0, le=1000, strict=True, description="messages per local day")
+
+
+@router.get("/v1/preferences", response_model=PreferencesView)
+def get_preferences(user: User, rt: Rt) -> dict[str, Any]:
+    with read(rt.engine) as conn:
+        return speaking.describe(speaking.preferences(conn, user))
+
+
+@router.put("/v1/preferences", response_model=PreferencesView,
+            responses=refusals("unknown_timezone", "invalid_quiet_hours"))
+def put_preferences(user: User, rt: Rt, body: PreferencesIn) -> dict[str, Any]:
+    """The user's time zone, quiet hours and daily attention budget: control state, so only this channel sets it."""
+    changes = {name: getattr(body, name) for name in body.model_fields_set}
+    if body.quiet_hours is not None:
+        changes["quiet_hours"] = speaking.QuietHours.parse(body.quiet_hours.start, body.quiet_hours.end)
+    with write(rt.engine) as conn:
+        return speaking.describe(speaking.change_preferences(conn, user_id=user, changes=changes))

@@ -18,7 +18,7 @@ from wakeful.server.store.tables import EventStatus, OutboxState, SteerState, Ta
 __all__ = [
     "CODES", "ActionView", "ApprovalCard", "Decision", "Done", "EgressPage", "ErrorEnvelope", "EventView", "Health",
     "HookReceipt",
-    "Ledger", "MessagePage",
+    "Ledger", "MessagePage", "PreferencesView",
     "MessageRecorded", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
     "TaskStateAnswer", "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
 ]
@@ -50,6 +50,7 @@ CODES: dict[str, int] = {
     "malformed_body": 400, "invalid_parameter": 400, "invalid_completion": 400, "bad_cursor": 400,
     "json_too_deep": 400, "number_too_long": 400, "number_out_of_range": 400, "duplicate_key": 400,
     "missing_delivery_id": 400, "invalid_delivery_id": 400, "invalid_session_key": 400,
+    "unknown_timezone": 400, "invalid_quiet_hours": 400,
     "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
     "forbidden": 403,
@@ -267,14 +268,35 @@ class EventView(_Answer):
 
 class Message(_Answer):
     id: str
+    seq: int | None = Field(description="the message's place in the user's feed (`after=`); null while held and "
+                                        "once batched into a summary, which has its own")
     state: OutboxState
     created_at: str
-    body: dict[str, Any]
+    body: dict[str, Any] = Field(description="`text`, `level` (notify, suggest, ask, act), `urgent` (reason, "
+                                             "deadline) when so marked; a summary adds `items`, each held message")
+    gate: str | None = Field(description="why the speaking gate held this message, or let it break through")
+    held_until: str | None = Field(description="when a held message goes out in its summary")
+    summary_id: str | None = Field(description="the summary a batched message went out in")
 
 
 class MessagePage(_Answer):
     messages: list[Message]
-    next: str | None = Field(description="the cursor of the following page; null on the last")
+    next: str | None = Field(description="the cursor of the following page; null on the last (newest first only)")
+    after: int | None = Field(default=None, description="with `after=`: the `after` of the next poll (the last "
+                                                        "`seq` on this page, or the one sent when it is empty)")
+
+
+class QuietHoursView(_Answer):
+    start: str = Field(description="local time, HH:MM")
+    end: str = Field(description="local time, HH:MM; before `start`: the quiet hours cross midnight")
+
+
+class PreferencesView(_Answer):
+    """How the user wants to be spoken to; only the user sets it, on this channel (never the agent, nor MCP)."""
+
+    timezone: str
+    quiet_hours: QuietHoursView | None
+    attention_budget: int | None = Field(description="messages per local day; null: no budget")
 
 
 class EgressRequest(_Answer):

@@ -30,7 +30,7 @@ from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest,
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OnTimeout, RunOutcome, run_contexts, tool_results
-from wakeful.server.tools.specs import Face, spec
+from wakeful.server.tools.specs import Face, spec, urgency_of
 
 __all__ = ["HARNESS_VERSION", "Harness"]
 
@@ -98,7 +98,7 @@ class Harness:
             # The run's own tools, checked against their specs like every other (the tool layer checks the rest).
             args: Any = spec(call.name).validate(Face.HARNESS, call.args) if call.name in _OWN else None
             if call.name == "send_to_user":
-                ctx.send_to_user(args.text)
+                ctx.send_to_user(args.text, level=args.level, urgency=urgency_of(args))
                 return {"sent": True}
             if call.name == "stay_quiet":
                 ctx.silence(args.reason or "no reason given")

@@ -193,6 +193,8 @@ class OutboxState(StrEnum):
     PENDING = "pending"
     SENT = "sent"
     FAILED = "failed"
+    HELD = "held"        # a message the speaking gate held (quiet hours, the attention budget) until `held_until`
+    BATCHED = "batched"  # a held message, gone out inside the summary `summary_id`
 
 
 class ControlKind(StrEnum):
@@ -271,6 +273,12 @@ users = Table(
     Column("token_digest", String(64), unique=True),
     _now_col("created_at", nullable=False),
     Column("timezone", String(64), nullable=False, server_default="UTC"),  # IANA name (`store.users.zone`)
+    # What the user set about being spoken to (`core.speaking`): quiet hours as local "HH:MM", messages per day.
+    Column("quiet_start", String(5)),
+    Column("quiet_end", String(5)),
+    Column("attention_budget", Integer),
+    # The last `seq` given to one of the user's messages: taken under this row's lock, so seq order is commit order.
+    Column("message_seq", BigInteger, nullable=False, server_default="0"),
 )
 
 sessions = Table(
@@ -466,7 +474,12 @@ outbox = Table(
     _now_col("next_attempt_at", nullable=False),
     _now_col("created_at", nullable=False),
     _now_col("sent_at"),
+    Column("seq", BigInteger),  # the user's feed order (`GET /v1/messages?after=`); null while held, and on intents
+    Column("gate", Text),  # why the speaking gate held this message, or let it break through quiet hours
+    _now_col("held_until"),
+    Column("summary_id", String(40)),  # the summary a held message went out in
     Index(None, "state", "next_attempt_at"),
+    Index(None, "user_id", "seq", unique=True),
     _check("kind", OutboxKind),
     _check("state", OutboxState),
 )

@@ -44,10 +44,11 @@ from wakeful.server.acting.connectors import (
     StringParam,
 )
 from wakeful.server.computers.pool import ACT_TOOL, HANDOFF_TOOL, OBSERVE_TOOL, ActArgs
+from wakeful.server.core.speaking import Level, Urgency
 from wakeful.server.errors import BadRequest
 
 __all__ = ["TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args", "input_schema",
-           "TaskRef", "spec", "tool_specs"]
+           "TaskRef", "spec", "tool_specs", "urgency_of"]
 
 TASK_ID_PATTERN: Final = "^task_[0-9a-z]+$"
 
@@ -136,8 +137,24 @@ class TaskStatus(_Args):
     pass
 
 
+class Urgent(_Args):
+    reason: Annotated[str, Field(min_length=1, max_length=200, description="one line: why it cannot wait")]
+    deadline: AwareDatetime = Field(strict=False, description="ISO 8601 with its offset: when waiting stops "
+                                    "helping (a hold expires). Breaks quiet hours only if before they end")
+
+
 class SendToUser(_Args):
     text: Annotated[str, Field(min_length=1, max_length=4000)]
+    level: Level = Field(default=Level.NOTIFY, strict=False, description="notify: for information; suggest: a "
+                         "proposal; ask: needs their answer; act: tells what you did")
+    urgent: Urgent | None = Field(default=None, description="only when it cannot wait for the user's morning "
+                                                            "summary; otherwise leave it out")
+
+
+def urgency_of(args: Any) -> Urgency | None:
+    """The urgency a `send_to_user` call claims, on either face (the MCP face's model is a copy of `SendToUser`)."""
+    urgent: Urgent | None = args.urgent
+    return Urgency(reason=urgent.reason, deadline=urgent.deadline) if urgent else None
 
 
 class StayQuiet(_Args):
@@ -305,7 +322,8 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
                          "verified, receipt delivered), pending waits, and each action with its verdict and outcome."),
     ToolSpec(name="send_to_user", args=SendToUser,
              hints=Hints(read_only=False, destructive=False, idempotent=False, open_world=True),
-             description="Tell the user something, through the outbox. The only way to reach them."),
+             description="Tell the user something, through the outbox. The only way to reach them. During their "
+                         "quiet hours or past their daily attention budget it waits for one summary, unless urgent."),
     ToolSpec(name="schedule_followup", args=ScheduleFollowup, hints=_RECORD,
              description="Wake this task again later (capped per user; closes with the task)."),
     ToolSpec(name="read_record", args=ReadRecord, faces=frozenset({Face.HARNESS}),

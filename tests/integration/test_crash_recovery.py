@@ -58,10 +58,11 @@ CLEAN_EXIT = (0, -signal.SIGTERM)
 
 
 def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None) -> dict[str, str]:
-    # No model key (ServeProcess drops the caller's WAKEFUL_* variables): runs use the echo handler, which sends one
-    # reply per run naming every event the run handled in `source_ids`.
+    # No model key (ServeProcess drops the caller's WAKEFUL_* variables), and the tests' echo: one reply per run
+    # naming every event the run handled in `source_ids` (without it a run ends in silence, with nothing to count).
     env = {
         "WAKEFUL_DATA_DIR": str(data_dir),
+        "WAKEFUL_ECHO_WITHOUT_MODEL": "true",
         "WAKEFUL_SOURCES__HOOK__KIND": "generic",
         "WAKEFUL_SOURCES__HOOK__SECRET": SECRET,
         "WAKEFUL_NOTIFY_URL": notify_url,
@@ -420,7 +421,7 @@ def assert_every_message_applied_exactly_once(records: Records, sink: Sink) -> N
 
 PARALLEL_CAMPAIGNS = 2  # one per core: a campaign is mostly one server process starting at a time
 # The points a webhook passes on its way to a delivered reply. The action points (`after_attempt_persisted`,
-# `after_send`) need a run that dispatches an action, which the default echo handler never does.
+# `after_send`) need a run that dispatches an action, which the tests' echo handler never does.
 WEBHOOK_POINTS = ("after_event_commit", "after_claim", "before_run_commit", "after_outbox_write", "after_dispatch")
 
 

@@ -56,7 +56,8 @@ def test_a_message_is_delivered_once_with_its_id_as_the_idempotency_key(engine: 
     d = dispatcher(engine, clock, receiver)
     assert d.drain() == 1
     assert d.drain() == 0
-    assert receiver.applied[message_id]["body"] == {"text": "hello"}
+    assert receiver.applied[message_id]["body"] == {"text": "hello", "level": "notify"}
+    assert receiver.applied[message_id]["seq"] == 1  # the receiver can order what it gets as the feed does
     assert [m["state"] for m in messages(engine)] == ["sent"]
 
 

@@ -171,7 +171,7 @@ BODIES = {  # a body each route takes, with a slot (@) for one JSON value
     "/v1/tasks/{task_id}/steer": b'{"goal": @}', "/v1/tasks/{task_id}/{operation}": b'{"reason": @}',
     "/v1/tasks/{task_id}/messages": b'{"text": @}',
     "/v1/actions/{action_id}/{decision}": b'{"reason": @}', "/v1/live/view": b'{"minutes": @}',
-    HOOK: b'{"session_key": @}',
+    "/v1/preferences": b'{"timezone": @}', HOOK: b'{"session_key": @}',
 }
 ABSURD = {  # a value for the slot, and the code it is refused with
     b'"\\ud800"': "malformed_body", b'"\\u0000"': "malformed_body", b"1e400": "number_out_of_range",

@@ -56,7 +56,8 @@ def entitled(wait: str, sender: Sender) -> bool:
     return wait in ("any_source", f"source:{sender.source}")
 
 
-storable = st.characters(codec="utf-8", exclude_characters="\x00")  # what the webhook inbox lets into a key (no NUL, no surrogate)
+# What the webhook inbox lets into a key: no NUL, no lone surrogate.
+storable = st.characters(codec="utf-8", exclude_characters="\x00")
 names = st.sampled_from(NAMES) | st.text(storable, min_size=1, max_size=12)
 trusts = st.sampled_from(["third_party", "verified_service", "user", "system"])
 senders = st.one_of(

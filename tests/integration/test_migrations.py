@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,24 @@ def test_migrating_to_wait_authority_gives_each_record_the_authority_it_had(tmp_
             "approval": "user", "reconcile": "system", "reply": "any_source"}
         assert dict(conn.execute(select(session_keys.c.key, session_keys.c.authority)).all()) == {
             "thread-1": "source:hook", "bound-by-nothing-recorded": "system"}
+
+
+def test_migrating_to_speaking_gives_queued_messages_their_feed_order_and_the_user_the_last(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.db'}")
+    migrate(engine, "0010")
+    now = FakeClock().now()
+    with write(engine) as conn:
+        for user_id in ("usr_1", "usr_2"):
+            conn.execute(insert(users).values(id=user_id, name=user_id, created_at=now))
+        for row_id, user_id, kind, second in (("msg_b", "usr_1", "user_message", 2), ("msg_a", "usr_1",
+                                              "user_message", 1), ("dsp_x", "usr_1", "dispatch", 3),
+                                             ("msg_c", "usr_2", "user_message", 1)):
+            conn.execute(text("INSERT INTO outbox (id, user_id, kind, body, state, attempts, next_attempt_at, "
+                              "created_at) VALUES (:id, :user, :kind, '{}', 'sent', 1, :at, :at)"),
+                         {"id": row_id, "user": user_id, "kind": kind, "at": (now + timedelta(seconds=second))
+                          .replace(tzinfo=None)})
+    migrate(engine)
+    with read(engine) as conn:
+        assert dict(conn.execute(text("SELECT id, seq FROM outbox")).all()) == {
+            "msg_a": 1, "msg_b": 2, "dsp_x": None, "msg_c": 1}
+        assert dict(conn.execute(select(users.c.id, users.c.message_seq)).all()) == {"usr_1": 2, "usr_2": 1}

@@ -14,6 +14,7 @@ import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import Enum
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from hypothesis import strategies as st
@@ -96,6 +97,8 @@ def _value(tp: Any, metadata: list[Any], special: Special, name: str | None) -> 
                                _value(value, [], special, None), max_size=3)
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return arguments(tp, special)
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return st.sampled_from([member.value for member in tp])
     raise TypeError(f"no strategy for {tp!r}: teach tests/support/model_strategies.py this type")
 
 

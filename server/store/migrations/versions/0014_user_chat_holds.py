@@ -1,7 +1,7 @@
 """user chat holds
 
 Revision ID: 0014
-Revises: 0012
+Revises: 0013
 
 The user's own message about a task (`core.holds`): an event of kind `message`; a task `held` until the run that
 reads it confirms a pause or ends without one; control rows `hold` and `release`, each naming the message's event
@@ -14,7 +14,7 @@ from alembic import op
 from wakeful.server.store.tables import append_only_ddl
 
 revision = '0014'
-down_revision = '0012'
+down_revision = '0013'
 branch_labels = None
 depends_on = None
 
