@@ -6,6 +6,7 @@ the task's ID as `task_id`):
     <connector>__<operation>                                      one per declared operation; reads return
                                                                   server-issued object IDs, writes accept only those
     send_to_user, schedule_followup                               through the outbox / a capped timer
+    add_task_key                                                  a correlation key for the task, with a reason
     computer__observe, computer__act, computer__request_handoff   when the server runs tool computers
 Resources (read-only): wakeful://tasks/{id}, wakeful://tasks/{id}/ledger, wakeful://approvals.
 
@@ -38,7 +39,7 @@ from sqlalchemy import Engine, and_, select
 from wakeful.proxy.clock import Clock
 from wakeful.server.acting import ledger
 from wakeful.server.acting.connectors import Registry
-from wakeful.server.core import outbox, steers, timers
+from wakeful.server.core import keys, outbox, steers, timers
 from wakeful.server.core.worker import Binding
 from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.routes import check_completion
@@ -153,6 +154,7 @@ class WakefulMCP:
         handlers: dict[str, Callable[[str, Any], dict[str, Any]]] = {
             "create_responsibility": self._create, "steer_responsibility": self._steer,
             "task_status": self._status, "send_to_user": self._send, "schedule_followup": self._followup,
+            "add_task_key": self._add_key,
         }
         if name in handlers:
             return handlers[name](user, spec.validate(Face.MCP, args))
@@ -167,7 +169,7 @@ class WakefulMCP:
         with write(self.engine) as conn:
             task_id = steers.delegate(conn, user_id=user, title=args.title, goal=args.goal,
                                       constraints=args.constraints, completion=completion, ceilings=ceilings,
-                                      actor=agent_actor(user), now=self.clock.now())
+                                      actor=agent_actor(user), now=self.clock.now(), task_keys=args.keys)
         return {"task_id": task_id, "version": 1}
 
     def _steer(self, user: str, args: Any) -> dict[str, Any]:
@@ -206,6 +208,12 @@ class WakefulMCP:
             timer_id = timers.create_followup(conn, user_id=user, task_id=task.id, due_at=due, note=args.note,
                                               now=now, cap=self.settings.followup_cap)
         return {"timer_id": timer_id, "due_at": due.isoformat()}
+
+    def _add_key(self, user: str, args: Any) -> dict[str, Any]:
+        with write(self.engine) as conn:
+            keys.bind(conn, user_id=user, task_id=args.task_id, keys=[args.key], actor=agent_actor(user),
+                      reason=args.reason, now=self.clock.now())
+        return {"task_id": args.task_id, "key": args.key, "bound": True}
 
     # -- resources -----------------------------------------------------------------------------------------------
 

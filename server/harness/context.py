@@ -20,6 +20,7 @@ from sqlalchemy import Connection, and_, select
 
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.acting.ledger import task_status
+from wakeful.server.core import triage
 from wakeful.server.core.worker import EventView
 from wakeful.server.store.tables import tasks
 from wakeful.server.tools.specs import Face, tool_specs
@@ -80,6 +81,8 @@ def assemble(conn: Connection, *, registry: Registry, instructions: Path | None,
                     "received_at": e.received_at.isoformat(), "payload": e.payload} for e in events],
         "memory": [],
     }
+    if task is None and triage.is_triage(conn, session_id):
+        tail["open_tasks"] = triage.open_tasks(conn, user_id)  # what a delivery that found no task may be attached to
     return Context(prefix=prefix, tools=tools, tail=tail)
 
 
@@ -88,6 +91,10 @@ def render_tail(tail: dict[str, Any]) -> str:
     parts = [f"Now: {tail['now']}"]
     if tail.get("task"):
         parts.append("<task_state>\n" + json.dumps(tail["task"], sort_keys=True, default=str) + "\n</task_state>")
+    if "open_tasks" in tail:
+        parts.append("<triage>These deliveries matched no task. Attach one to an open task with attach_event, or "
+                     "leave it with stay_quiet.\n<open_tasks>\n" + json.dumps(tail["open_tasks"], sort_keys=True)
+                     + "\n</open_tasks>\n</triage>")
     for e in tail["events"]:
         body = json.dumps(e["payload"], sort_keys=True, default=str).replace("</event>", "<\\/event>")
         parts.append(f'<event id="{e["id"]}" source="{e["source"]}" trust="{e["trust"]}" kind="{e["kind"]}" '

@@ -19,8 +19,9 @@ from typing import Any
 from sqlalchemy import Connection, Table
 
 from wakeful.server.acting.connectors import Registry
+from wakeful.server.core import attach, keys, triage
 from wakeful.server.core.worker import RunContext, RunInterrupted
-from wakeful.server.errors import WakefulError
+from wakeful.server.errors import Conflict, WakefulError
 from wakeful.server.harness.context import assemble, render_tail
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
 from wakeful.server.store.db import read
@@ -31,7 +32,7 @@ from wakeful.server.tools.specs import Face, spec
 __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
-_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup"})
+_OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "add_task_key", "attach_event"})
 
 
 class Harness:
@@ -97,8 +98,13 @@ class Harness:
             if call.name == "stay_quiet":
                 ctx.silence(args.reason or "no reason given")
                 return {"quiet": True}
+            if call.name == "attach_event":
+                return _attach(ctx, args)
             if task_id is None:
-                raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
+                raise WakefulError("no_task", "this wake belongs to no task; only send_to_user, stay_quiet and (in "
+                                              "triage) attach_event work")
+            if call.name == "add_task_key":
+                return _add_key(ctx, task_id, args)
             if call.name == "schedule_followup":
                 at = ctx.now() + timedelta(seconds=args.in_seconds)
                 ctx.follow_up(task_id=task_id, at=at, note=args.note)
@@ -115,6 +121,35 @@ class Harness:
             return {"error": {"code": exc.code, "message": exc.message}}
         except (KeyError, ValueError, TypeError) as exc:
             return {"error": {"code": "invalid_arguments", "message": f"{call.name}: {exc}"}}
+
+
+def _harness_actor(ctx: RunContext) -> str:
+    """Who the harness's records name: the user's agent in this run, never the user."""
+    return f"agent:{ctx.user_id} run {ctx.run_id}"
+
+
+def _add_key(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
+    """Bind the key now, under the run's token, so that a delivery arriving while the run goes on finds the task."""
+    def bind(conn: Connection) -> None:
+        keys.bind(conn, user_id=ctx.user_id, task_id=task_id, keys=[args.key], actor=_harness_actor(ctx),
+                  reason=args.reason, now=ctx.now())
+
+    ctx.persist(bind)
+    return {"task_id": task_id, "key": args.key, "bound": True}
+
+
+def _attach(ctx: RunContext, args: Any) -> dict[str, Any]:
+    """Only from the triage session, and only its own events (`core.attach` checks the event is there)."""
+    answer: dict[str, Any] = {}
+
+    def attach_it(conn: Connection) -> None:
+        if not triage.is_triage(conn, ctx.session_id):
+            raise Conflict("not_in_triage", "attach_event works only in the triage session")
+        answer.update(attach.attach(conn, user_id=ctx.user_id, event_id=args.event_id, task_id=args.task_id,
+                                    actor=_harness_actor(ctx), reason=args.reason, now=ctx.now()))
+
+    ctx.persist(attach_it)
+    return answer
 
 
 def _insert(table: Table, row: dict[str, Any], conn: Connection) -> None:
