@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from sqlalchemy import Connection, and_, select, update
+from sqlalchemy.exc import IntegrityError
 
 from wakeful.server.errors import BadRequest, Conflict, NotFound
 from wakeful.server.store.ids import new_id
@@ -72,8 +73,13 @@ def bind(conn: Connection, *, user_id: str, task_id: str, keys: Iterable[str], a
         if holder is not None:
             raise Conflict("task_key_taken", f"the key {key!r} is bound to your open task {holder}", key=key,
                            task_id=holder)
-        conn.execute(task_keys.insert().values(id=new_id("key"), user_id=user_id, task_id=task_id, key=key,
-                                               bound_by=actor, reason=reason, bound_at=now))
+        try:  # another transaction may be binding it right now: the schema's unique index decides
+            with conn.begin_nested():
+                conn.execute(task_keys.insert().values(id=new_id("key"), user_id=user_id, task_id=task_id, key=key,
+                                                       bound_by=actor, reason=reason, bound_at=now))
+        except IntegrityError:
+            raise Conflict("task_key_taken", f"the key {key!r} was just bound to another open task of yours",
+                           key=key) from None
         bound.append(key)
     return bound
 

@@ -23,9 +23,10 @@ from tests.support.polling import wait_until
 from tests.support.serve import serving
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
-from wakeful.server.core import inbox
+from wakeful.server.core import control, inbox, keys, sessions
 from wakeful.server.core.signatures import sign
 from wakeful.server.core.worker import Binding
+from wakeful.server.errors import WakefulError
 from wakeful.server.faces.http import create_app
 from wakeful.server.harness.model import ScriptedModel, calls, quiet
 from wakeful.server.harness.wake import Harness
@@ -307,3 +308,28 @@ def _blocked_on_a_lock(engine: Engine) -> bool:
     with read(engine) as conn:
         return bool(conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                                       "AND datname = current_database()")).scalar())
+
+
+@BOTH
+def test_two_tasks_binding_one_key_at_once_one_wins_and_the_other_is_409(engine: Engine, clock: FakeClock,
+                                                                          owner: str) -> None:
+    with write(engine) as conn:
+        tasks = [control.create_task(conn, user_id=owner, title=name, now=clock.now(),
+                                     session_id=sessions.create_session(conn, user_id=owner, now=clock.now()))
+                 for name in ("a", "b")]
+
+    def second() -> None:
+        with write(engine) as conn:
+            keys.bind(conn, user_id=owner, task_id=tasks[1], keys=["PNR7Q2"], actor="user", reason="", now=clock.now())
+
+    with ThreadPoolExecutor(1) as pool:
+        with write(engine) as conn:
+            keys.bind(conn, user_id=owner, task_id=tasks[0], keys=["PNR7Q2"], actor="user", reason="", now=clock.now())
+            racing = pool.submit(second)
+            if engine.dialect.name == "postgresql":
+                wait_until(lambda: _blocked_on_a_lock(engine), 30, "the second bind to wait for the first")
+        with pytest.raises(WakefulError) as refused:
+            racing.result(timeout=30)
+    assert refused.value.code == "task_key_taken"
+    with read(engine) as conn:
+        assert [k["key"] for k in keys.of_task(conn, tasks[0])] == ["PNR7Q2"] and keys.of_task(conn, tasks[1]) == []
