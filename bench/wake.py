@@ -1,6 +1,8 @@
 """Event-to-run-start latency: from a webhook's 2xx at the client to its run's `started_at` in the database.
 
-N webhooks are sent 20 ms apart, each without a session key, so each lands in a new session and starts its own run.
+N webhooks are sent 20 ms apart, each without a key, so each lands in the owner's triage session (one session, as a
+user's deliveries that match no task do) and wakes its run there: one run at a time per session, so an event arriving
+while the previous one's run is going waits for it (a run takes every pending event, so nothing waits longer).
 The client's clock (`time.time()`) and the server's `runs.started_at` (naive UTC) read the same machine's wall clock.
 The baseline is the same server's `/v1/noop` round trip, sent between the webhooks over the same connection.
 Target (issue): p50 <= 50 ms.
@@ -103,8 +105,8 @@ def run(quick: bool = False) -> list[Table]:
         row("webhook ack round trip p50", hook_rtt, 50),
         row("webhook ack round trip p99", hook_rtt, 99),
     ]
-    notes = [f"{n} webhooks {SPACING * 1000:.0f} ms apart, each a new session; baseline: /v1/noop round trip on the "
-             "same connection, sent between them",
+    notes = [f"{n} webhooks {SPACING * 1000:.0f} ms apart, all to the triage session; baseline: /v1/noop round trip "
+             "on the same connection, sent between them",
              "a negative figure means the run started before the 2xx reached the client (the committer wakes the "
              "workers before it answers)"]
     if len(starts) < n:

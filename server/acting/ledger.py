@@ -1,10 +1,11 @@
 """The audit ledger: a task's whole history in order, from the records alone.
 
-Events, runs, decisions, task versions, steers the agent proposed and the user's answer, control decisions, actions
-with their content hashes, admission verdicts with reasons, approvals with their approver, attempts with outcomes,
-evidence from responses and reconciliation, refusals, messages to the user, and the timers and waits set for the
-task (each in plain words, `said`) with when and how each ended. Enough to answer "why did this
-effect happen, and on whose authority".
+Events (each delivery its keys or an attachment brought, with its source, key and trust), the task's keys (bound by
+whom and why, and when released), attachments from triage, runs, decisions, task versions, steers the agent proposed
+and the user's answer, control decisions, actions with their content hashes, admission verdicts with reasons,
+approvals with their approver, attempts with outcomes, evidence from responses and reconciliation, refusals, messages
+to the user, and the timers and waits set for the task (each in plain words, `said`) with when and how each ended.
+Enough to answer "why did this effect happen, and on whose authority".
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 from sqlalchemy import Connection, and_, or_, select
 
-from wakeful.server.core import agenda
+from wakeful.server.core import agenda, keys
 from wakeful.server.core.holds import current_hold
 from wakeful.server.errors import NotFound
 from wakeful.server.store import users
@@ -26,12 +27,14 @@ from wakeful.server.store.tables import (
     attempts,
     control,
     decisions,
+    event_attachments,
     events,
     evidence,
     outbox,
     refusals,
     runs,
     steer_proposals,
+    task_keys,
     task_versions,
     tasks,
     timers,
@@ -43,7 +46,8 @@ __all__ = ["EntryType", "describe", "entries", "four_facts", "task_status"]
 
 EntryType = Literal["task", "task_version", "control", "steer_proposal", "steer_decision", "event", "run", "decision",
                     "action", "verdict", "approval", "attempt", "outcome", "evidence", "refusal", "message",
-                    "dispatch_intent", "timer", "timer_ended", "wait", "wait_ended"]
+                    "dispatch_intent", "timer", "timer_ended", "wait", "wait_ended", "task_key", "task_key_release",
+                    "attachment"]
 """Every kind of ledger entry (the HTTP API documents them: a kind missing here fails the type check where it is
 written)."""
 
@@ -82,6 +86,12 @@ def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
         if r.decided_at is not None:
             yield {"at": r.decided_at.isoformat(), "type": "steer_decision", "id": r.id, "state": r.state,
                    "decided_by": r.decided_by, "base_version": r.base_version}
+    for r in conn.execute(select(task_keys).where(task_keys.c.task_id == task.id)):
+        yield _row("task_key", r.bound_at, r, skip=("released_at",))
+        if r.released_at is not None:
+            yield {"at": r.released_at.isoformat(), "type": "task_key_release", "id": r.id, "key": r.key}
+    for r in conn.execute(select(event_attachments).where(event_attachments.c.task_id == task.id)):
+        yield _row("attachment", r.created_at, r)
     for r in conn.execute(select(events).where(events.c.session_id == task.session_id)):
         yield _row("event", r.received_at, r)
     run_ids = []
@@ -183,6 +193,9 @@ def describe(entry: dict[str, Any]) -> str:
         "timer_ended": lambda e: f"{e['id']} {e['state']} ({e.get('end_reason', '')})",
         "wait": lambda e: f"{e['id']} {e.get('said') or e['kind'] + ' for ' + e['match_key']}",
         "wait_ended": lambda e: f"{e['id']} {e['state']}",
+        "task_key": lambda e: f"{e['key']!r} bound by {e['bound_by']}: {e.get('reason', '')}".rstrip(": "),
+        "task_key_release": lambda e: f"{e['key']!r} released",
+        "attachment": lambda e: f"{e['event_id']} attached as {e['attached_event_id']} by {e['actor']}: {e['reason']}",
     }
     detail = formats.get(kind)
     return f"{entry['at']}  {kind:<15} {detail(entry) if detail else ''}"
@@ -207,7 +220,8 @@ def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, An
     return {"task_id": row.id, "session_id": row.session_id, "title": row.title, "state": row.state,
             "version": row.current_version, "facts": four_facts(conn, task_id=task_id),
             **agenda.listing(conn, user_id=user_id, task_id=task_id),
-            "actions": action_rows, "proposed_steers": _proposed_steers(conn, task_id), "hold": _hold(conn, task_id)}
+            "actions": action_rows, "proposed_steers": _proposed_steers(conn, task_id), "hold": _hold(conn, task_id),
+            "keys": keys.of_task(conn, task_id)}
 
 
 def _hold(conn: Connection, task_id: str) -> dict[str, Any] | None:

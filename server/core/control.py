@@ -18,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, select, update
 
-from wakeful.server.core import inbox
+from wakeful.server.core import inbox, keys
 from wakeful.server.errors import Conflict, NotFound
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
@@ -84,11 +84,15 @@ def stop_state(conn: Connection) -> StopState:
 
 def create_task(conn: Connection, *, user_id: str, session_id: str, title: str, now: datetime,
                 goal: str | None = None, constraints: Mapping[str, Any] | None = None,
-                completion: Sequence[Mapping[str, Any]] = (), actor: str = "user", trust: str = "user") -> str:
-    """A responsibility (the whole delegation) with its first task version; `trust` says whose word it is."""
+                completion: Sequence[Mapping[str, Any]] = (), actor: str = "user", trust: str = "user",
+                task_keys: Sequence[str] = ()) -> str:
+    """A responsibility (the whole delegation) with its first task version; `trust` says whose word it is.
+    `task_keys` are bound to it at once (`core.keys`): deliveries carrying them wake its session."""
     task_id = new_id("task")
     conn.execute(tasks.insert().values(id=task_id, user_id=user_id, session_id=session_id, title=title,
                                        state=TaskState.ACTIVE.value, current_version=1, created_at=now))
+    keys.bind(conn, user_id=user_id, task_id=task_id, keys=task_keys, actor=actor, reason="given at delegation",
+              now=now)
     conn.execute(task_versions.insert().values(
         id=new_id("tv"), task_id=task_id, version=1, goal=goal or title, created_by=actor, created_at=now,
         constraints=json.dumps(dict(constraints or {}), sort_keys=True), completion=json.dumps(list(completion)),
@@ -138,7 +142,8 @@ def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: Contro
                        task_id=task_id, state=row.state)
     record_id = record(conn, user_id=user_id, task_id=task_id, kind=kind, actor=actor, reason=reason, now=now)
     if target in (TaskState.CLOSED, TaskState.REVOKED):
-        # Proactivity closes with its task: timers and pending waits end here.
+        # Proactivity closes with its task: timers and pending waits end here, and its keys route to triage again.
+        keys.release(conn, task_id=task_id, now=now)
         conn.execute(update(timers).where(and_(timers.c.task_id == task_id, timers.c.state == TimerState.ACTIVE.value))
                      .values(state=TimerState.CANCELLED.value, ended_at=now,
                              end_reason=f"the task was {target.value} by {actor}"))

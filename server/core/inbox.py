@@ -1,10 +1,11 @@
 """The inbox: persist on receive.
 
-`record` writes one event and its session todo in the caller's transaction, routing it to a session (the session of a
-wait its correlation key names and its sender may satisfy, the session its sender's earlier deliveries with that key
-went to, or a new one) and dropping duplicates by `(source, source_id)`. Who sent a delivery is its `authority`
-(`server.core.authority`): a key names a wait only for a sender that wait accepts, and binds a session only for the
-sender that bound it, so no delivery reaches a wait or a session through a key another authority holds.
+`record` writes one event and its session todo in the caller's transaction, routing it to a session and dropping
+duplicates by `(source, source_id)`. A delivery goes, in this order, to: the session its sender named (internal
+sources: timers, control); the session of a wait its correlation key names and its sender may satisfy; the session of
+the user's open task its key is bound to (`core.keys`); else the user's triage session (`core.triage`). Who sent a
+delivery is its `authority` (`server.core.authority`): a key names a wait only for a sender that wait accepts, and a
+task's key leads a delivery to the task's session without giving it any authority there.
 `GroupCommitter` is how the HTTP handler uses it: deliveries from many requests are written in one transaction and
 one fsync, and each request is acknowledged only after that commit returned. A delivery whose transaction fails is
 retried alone, so one bad delivery never fails its neighbours.
@@ -31,21 +32,11 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, select, update
 
 from wakeful.proxy.clock import Clock
-from wakeful.server.core import faults, sessions
+from wakeful.server.core import faults, keys, sessions, triage
 from wakeful.server.core.authority import of_source, satisfiable_by
-from wakeful.server.store.db import bound, connect_nowait, insert_many, sqlite_driver, upsert, write, write_unless_busy
+from wakeful.server.store.db import bound, connect_nowait, insert_many, sqlite_driver, write, write_unless_busy
 from wakeful.server.store.ids import new_id
-from wakeful.server.store.tables import (
-    SOURCE_PREFIX,
-    EventKind,
-    EventStatus,
-    WaitState,
-    events,
-    session_keys,
-    todos,
-    waits,
-)
-from wakeful.server.store.tables import sessions as sessions_table
+from wakeful.server.store.tables import SOURCE_PREFIX, EventKind, EventStatus, WaitState, events, waits
 
 __all__ = ["Delivery", "GroupCommitter", "Recorded", "due_at", "record", "record_many"]
 
@@ -138,8 +129,8 @@ def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime,
                 coalesce: timedelta = _NOW) -> list[Recorded]:
     """`record` for a batch, in the caller's transaction, with the same results in the same order.
 
-    The common case — a delivery with no correlation key, which starts a session of its own — is written with one
-    multi-row insert per table instead of statement by statement; the rest go through `record`."""
+    The common case — a delivery with no correlation key, which goes to its user's triage session — is written with
+    one multi-row insert instead of statement by statement; the rest go through `record`."""
     first: dict[tuple[str, str], int] = {}
     for i, d in enumerate(deliveries):
         first.setdefault((d.source, d.source_id), i)
@@ -151,18 +142,23 @@ def record_many(conn: Connection, deliveries: list[Delivery], *, now: datetime,
                                                   status=EventStatus(status))
     fresh: dict[int, Recorded] = {}
     simple_rows: list[tuple[Delivery, str, str]] = []
+    triaged: dict[str, str] = {}  # user: triage session
     for key, i in first.items():
         d = deliveries[i]
         if key in known:
             continue
         if d.corr_key is None and d.session_id is None:
-            simple_rows.append((d, new_id("ev"), new_id("ses")))
+            if d.user_id not in triaged:
+                triaged[d.user_id] = triage.session_of(conn, user_id=d.user_id, now=now)
+            simple_rows.append((d, new_id("ev"), triaged[d.user_id]))
             fresh[i] = Recorded(event_id=simple_rows[-1][1], session_id=simple_rows[-1][2], duplicate=False,
                                 status=EventStatus.PENDING)
         else:
             fresh[i] = record(conn, d, now=now, coalesce=coalesce)
-    if simple_rows:  # nothing can join a session without a key: due at once
-        _insert_fresh_sessions(conn, simple_rows, now=now)
+    if simple_rows:  # a delivery without a key is due at once (`due_at`)
+        _insert_triaged(conn, simple_rows, now=now)
+        for user_id, session_id in triaged.items():
+            sessions.wake(conn, session_id=session_id, user_id=user_id, due_at=now)
     results = []
     for i, d in enumerate(deliveries):
         key = (d.source, d.source_id)
@@ -197,22 +193,18 @@ def _known(conn: Connection, source: str, source_ids: list[str]) -> Sequence[tup
     return rows
 
 
-def _insert_fresh_sessions(conn: Connection, rows: list[tuple[Delivery, str, str]], *, now: datetime) -> None:
-    """Each (delivery, event id, session id) as a new session, its event and its todo: one insert per table.
+def _insert_triaged(conn: Connection, rows: list[tuple[Delivery, str, str]], *, now: datetime) -> None:
+    """Each (delivery, event ID, triage session ID) as an event: one insert.
 
     The inbox's hot path: values go to the driver as they are (`insert_many`), so the shared ones are converted
     once per batch."""
     at = bound(conn, events.c.received_at, now)
     preempt = {flag: bound(conn, events.c.preempt, flag) for flag in (False, True)}
     pending = EventStatus.PENDING.value
-    insert_many(conn, sessions_table, ("id", "user_id", "fencing_token", "created_at"),
-                [(sid, d.user_id, 0, at) for d, _, sid in rows])
     insert_many(conn, events, ("id", "user_id", "source", "source_id", "session_id", "corr_key", "kind", "trust",
                                "authority", "preempt", "payload", "status", "attempts", "received_at"),
                 [(eid, d.user_id, d.source, d.source_id, sid, None, d.kind.value, d.trust, d.authority,
                   preempt[d.preempt], _payload(d.payload), pending, 0, at) for d, eid, sid in rows])
-    insert_many(conn, todos, ("session_id", "user_id", "version", "due_at"),  # a new session has no todo yet
-                [(sid, d.user_id, 1, at) for d, _, sid in rows])
 
 
 def _payload(payload: Any) -> str:
@@ -223,7 +215,7 @@ def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tu
     if d.session_id is not None:
         return d.session_id, EventStatus.PENDING
     if d.corr_key is None:
-        return sessions.create_session(conn, user_id=d.user_id, now=now), EventStatus.PENDING
+        return triage.session_of(conn, user_id=d.user_id, now=now), EventStatus.PENDING
     # A wait this sender may not satisfy is not there for it: the delivery goes on as if no wait had matched.
     wait = conn.execute(
         select(waits.c.id, waits.c.session_id, waits.c.state).where(
@@ -240,21 +232,10 @@ def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tu
         ).rowcount
         # A terminal wait is final: the late answer is kept as a record and wakes nothing.
         return wait.session_id, EventStatus.PENDING if moved == 1 else EventStatus.LATE
-    known = conn.execute(
-        select(session_keys.c.session_id).where(
-            session_keys.c.user_id == d.user_id, session_keys.c.authority == d.authority,
-            session_keys.c.key == d.corr_key,
-        )
-    ).scalar_one_or_none()
-    if known is not None:
-        sessions.lock(conn, known)
-        return known, EventStatus.PENDING
-    session_id = sessions.create_session(conn, user_id=d.user_id, now=now)
-    conn.execute(
-        upsert(conn, session_keys)
-        .values(user_id=d.user_id, authority=d.authority, key=d.corr_key, session_id=session_id)
-        .on_conflict_do_nothing()
-    )
+    # A task's key leads to its session whoever the sender is: as information, never as an answer to a wait.
+    task_session = keys.session_of(conn, user_id=d.user_id, key=d.corr_key)
+    session_id = task_session or triage.session_of(conn, user_id=d.user_id, now=now)
+    sessions.lock(conn, session_id)
     return session_id, EventStatus.PENDING
 
 

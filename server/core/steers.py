@@ -63,8 +63,9 @@ def _refuse_if_stopped(conn: Connection, user_id: str) -> None:
 
 def delegate(conn: Connection, *, user_id: str, title: str, goal: str | None, constraints: Mapping[str, Any],
              completion: Sequence[Mapping[str, Any]], ceilings: Mapping[str, int | None], actor: str,
-             now: datetime) -> str:
-    """A delegation the agent records; it acts under the user's policy like any other. Returns the task's ID."""
+             now: datetime, task_keys: Sequence[str] = ()) -> str:
+    """A delegation the agent records, with the keys it names (`core.keys`); it acts under the user's policy like
+    any other. Returns the task's ID."""
     _refuse_if_stopped(conn, user_id)
     over = over_ceilings(constraints, ceilings)
     if over:
@@ -73,7 +74,7 @@ def delegate(conn: Connection, *, user_id: str, title: str, goal: str | None, co
     session_id = sessions.create_session(conn, user_id=user_id, now=now)
     return control.create_task(conn, user_id=user_id, session_id=session_id, title=title, goal=goal,
                                constraints=constraints, completion=completion, now=now, actor=actor,
-                               trust=AGENT_TRUST)
+                               trust=AGENT_TRUST, task_keys=task_keys)
 
 
 def steer(conn: Connection, *, user_id: str, task_id: str, goal: str, constraints: Mapping[str, Any],

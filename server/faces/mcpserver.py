@@ -8,6 +8,7 @@ the task's ID as `task_id`):
     send_to_user                                                  through the outbox
     schedule_followup, wait_for_reply, keep_checking,             the task's timers and waits, admitted against
     list_timers, cancel_timer                                     its caps (`server.core.agenda`)
+    add_task_key                                                  a correlation key for the task, with a reason
     computer__observe, computer__act, computer__request_handoff   when the server runs tool computers
 Resources (read-only): wakeful://tasks/{id}, wakeful://tasks/{id}/ledger, wakeful://approvals.
 
@@ -40,7 +41,7 @@ from sqlalchemy import Engine, and_, select
 from wakeful.proxy.clock import Clock
 from wakeful.server.acting import ledger
 from wakeful.server.acting.connectors import Registry
-from wakeful.server.core import agenda, outbox, steers
+from wakeful.server.core import agenda, keys, outbox, steers
 from wakeful.server.core.schedule import Misfire
 from wakeful.server.core.worker import Binding
 from wakeful.server.errors import NotFound, WakefulError
@@ -158,6 +159,7 @@ class WakefulMCP:
             "task_status": self._status, "send_to_user": self._send, "schedule_followup": self._followup,
             "wait_for_reply": self._wait_for_reply, "keep_checking": self._keep_checking,
             "list_timers": self._list_timers, "cancel_timer": self._cancel_timer,
+            "add_task_key": self._add_key,
         }
         if name in handlers:
             return handlers[name](user, spec.validate(Face.MCP, args))
@@ -172,7 +174,7 @@ class WakefulMCP:
         with write(self.engine) as conn:
             task_id = steers.delegate(conn, user_id=user, title=args.title, goal=args.goal,
                                       constraints=args.constraints, completion=completion, ceilings=ceilings,
-                                      actor=agent_actor(user), now=self.clock.now())
+                                      actor=agent_actor(user), now=self.clock.now(), task_keys=args.keys)
         return {"task_id": task_id, "version": 1}
 
     def _steer(self, user: str, args: Any) -> dict[str, Any]:
@@ -242,6 +244,11 @@ class WakefulMCP:
             agenda.cancel(conn, user_id=user, task_id=args.task_id, item_id=args.id,
                           reason=f"cancelled by {agent_actor(user)}", now=self.clock.now())
         return {"cancelled": args.id}
+    def _add_key(self, user: str, args: Any) -> dict[str, Any]:
+        with write(self.engine) as conn:
+            keys.bind(conn, user_id=user, task_id=args.task_id, keys=[args.key], actor=agent_actor(user),
+                      reason=args.reason, now=self.clock.now())
+        return {"task_id": args.task_id, "key": args.key, "bound": True}
 
     # -- resources -----------------------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
     POST /v1/control/stop|start                 STOP / START for the caller
     GET  /v1/control
-    POST /v1/tasks                              delegate: title, goal, constraints, completion conditions
+    POST /v1/tasks                              delegate: title, goal, constraints, completion conditions, keys
     POST /v1/tasks/{id}/steer                   a new task version
     POST /v1/tasks/{id}/steers/{steer}/confirm|reject   answer a steer the agent proposed (it asked for more)
     POST /v1/tasks/{id}/messages                the user's chat about the task: holds it until a run reads it
@@ -36,6 +36,7 @@ from wakeful.server.acting.actions import load_action
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.acting.verdicts import gather_facts, render_card
 from wakeful.server.core import control, holds, sessions, speaking, steers
+from wakeful.server.core.keys import MAX_KEYS
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
 from wakeful.server.faces.auth import User
@@ -89,6 +90,9 @@ class TaskIn(BaseModel):
     goal: str | None = Field(default=None, max_length=4000)
     constraints: dict[str, Any] = Field(default_factory=dict)
     completion: list[Completion] = Field(default_factory=list)
+    keys: list[str] = Field(default_factory=list, max_length=MAX_KEYS,
+                            description="Correlation keys of the task (a PNR, an order number, a mail thread ID): a "
+                                        "delivery carrying one wakes this task")
 
 
 class SteerIn(BaseModel):
@@ -150,7 +154,7 @@ def control_state(user: User, rt: Rt) -> dict[str, Any]:
 
 
 @router.post("/v1/tasks", status_code=201, response_model=TaskCreated,
-             responses=refusals("invalid_completion", "unknown_tool"))
+             responses=refusals("invalid_completion", "unknown_tool", "invalid_task_key", "task_key_taken"))
 def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
     completion = check_completion(rt.registry, body.completion)
     now = rt.clock.now()
@@ -158,7 +162,7 @@ def create_task(user: User, rt: Rt, body: TaskIn) -> dict[str, Any]:
         session_id = sessions.create_session(conn, user_id=user, now=now)
         task_id = control.create_task(conn, user_id=user, session_id=session_id, title=body.title, now=now,
                                       goal=body.goal, constraints=body.constraints, completion=completion,
-                                      actor=f"user:{user}")
+                                      actor=f"user:{user}", task_keys=body.keys)
     rt.signals.wake_all()  # the delegation is the task's first event: its run starts now, not at the next poll
     return {"task_id": task_id, "session_id": session_id, "version": 1}
 

@@ -49,7 +49,7 @@ class ErrorEnvelope(_Answer):
 CODES: dict[str, int] = {
     "malformed_body": 400, "invalid_parameter": 400, "invalid_completion": 400, "bad_cursor": 400,
     "json_too_deep": 400, "number_too_long": 400, "number_out_of_range": 400, "duplicate_key": 400,
-    "missing_delivery_id": 400, "invalid_delivery_id": 400, "invalid_session_key": 400,
+    "missing_delivery_id": 400, "invalid_delivery_id": 400, "invalid_session_key": 400, "invalid_task_key": 400,
     "unknown_timezone": 400, "invalid_quiet_hours": 400,
     "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
@@ -57,7 +57,7 @@ CODES: dict[str, int] = {
     "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_steer": 404,
     "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404,
     "method_not_allowed": 405,
-    "invalid_transition": 409, "not_awaiting_approval": 409, "not_awaiting_user": 409,
+    "invalid_transition": 409, "not_awaiting_approval": 409, "not_awaiting_user": 409, "task_key_taken": 409,
     "gone": 410,
     "payload_too_large": 413,
     "misdirected_request": 421,
@@ -184,6 +184,18 @@ class ProposedSteer(_Answer):
     """Each widening, in plain words."""
 
 
+class TaskKey(_Answer):
+    """A correlation key of the task: a delivery carrying it wakes the task while the key is bound."""
+
+    key: str
+    bound_by: str
+    """`user:<id>` (given at delegation) or the agent (`agent:<id> via mcp`, `agent:<id> run <run>`)."""
+    reason: str
+    bound_at: str
+    released_at: str | None
+    """When the task was closed or revoked; a released key routes like an unknown one (to triage)."""
+
+
 class TaskStatus(_Answer):
     task_id: str
     session_id: str
@@ -197,6 +209,7 @@ class TaskStatus(_Answer):
     proposed_steers: list[ProposedSteer]
     hold: Hold | None = None
     """Set while the task is `held`."""
+    keys: list[TaskKey]
 
 
 class SteerDecision(_Answer):

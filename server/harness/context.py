@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, select
 
 from wakeful.server.acting.connectors import Registry
+from wakeful.server.core import triage
 from wakeful.server.core.worker import EventView
 from wakeful.server.harness.history import Moment, as_of
 from wakeful.server.store.tables import run_contexts, runs, tasks
@@ -102,6 +103,8 @@ def assemble(conn: Connection, *, registry: Registry, instructions: Path | None,
     if task:
         tail |= as_of(conn, Moment(user_id=user_id, task_id=task, session_id=session_id, run_id=run_id, now=now,
                                    handed=frozenset(e.id for e in events)))
+    if task is None and triage.is_triage(conn, session_id):
+        tail["open_tasks"] = triage.open_tasks(conn, user_id)  # what a delivery that found no task may be attached to
     return Context(prefix=prefix, tools=tools, tail=tail)
 
 
@@ -155,6 +158,10 @@ def render_tail(tail: dict[str, Any]) -> str:
     if tail.get("current"):
         parts.append(f'<task_current version="{tail["current"]["version"]}" note="tail notes override the '
                      f'snapshot">\n{_data(tail["current"])}\n</task_current>')
+    if "open_tasks" in tail:
+        parts.append("<triage>These deliveries matched no task. Attach one to an open task with attach_event, or "
+                     "leave it with stay_quiet.\n<open_tasks>\n" + _data(tail["open_tasks"])
+                     + "\n</open_tasks>\n</triage>")
     for name, tag in _SECTIONS:
         if tail.get(name):
             parts.append(f"<{tag}>\n{_data(tail[name])}\n</{tag}>")

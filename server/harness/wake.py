@@ -20,10 +20,10 @@ from typing import Any
 from sqlalchemy import Connection, Table
 
 from wakeful.server.acting.connectors import Registry
-from wakeful.server.core import agenda
+from wakeful.server.core import agenda, attach, keys, triage
 from wakeful.server.core.schedule import Misfire
 from wakeful.server.core.worker import RunContext, RunInterrupted
-from wakeful.server.errors import WakefulError
+from wakeful.server.errors import Conflict, WakefulError
 from wakeful.server.harness import history
 from wakeful.server.harness.context import assemble, render_tail
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
@@ -36,7 +36,7 @@ __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
 _OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record", "wait_for_reply", "keep_checking",
-                  "list_timers", "cancel_timer", "confirm_pause"})
+                  "list_timers", "cancel_timer", "confirm_pause", "add_task_key", "attach_event"})
 
 
 class Harness:
@@ -103,8 +103,13 @@ class Harness:
             if call.name == "stay_quiet":
                 ctx.silence(args.reason or "no reason given")
                 return {"quiet": True}
+            if call.name == "attach_event":
+                return _attach(ctx, args)
             if task_id is None:
-                raise WakefulError("no_task", "this wake belongs to no task; only send_to_user and stay_quiet work")
+                raise WakefulError("no_task", "this wake belongs to no task; only send_to_user, stay_quiet and (in "
+                                              "triage) attach_event work")
+            if call.name == "add_task_key":
+                return _add_key(ctx, task_id, args)
             if call.name == "read_record":
                 with read(ctx.engine) as conn:
                     return history.record(conn, user_id=ctx.user_id, task_id=task_id, session_id=ctx.session_id,
@@ -162,6 +167,33 @@ _TIMEKEEPING: dict[str, Callable[[RunContext, str, Any], dict[str, Any]]] = {
     "list_timers": _list_timers, "cancel_timer": _cancel_timer,
 }
 """The task's timers and waits (`server.core.agenda`): set when the run commits, listed from the records."""
+def _harness_actor(ctx: RunContext) -> str:
+    """Who the harness's records name: the user's agent in this run, never the user."""
+    return f"agent:{ctx.user_id} run {ctx.run_id}"
+
+
+def _add_key(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
+    """Bind the key now, under the run's token, so that a delivery arriving while the run goes on finds the task."""
+    def bind(conn: Connection) -> None:
+        keys.bind(conn, user_id=ctx.user_id, task_id=task_id, keys=[args.key], actor=_harness_actor(ctx),
+                  reason=args.reason, now=ctx.now())
+
+    ctx.persist(bind)
+    return {"task_id": task_id, "key": args.key, "bound": True}
+
+
+def _attach(ctx: RunContext, args: Any) -> dict[str, Any]:
+    """Only from the triage session, and only its own events (`core.attach` checks the event is there)."""
+    answer: dict[str, Any] = {}
+
+    def attach_it(conn: Connection) -> None:
+        if not triage.is_triage(conn, ctx.session_id):
+            raise Conflict("not_in_triage", "attach_event works only in the triage session")
+        answer.update(attach.attach(conn, user_id=ctx.user_id, event_id=args.event_id, task_id=args.task_id,
+                                    actor=_harness_actor(ctx), reason=args.reason, now=ctx.now()))
+
+    ctx.persist(attach_it)
+    return answer
 
 
 def _insert(table: Table, row: dict[str, Any], conn: Connection) -> None:

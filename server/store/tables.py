@@ -23,13 +23,13 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
-    PrimaryKeyConstraint,
     String,
     Table,
     Text,
     TypeDecorator,
     UniqueConstraint,
     event,
+    text,
 )
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "egress_clients",
     "egress_grant_uses",
     "egress_grants",
+    "event_attachments",
     "events",
     "evidence",
     "metadata",
@@ -73,14 +74,15 @@ __all__ = [
     "refusals",
     "run_contexts",
     "runs",
-    "session_keys",
     "sessions",
     "steer_proposals",
+    "task_keys",
     "task_versions",
     "tasks",
     "timers",
     "todos",
     "tool_results",
+    "triage_sessions",
     "usage_daily",
     "users",
     "verdicts",
@@ -293,17 +295,6 @@ sessions = Table(
     Index(None, "lease_expires_at"),  # the sweeper looks for lapsed leases among every session
 )
 
-session_keys = Table(
-    "session_keys",
-    metadata,
-    Column("user_id", String(40), ForeignKey("users.id")),
-    Column("key", String(200)),
-    Column("session_id", String(40), ForeignKey("sessions.id"), nullable=False),
-    Column("authority", String(120)),  # whose key it is: it binds the session for that sender only
-    PrimaryKeyConstraint("user_id", "authority", "key"),
-    _authority_check(Authority.USER, Authority.AGENT, Authority.SYSTEM),
-)
-
 tasks = Table(
     "tasks",
     metadata,
@@ -331,6 +322,33 @@ task_versions = Table(
     _now_col("created_at", nullable=False),
     UniqueConstraint("task_id", "version"),
 )
+
+task_keys = Table(
+    "task_keys",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("key", String(200), nullable=False),  # a PNR, an order number, a mail thread ID (`core.keys`)
+    Column("bound_by", String(120), nullable=False),  # user:<id> or agent:<id> …
+    Column("reason", Text, nullable=False, default=""),
+    _now_col("bound_at", nullable=False),
+    _now_col("released_at"),  # when its task closed or was revoked: it routes like an unknown key from then on
+    Index(None, "task_id"),
+    # A key leads to at most one open task of a user; released bindings stay as history.
+    Index("uq_task_keys_user_id_key_bound", "user_id", "key", unique=True,
+          sqlite_where=text("released_at IS NULL"), postgresql_where=text("released_at IS NULL")),
+)
+"""Correlation keys bound to a task: a delivery carrying one wakes the task's session (`core.inbox`)."""
+
+triage_sessions = Table(
+    "triage_sessions",
+    metadata,
+    Column("user_id", String(40), ForeignKey("users.id"), primary_key=True),  # one per user, by the schema
+    Column("session_id", String(40), ForeignKey("sessions.id"), nullable=False, unique=True),
+    _now_col("created_at", nullable=False),
+)
+"""The session each user's deliveries go to when they match no wait and no task key (`core.triage`)."""
 
 steer_proposals = Table(
     "steer_proposals",
@@ -669,6 +687,22 @@ tool_results = Table(
     UniqueConstraint("run_id", "step", "call_id"),
 )
 
+event_attachments = Table(
+    "event_attachments",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("event_id", String(40), ForeignKey("events.id"), nullable=False),  # the delivery, in triage
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("attached_event_id", String(40), ForeignKey("events.id"), nullable=False),  # its copy in the task's session
+    Column("actor", String(120), nullable=False),
+    Column("reason", Text, nullable=False),
+    _now_col("created_at", nullable=False),
+    UniqueConstraint("event_id", "task_id"),
+    Index(None, "task_id"),
+)
+"""A delivery from triage given to a task as information (`core.attach`): who attached it, and why."""
+
 class GrantPurpose(StrEnum):
     READ = "read"            # a read tool the agent called
     WRITE = "write"          # one attempt of an admitted action
@@ -755,7 +789,7 @@ egress_audit = Table(
 
 APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
                "approval_uses", "evidence", "refusals", "run_contexts", "tool_results", "egress_grants",
-               "egress_grant_uses", "egress_audit")
+               "egress_grant_uses", "egress_audit", "event_attachments")
 """History tables: the schema refuses UPDATE and DELETE on them."""
 
 

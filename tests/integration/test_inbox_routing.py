@@ -1,5 +1,6 @@
 """Routing properties of the inbox: whatever the source, its trust setting and the key it carries, a delivery satisfies
-only a wait its sender is entitled to, and reaches only a session its own sender's key bound (wakeful issue 15).
+only a wait its sender is entitled to (wakeful issue 15); otherwise its key leads it to the open task it is bound to,
+and a delivery that matches nothing goes to its user's one triage session (issue 16).
 
 The senders are webhook sources with any name (the server's own channel names and authority spellings included) and
 any trust setting, the user's control channel and the system; the waits are the user's, the system's, one source's
@@ -18,9 +19,9 @@ from hypothesis import strategies as st
 from sqlalchemy import Connection, Engine, select
 
 from wakeful.proxy.clock import FakeClock
-from wakeful.server.core import inbox, sessions, waits
+from wakeful.server.core import control, inbox, sessions, waits
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import Authority, EventStatus, WaitState, events
+from wakeful.server.store.tables import Authority, EventStatus, WaitState, events, triage_sessions
 from wakeful.server.store.tables import waits as waits_table
 from wakeful.server.store.users import ensure_user
 
@@ -142,21 +143,23 @@ def test_no_sender_satisfies_a_wait_it_is_not_entitled_to(engine: Engine, clock:
 
 
 @PROPERTY
-@given(drawn=st.lists(st.tuples(senders, st.sampled_from(KEYS[:3])), min_size=1, max_size=10), many=st.booleans())
-def test_a_key_leads_a_delivery_only_to_the_session_its_own_sender_bound(engine: Engine, clock: FakeClock,
-                                                                         drawn: list[tuple[Sender, str]],
-                                                                         many: bool) -> None:
+@given(drawn=st.lists(st.tuples(senders, st.sampled_from([*KEYS[:3], None])), min_size=1, max_size=10),
+       bound=st.sets(st.sampled_from(KEYS[:3])), many=st.booleans())
+def test_a_key_leads_any_sender_to_the_task_it_is_bound_to_and_anything_else_to_triage(
+        engine: Engine, clock: FakeClock, drawn: list[tuple[Sender, str | None]], bound: set[str],
+        many: bool) -> None:
     user_id = fresh_user(engine, clock)
-    with write(engine) as conn:  # a task's session: no key leads there
-        task_session = sessions.create_session(conn, user_id=user_id, now=clock.now())
+    with write(engine) as conn:
+        task_sessions = {}
+        for key in sorted(bound):
+            task_sessions[key] = sessions.create_session(conn, user_id=user_id, now=clock.now())
+            control.create_task(conn, user_id=user_id, session_id=task_sessions[key], title=key, now=clock.now(),
+                                task_keys=[key])
     results = deliver(engine, clock, [s.delivery(user_id, f"{user_id}-{i}", key) for i, (s, key) in enumerate(drawn)],
                       many=many)
-
-    def holder(sender: Sender) -> str:
-        return sender.channel if sender.channel != "webhook" else f"source:{sender.source}"
-
-    for (a, key_a), first in zip(drawn, results, strict=True):
-        assert first.session_id != task_session and first.status == EventStatus.PENDING
-        for (b, key_b), second in zip(drawn, results, strict=True):
-            together = first.session_id == second.session_id
-            assert together == (key_a == key_b and holder(a) == holder(b)), (a, key_a, b, key_b)
+    with read(engine) as conn:
+        triage = conn.execute(select(triage_sessions.c.session_id)
+                              .where(triage_sessions.c.user_id == user_id)).scalar()
+    for (_, key), result in zip(drawn, results, strict=True):
+        assert result.status == EventStatus.PENDING and not result.duplicate
+        assert result.session_id == task_sessions.get(key or "", triage), key

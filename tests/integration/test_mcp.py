@@ -24,10 +24,10 @@ from tests.support.records import messages
 from tests.support.serve import ServeProcess
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.policy import Policy
-from wakeful.server.core import control
+from wakeful.server.core import control, inbox
 from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import ControlKind, task_versions
+from wakeful.server.store.tables import ControlKind, task_versions, tasks
 from wakeful.server.store.users import ensure_user, set_zone
 
 pytestmark = pytest.mark.anyio
@@ -61,6 +61,7 @@ ANNOTATIONS = {  # read-only, destructive, idempotent, open-world
     "keep_checking": (False, False, False, False),           # a new check on every call
     "list_timers": (True, False, True, False),
     "cancel_timer": (False, False, True, False),             # narrows; a second call finds nothing open
+    "add_task_key": (False, False, False, False),            # a binding record, each with its reason
     **dict.fromkeys(["merchant__list_subscriptions", "merchant__get_subscription", "airline__get_booking",
                      "airline__search_flights", "hotel__quote_stay", "hotel__get_quote"], (True, False, True, True)),
     # a write proposes an action (admitted or held for the user's approval); the same call again is that action
@@ -148,6 +149,33 @@ async def test_another_users_task_is_unknown_to_this_user(w: World, settings: An
         listed = await other.call_tool("merchant__list_subscriptions", {"task_id": task_id})
     assert status.is_error and status.content[0].text.startswith("unknown_task")
     assert listed.is_error and listed.content[0].text.startswith("unknown_task")
+
+
+async def test_keys_given_at_delegation_and_added_later_lead_deliveries_to_the_task(w: World, settings: Any) -> None:
+    with write(w.engine) as conn:
+        ensure_user(conn, name="mallory", now=w.clock.now())
+    async with Client(mcp_for(w, settings).server) as client:
+        created = await client.call_tool("create_responsibility", {"title": "trip", "keys": ["PNR7Q2"]})
+        task_id = created.structured_content["task_id"]
+        added = await client.call_tool("add_task_key", {"task_id": task_id, "key": "ORDER-42", "reason": "found it"})
+        taken = await client.call_tool("create_responsibility", {"title": "again", "keys": ["ORDER-42"]})
+        absurd = await client.call_tool("add_task_key", {"task_id": task_id, "key": "a b", "reason": "x"})
+        status = await client.call_tool("task_status", {"task_id": task_id})
+    async with Client(mcp_for(w, settings, user="mallory").server) as other:
+        foreign = await other.call_tool("add_task_key", {"task_id": task_id, "key": "MINE", "reason": "steal it"})
+        theirs = await other.call_tool("create_responsibility", {"title": "theirs", "keys": ["PNR7Q2"]})
+    assert added.structured_content == {"task_id": task_id, "key": "ORDER-42", "bound": True}
+    assert taken.is_error and taken.content[0].text.startswith("task_key_taken: ")
+    assert absurd.is_error and absurd.content[0].text.startswith("invalid_arguments: ")
+    assert foreign.is_error and foreign.content[0].text.startswith("unknown_task: ")
+    assert not theirs.is_error  # another user's identical key is their own
+    keys = status.structured_content["keys"]
+    assert [(k["key"], k["bound_by"]) for k in keys] == [("PNR7Q2", f"agent:{w.owner} via mcp"),
+                                                         ("ORDER-42", f"agent:{w.owner} via mcp")]
+    with write(w.engine) as conn:
+        recorded = inbox.record(conn, inbox.Delivery(user_id=w.owner, source="hook", source_id="d-1", payload={},
+                                                     corr_key="ORDER-42"), now=w.clock.now())
+        assert recorded.session_id == conn.execute(select(tasks.c.session_id).where(tasks.c.id == task_id)).scalar()
 
 
 async def test_followups_are_capped(w: World, settings: Any) -> None:

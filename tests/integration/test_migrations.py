@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, insert, select, text
+from sqlalchemy import Engine, create_engine, insert, inspect, select, text
 from sqlalchemy.exc import DatabaseError
 
 from wakeful.proxy.audit import EgressRecord
@@ -18,7 +18,16 @@ from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import RefusalCode
 from wakeful.server.egress import grants as egress
 from wakeful.server.store.db import make_engine, migrate, read, write
-from wakeful.server.store.tables import control, events, metadata, session_keys, sessions, users, waits
+from wakeful.server.store.tables import (
+    control,
+    event_attachments,
+    events,
+    metadata,
+    sessions,
+    tasks,
+    users,
+    waits,
+)
 
 
 def schema(engine: Engine) -> dict[str, object]:
@@ -118,14 +127,14 @@ def test_migrating_to_wait_authority_gives_each_record_the_authority_it_had(tmp_
         for key in ("thread-1", "bound-by-nothing-recorded"):  # 0006's table: no authority column yet
             conn.execute(text("INSERT INTO session_keys (user_id, key, session_id) VALUES ('usr_1', :key, 'ses_1')"),
                          {"key": key})
-    migrate(engine)
+    migrate(engine, "0010")  # session_keys is gone at 0011
     with read(engine) as conn:
         assert dict(conn.execute(select(events.c.id, events.c.authority)).all()) == {
             "ev_hook": "source:hook", "ev_forged": "source:hook", "ev_approval": "user", "ev_timer": "system",
             "ev_found": "system"}  # a source's trust setting never made it the user
         assert dict(conn.execute(select(waits.c.kind, waits.c.authority)).all()) == {
             "approval": "user", "reconcile": "system", "reply": "any_source"}
-        assert dict(conn.execute(select(session_keys.c.key, session_keys.c.authority)).all()) == {
+        assert dict(conn.execute(text("SELECT key, authority FROM session_keys")).all()) == {
             "thread-1": "source:hook", "bound-by-nothing-recorded": "system"}
 
 
@@ -148,3 +157,24 @@ def test_migrating_to_speaking_gives_queued_messages_their_feed_order_and_the_us
         assert dict(conn.execute(text("SELECT id, seq FROM outbox")).all()) == {
             "msg_a": 1, "msg_b": 2, "dsp_x": None, "msg_c": 1}
         assert dict(conn.execute(select(users.c.id, users.c.message_seq)).all()) == {"usr_1": 2, "usr_2": 1}
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+def test_migrating_to_task_keys_drops_session_keys_and_the_attachments_are_append_only(engine: Engine,
+                                                                                     clock: FakeClock) -> None:
+    with engine.connect() as conn:  # the fixture migrated it to the head: what 0011 made is there, 0009's key is not
+        tables = set(inspect(conn).get_table_names())
+    assert {"task_keys", "triage_sessions", "event_attachments"} <= tables and "session_keys" not in tables
+    now = clock.now()
+    with write(engine) as conn:
+        conn.execute(insert(users).values(id="usr_1", name="owner", created_at=now))
+        conn.execute(insert(sessions).values(id="ses_1", user_id="usr_1", fencing_token=0, created_at=now))
+        conn.execute(insert(events).values(id="ev_1", user_id="usr_1", source="hook", source_id="1",
+                                           session_id="ses_1", kind="webhook", trust="third_party", payload="{}",
+                                           authority="source:hook", received_at=now))
+        conn.execute(insert(tasks).values(id="task_1", user_id="usr_1", session_id="ses_1", title="t", state="active",
+                                          current_version=1, created_at=now))
+        conn.execute(insert(event_attachments).values(id="att_1", user_id="usr_1", event_id="ev_1", task_id="task_1",
+                                                      attached_event_id="ev_1", actor="agent", reason="r",
+                                                      created_at=now))
+    for statement in ("UPDATE event_attachments SET reason = 'other'", "DELETE FROM event_attachments"):
+        with pytest.raises(DatabaseError, match="append-only"), write(engine) as conn:
+            conn.execute(text(statement))

@@ -27,6 +27,15 @@ def deliver(engine: Engine, clock: FakeClock, owner: str, source_id: str, key: s
                                                  payload={"n": source_id}, corr_key=key), now=clock.now()).event_id
 
 
+def tasks_keyed(engine: Engine, clock: FakeClock, owner: str, *keys: str) -> None:
+    """A task per key, each bound to its key: deliveries carrying them go to sessions of their own."""
+    with write(engine) as conn:
+        for key in keys:
+            session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+            control.create_task(conn, user_id=owner, session_id=session_id, title=key, now=clock.now(),
+                                task_keys=[key])
+
+
 def inbox_session(engine: Engine, event_id: str) -> str:
     (event,) = [e for e in event_rows(engine) if e.id == event_id]
     return str(event.session_id)
@@ -147,6 +156,7 @@ def test_events_arriving_during_a_run_are_held_and_handed_to_the_next_run_togeth
 
 def test_different_sessions_are_claimed_independently(runtime: Runtime, engine: Engine, clock: FakeClock,
                                                        owner: str) -> None:
+    tasks_keyed(engine, clock, owner, "thread-a", "thread-b")
     deliver(engine, clock, owner, "a", key="thread-a")
     deliver(engine, clock, owner, "b", key="thread-b")
     one = Worker(engine, runtime.settings, clock, EchoHandler())._claim()
@@ -329,6 +339,7 @@ def _share(rate: float, runtime: Runtime) -> RunShare:
 
 def test_a_worker_rests_after_a_run_during_which_the_inbox_acknowledged_deliveries(
         runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    tasks_keyed(engine, clock, owner, "a", "b")
     deliver(engine, clock, owner, "d1", key="a")
     deliver(engine, clock, owner, "d2", key="b")
     stop, runs = _RecordingStop(), []
@@ -341,6 +352,7 @@ def test_a_worker_rests_after_a_run_during_which_the_inbox_acknowledged_deliveri
 
 def test_a_worker_does_not_rest_while_the_inbox_is_not_busy(runtime: Runtime, engine: Engine, clock: FakeClock,
                                                         owner: str) -> None:
+    tasks_keyed(engine, clock, owner, "a", "b")
     deliver(engine, clock, owner, "d1", key="a")
     deliver(engine, clock, owner, "d2", key="b")
     stop, runs = _RecordingStop(), []

@@ -116,10 +116,12 @@ def test_every_tools_schema_is_valid_and_self_contained_on_both_faces(shipped: R
 def test_over_mcp_a_task_scoped_tool_takes_the_task_id_and_in_the_harness_the_wake_binds_it(shipped: Registry) -> None:
     mcp = {s.name: s.input_schema(Face.MCP) for s in tool_specs(shipped, Face.MCP, computers=True)}
     harness = {s.name: s.input_schema(Face.HARNESS) for s in tool_specs(shipped, Face.HARNESS, computers=True)}
-    assert "task_id" not in json.dumps({name: s["properties"] for name, s in harness.items()})
+    # ... except in triage, where no task is bound: attach_event names the task a delivery is given to.
+    assert "task_id" not in json.dumps({name: s["properties"] for name, s in harness.items() if name != "attach_event"})
+    assert harness["attach_event"]["required"] == ["event_id", "task_id", "reason"]
     assert [name for name, s in mcp.items() if "task_id" not in s.get("required", [])] == ["create_responsibility"]
     assert set(mcp) - set(harness) == {"create_responsibility", "steer_responsibility", "task_status"}
-    assert set(harness) - set(mcp) == {"read_record", "stay_quiet", "confirm_pause"}
+    assert set(harness) - set(mcp) == {"read_record", "stay_quiet", "confirm_pause", "attach_event"}
 
 
 def test_the_act_argument_offers_exactly_the_act_kinds_of_vm_observe() -> None:

@@ -1,7 +1,7 @@
 """agent timekeeping
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 
 The agent keeps time (`server.core.agenda`): a reply wait it sets says what happens at its deadline (`on_timeout`:
 follow_up, tell_user or close) and what it awaits (`note`); a recurring check given as cron is read in the user's
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0012'
-down_revision = '0010'
+down_revision = '0011'
 branch_labels = None
 depends_on = None
 
