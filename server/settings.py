@@ -217,6 +217,12 @@ class Settings(BaseSettings):
     """Active follow-ups per user."""
     schedule_min_interval: Duration = timedelta(minutes=1)
     """The shortest gap a recurring schedule may have."""
+    helper_cap: int = 2
+    """Helper tasks (read-only sub-tasks with their own run) open at once per task."""
+    helper_max_steps: int = 10
+    """Steps a helper's run may take before it fails and the main task is told."""
+    helper_max_time: Duration = timedelta(minutes=30)
+    """How long after it started a helper may still go on before it fails and the main task is told."""
     workers: int = 2
     """Worker threads: different sessions run in parallel, one run per session at a time."""
     ingest_run_share: float = Field(default=0.05, gt=0, le=1)

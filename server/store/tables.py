@@ -47,6 +47,7 @@ __all__ = [
     "OutboxState",
     "RunOutcome",
     "SteerState",
+    "HelperState",
     "TaskState",
     "TimerKind",
     "Risk",
@@ -67,6 +68,7 @@ __all__ = [
     "egress_grants",
     "events",
     "evidence",
+    "helpers",
     "metadata",
     "objects",
     "outbox",
@@ -161,6 +163,16 @@ class SteerState(StrEnum):
     CONFIRMED = "confirmed"          # the user confirmed it: it became the task's next version
     REJECTED = "rejected"
     SUPERSEDED = "superseded"        # the task got a newer version first: it asked against an old one
+
+
+class HelperState(StrEnum):
+    """A helper task (`server.core.helper_tasks`): it runs until it returns its result, fails (its budget, or it
+    ended without a result) or is stopped with its task."""
+
+    RUNNING = "running"
+    RETURNED = "returned"
+    FAILED = "failed"
+    STOPPED = "stopped"
 
 
 class TimerKind(StrEnum):
@@ -332,6 +344,28 @@ steer_proposals = Table(
     _check("state", SteerState),
 )
 
+helpers = Table(
+    "helpers",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("task_version", Integer, nullable=False),             # the version its handoff was based on
+    Column("parent_session_id", String(40), ForeignKey("sessions.id"), nullable=False),  # where its result goes
+    Column("session_id", String(40), ForeignKey("sessions.id"), nullable=False, unique=True),  # its own
+    Column("goal", Text, nullable=False),
+    Column("constraints", Text, nullable=False),                 # JSON: a list of sentences
+    Column("output_form", Text, nullable=False),
+    Column("state", String(16), nullable=False, default=HelperState.RUNNING.value),
+    Column("reason", Text),                                      # why it failed or was stopped
+    Column("max_steps", Integer, nullable=False),
+    _now_col("deadline", nullable=False),
+    _now_col("created_at", nullable=False),
+    _now_col("finished_at"),
+    Index(None, "task_id", "state"),
+    _check("state", HelperState),
+)
+
 events = Table(
     "events",
     metadata,
@@ -501,6 +535,7 @@ objects = Table(
     Column("snapshot", Text, nullable=False),  # JSON: the fields kept when it was read (price, expiry …)
     _now_col("created_at", nullable=False),
     _now_col("expires_at", nullable=False),
+    Column("helper_id", String(40)),  # minted for a helper run: only that helper's reads and writes resolve it
 )
 
 actions = Table(
