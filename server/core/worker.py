@@ -25,10 +25,10 @@ from typing import Any, Protocol
 from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
 
 from wakeful.proxy.clock import Clock
-from wakeful.server.core import control, faults, outbox, sessions, timers, waits
+from wakeful.server.core import control, faults, helper_tasks, outbox, sessions, timers, waits
 from wakeful.server.core.authority import of_source
 from wakeful.server.core.schedule import Misfire
-from wakeful.server.errors import StaleToken
+from wakeful.server.errors import Refused, StaleToken
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, upsert, write, write_lock_time
 from wakeful.server.store.ids import new_id
@@ -187,6 +187,7 @@ class RunContext:
     """Decisions of the run this one resumes (it died mid-way), by step: replayed, never asked again."""
     decisions: int = 0
     followups: int = 0
+    helpers: int = 0
 
     @property
     def engine(self) -> Engine:
@@ -268,6 +269,28 @@ class RunContext:
                                    cap=settings.followup_cap)
 
         self.effects.append(effect)
+
+    def start_helper(self, *, task_id: str, task_version: int, goal: str, constraints: list[str],
+                     output_form: str) -> str:
+        """A read-only sub-task with a run of its own (`core.helper_tasks`), admitted now (STOP, the task's state,
+        the cap, counting this run's own) and started when this run commits. Returns the helper's ID."""
+        settings = self._worker.settings
+        with read(self._worker.engine) as conn:
+            if control.stop_state(conn).blocks(self.user_id):
+                raise Refused("stopped", "a STOP is in force: no helper starts until the user lifts it")
+            helper_tasks.check_start(conn, user_id=self.user_id, task_id=task_id,
+                                     cap=settings.helper_cap - self.helpers)
+        self.helpers += 1
+        helper_id = new_id("hlp")
+
+        def effect(conn: Connection, now: datetime) -> None:
+            helper_tasks.start(conn, helper_id=helper_id, user_id=self.user_id, task_id=task_id,
+                               task_version=task_version, parent_session_id=self.session_id, goal=goal,
+                               constraints=constraints, output_form=output_form, cap=settings.helper_cap,
+                               max_steps=settings.helper_max_steps, deadline=now + settings.helper_max_time, now=now)
+
+        self.effects.append(effect)
+        return helper_id
 
     def schedule(self, *, task_id: str, note: str, every: timedelta | None = None, cron: str | None = None,
                  misfire: Misfire = Misfire.SKIP) -> None:

@@ -21,6 +21,7 @@ from sqlalchemy import Connection, and_, select
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.acting.ledger import task_status
 from wakeful.server.core.worker import EventView
+from wakeful.server.harness import helper_run
 from wakeful.server.store.tables import tasks
 from wakeful.server.tools.specs import Face, tool_specs
 
@@ -63,6 +64,9 @@ def _instructions(path: Path | None) -> str:
 
 def assemble(conn: Connection, *, registry: Registry, instructions: Path | None, user_id: str, session_id: str,
              events: tuple[EventView, ...], now: datetime, computers: bool = False) -> Context:
+    helper = helper_run.helper_context(conn, registry=registry, session_id=session_id, events=events, now=now)
+    if helper is not None:  # a helper task's own session: its handoff, never the main conversation
+        return Context(prefix=helper[0], tools=helper[1], tail=helper[2])
     tools = tool_definitions(registry, computers=computers)
     prefix = "\n\n".join([
         SYSTEM_PROMPT,
@@ -80,6 +84,7 @@ def assemble(conn: Connection, *, registry: Registry, instructions: Path | None,
                     "received_at": e.received_at.isoformat(), "payload": e.payload} for e in events],
         "memory": [],
     }
+    tail["events"] = helper_run.mark_stale(tail["events"], tail["task"])
     return Context(prefix=prefix, tools=tools, tail=tail)
 
 

@@ -5,13 +5,14 @@ harness (`server.harness.context`) render this one list; input schemas are gener
     ToolSpec        one tool: name, description, argument model, hints, the faces that offer it
     Hints           readOnly / destructive / idempotent / openWorld, true to what the tool does
     tool_specs      every tool of one face, for the declared connectors, with or without tool computers
+    helper_specs    what a helper task's run gets: the read-only tools of the harness, and `return_result`
     connector_args  a connector operation's argument model, generated from its declaration
     input_schema    a model's JSON schema, self-contained (nested models inlined, no `$ref` to dangle)
 
 Over MCP a tool that acts for a task takes the task's ID as `task_id`; in the harness the wake binds the task, so
 the model never names one. Connector reads and writes, the tool-computer tools and `send_to_user` /
 `schedule_followup` are on both faces; delegation (`create_responsibility`, `steer_responsibility`, `task_status`)
-is the MCP client's, `stay_quiet` the harness's.
+is the MCP client's, `stay_quiet` and `start_helper` the harness's (a helper is a run of the server's own model).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from wakeful.server.acting.connectors import (
 from wakeful.server.computers.pool import ACT_TOOL, HANDOFF_TOOL, OBSERVE_TOOL, ActArgs
 from wakeful.server.errors import BadRequest
 
-__all__ = ["TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args", "input_schema",
-           "TaskRef", "spec", "tool_specs"]
+__all__ = ["RETURN_RESULT", "TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args",
+           "helper_specs", "input_schema", "TaskRef", "spec", "tool_specs"]
 
 TASK_ID_PATTERN: Final = "^task_[0-9a-z]+$"
 
@@ -137,6 +138,19 @@ class StayQuiet(_Args):
 class ScheduleFollowup(_Args):
     in_seconds: Annotated[int, Field(ge=60, le=90 * 86400)]
     note: Annotated[str, Field(max_length=500)] = ""
+
+
+class StartHelper(_Args):
+    goal: Annotated[str, Field(min_length=1, max_length=2000, description="What the helper finds out, in one go.")]
+    constraints: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        default_factory=list, max_length=20, description="What it must hold to (it only reads, always).")
+    output_form: Annotated[str, Field(min_length=1, max_length=1000,
+                                      description='The form of its answer, e.g. "a table: flight, departs, price"')]
+
+
+class ReturnResult(_Args):
+    result: Annotated[str, Field(min_length=1, max_length=20_000)] = Field(
+        description="The answer, in the output form the handoff asked for.")
 
 
 class Observe(_Args):
@@ -244,7 +258,18 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
     ToolSpec(name="stay_quiet", args=StayQuiet, faces=frozenset({Face.HARNESS}),
              hints=Hints(read_only=False, destructive=False, idempotent=True, open_world=False),
              description="End this wake without messaging the user, with a one-line reason."),
+    ToolSpec(name="start_helper", args=StartHelper, hints=_RECORD, faces=frozenset({Face.HARNESS}),
+             description="Hand a read-only sub-task (a comparison, some research) to a helper with a context of its "
+                         "own: it sees only this handoff (goal, constraints, this task's version, the output form), "
+                         "may only read, and its result comes back later as an event with the version it was based "
+                         "on. Its object IDs are not yours: read again before acting. Capped per task; stops when the "
+                         "task is paused or closed."),
 )
+
+RETURN_RESULT: Final = ToolSpec(
+    name="return_result", args=ReturnResult, hints=_RECORD, faces=frozenset({Face.HARNESS}),
+    description="Return your result to the main task, in the output form the handoff asked for. This ends your run.")
+"""A helper's own tool, and no one else's (`helper_specs`)."""
 
 COMPUTER: Final[tuple[ToolSpec, ...]] = (
     ToolSpec(name=OBSERVE_TOOL, args=Observe,
@@ -273,7 +298,7 @@ def spec(name: str) -> ToolSpec:
     return _BY_NAME[name]
 
 
-_BY_NAME: Final[Mapping[str, ToolSpec]] = {s.name: s for s in (*STATIC, *COMPUTER)}
+_BY_NAME: Final[Mapping[str, ToolSpec]] = {s.name: s for s in (*STATIC, *COMPUTER, RETURN_RESULT)}
 
 
 def connector_spec(op: Operation) -> ToolSpec:
@@ -285,6 +310,11 @@ def tool_specs(registry: Registry, face: Face, *, computers: bool) -> list[ToolS
     """The tools `face` offers, in a fixed order: delegation and messages, connector operations, tool computer."""
     connectors = [connector_spec(op) for op in registry.tools()]
     return [s for s in (*STATIC, *connectors, *(COMPUTER if computers else ())) if face in s.faces]
+
+
+def helper_specs(registry: Registry) -> list[ToolSpec]:
+    """A helper task's tools: the harness's read-only ones (no tool computer) and `return_result`."""
+    return [*(s for s in tool_specs(registry, Face.HARNESS, computers=False) if s.hints.read_only), RETURN_RESULT]
 
 
 # -- connector operations ------------------------------------------------------------------------------------------

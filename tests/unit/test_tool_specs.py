@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator
 from wakeful.server.acting.connectors import OBJECT_ID_PATTERN, Registry, load_connectors
 from wakeful.server.computers.pool import act_from_args, act_json
 from wakeful.server.errors import BadRequest
-from wakeful.server.tools.specs import Face, connector_spec, spec, tool_specs
+from wakeful.server.tools.specs import Face, connector_spec, helper_specs, spec, tool_specs
 from wakeful.vm.observe import ACT_KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,16 @@ def test_over_mcp_a_task_scoped_tool_takes_the_task_id_and_in_the_harness_the_wa
     assert "task_id" not in json.dumps({name: s["properties"] for name, s in harness.items()})
     assert [name for name, s in mcp.items() if "task_id" not in s.get("required", [])] == ["create_responsibility"]
     assert set(mcp) - set(harness) == {"create_responsibility", "steer_responsibility", "task_status"}
-    assert set(harness) - set(mcp) == {"stay_quiet"}
+    assert set(harness) - set(mcp) == {"stay_quiet", "start_helper"}
+
+
+def test_a_helper_gets_the_read_only_tools_and_return_result_which_no_one_else_gets(shipped: Registry) -> None:
+    helper = {s.name: s for s in helper_specs(shipped)}
+    assert "return_result" in helper and "airline__search_flights" in helper
+    assert all(s.hints.read_only for name, s in helper.items() if name != "return_result")
+    assert {s.name for s in tool_specs(shipped, Face.HARNESS, computers=True) if s.hints.read_only} - set(helper) \
+        == {"computer__observe"}  # its run has no tool computer
+    assert not any(s.name == "return_result" for face in Face for s in tool_specs(shipped, face, computers=True))
 
 
 def test_the_act_argument_offers_exactly_the_act_kinds_of_vm_observe() -> None:
