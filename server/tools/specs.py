@@ -5,7 +5,7 @@ harness (`server.harness.context`) render this one list; input schemas are gener
     ToolSpec        one tool: name, description, argument model, hints, the faces that offer it
     Hints           readOnly / destructive / idempotent / openWorld, true to what the tool does
     tool_specs      every tool of one face, for the declared connectors, with or without tool computers
-    helper_specs    what a helper task's run gets: the read-only tools of the harness, and `return_result`
+    helper_specs    what a helper task's run gets: the connectors' reads, and `return_result`
     connector_args  a connector operation's argument model, generated from its declaration
     input_schema    a model's JSON schema, self-contained (nested models inlined, no `$ref` to dangle)
 
@@ -313,8 +313,9 @@ def tool_specs(registry: Registry, face: Face, *, computers: bool) -> list[ToolS
 
 
 def helper_specs(registry: Registry) -> list[ToolSpec]:
-    """A helper task's tools: the harness's read-only ones (no tool computer) and `return_result`."""
-    return [*(s for s in tool_specs(registry, Face.HARNESS, computers=False) if s.hints.read_only), RETURN_RESULT]
+    """A helper task's tools: the connectors' reads and `return_result`. Not the tool computer, and no tool of the
+    harness's own, read-only or not: those read the main task's records, which a helper never sees."""
+    return [*(connector_spec(op) for op in registry.tools() if op.effect == "read"), RETURN_RESULT]
 
 
 # -- connector operations ------------------------------------------------------------------------------------------
