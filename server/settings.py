@@ -229,6 +229,12 @@ class Settings(BaseSettings):
     check_wakes_per_day: float = 48.0
     """The wake budget of one task's recurring checks together: their expected wakes per day (86400 s over an
     interval; a cron's firings over the next week, over seven). A new check past it is refused."""
+    helper_cap: int = 2
+    """Helper tasks (read-only sub-tasks with their own run) open at once per task."""
+    helper_max_steps: int = 10
+    """Steps a helper's run may take before it fails and the main task is told."""
+    helper_max_time: Duration = timedelta(minutes=30)
+    """How long after it started a helper may still go on before it fails and the main task is told."""
     workers: int = 2
     """Worker threads: different sessions run in parallel, one run per session at a time."""
     ingest_run_share: float = Field(default=0.05, gt=0, le=1)

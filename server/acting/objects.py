@@ -4,6 +4,10 @@ A read mints an opaque ID per returned object, bound to the user, the task and i
 the external reference, the read that returned it and an expiry. A write resolves IDs back to references only
 when every binding holds; anything else — an ID from an email, another user's, an older task version's, a
 made-up string, the wrong kind, an expired one — is `unknown_object`, and the refusal is recorded.
+
+A helper task's reads (`core.helper_tasks`) mint IDs bound to that helper as well: the main run cannot act with
+them (nor a helper with the main run's). What a helper found is information; before acting on it, the main run
+reads the authoritative data again and acts on the IDs that read returns.
 """
 
 from __future__ import annotations
@@ -41,20 +45,22 @@ class IssuedObject:
 
 
 def mint(conn: Connection, *, user_id: str, task_id: str, task_version: int, kind: str, connector: str, ref: str,
-         operation: str, snapshot: dict[str, Any], now: datetime, ttl: timedelta) -> str:
+         operation: str, snapshot: dict[str, Any], now: datetime, ttl: timedelta,
+         helper_id: str | None = None) -> str:
     object_id = new_id("obj")
     conn.execute(objects.insert().values(
         id=object_id, user_id=user_id, task_id=task_id, task_version=task_version, kind=kind, connector=connector,
         ref=ref, operation=operation, snapshot=json.dumps(snapshot, sort_keys=True), created_at=now,
-        expires_at=now + ttl,
+        expires_at=now + ttl, helper_id=helper_id,
     ))
     return object_id
 
 
 def resolve(conn: Connection, object_id: object, *, user_id: str, task_id: str, task_version: int, kind: str,
-            now: datetime) -> IssuedObject:
+            now: datetime, helper_id: str | None = None) -> IssuedObject:
     """The object behind `object_id`, or `UnknownObject` unless it was issued for exactly this user, task
-    version and kind and has not expired. The reason is kept for the record, never shown as a hint to find others."""
+    version, kind and run (the main one, or the helper `helper_id`) and has not expired. The reason is kept for the
+    record, never shown as a hint to find others."""
     if not isinstance(object_id, str):
         raise UnknownObject(repr(object_id), "not a string")
     row = conn.execute(select(objects).where(objects.c.id == object_id)).first()
@@ -62,6 +68,7 @@ def resolve(conn: Connection, object_id: object, *, user_id: str, task_id: str, 
         "never issued" if row is None or row.user_id != user_id
         else "issued for another task" if row.task_id != task_id
         else "issued for an older task version" if row.task_version != task_version
+        else _other_run(row.helper_id) if row.helper_id != helper_id
         else f"it is a {row.kind}, not a {kind}" if row.kind != kind
         else "expired" if row.expires_at <= now
         else None
@@ -70,6 +77,12 @@ def resolve(conn: Connection, object_id: object, *, user_id: str, task_id: str, 
         raise UnknownObject(object_id, why or "never issued")
     return IssuedObject(id=row.id, kind=row.kind, connector=row.connector, ref=row.ref, operation=row.operation,
                         snapshot=json.loads(row.snapshot), expires_at=row.expires_at)
+
+
+def _other_run(helper_id: str | None) -> str:
+    if helper_id is None:
+        return "issued to the main run, not to this helper"
+    return "issued to a helper run: read it again yourself before acting on it"
 
 
 def record_refusal(conn: Connection, *, user_id: str, task_id: str | None, run_id: str | None, tool: str, code: str,

@@ -5,7 +5,8 @@ actor and trust `agent`, never the user's.
 
 Every decision is an append-only row in `control`; the current state is derived from the latest row, so the
 history of who stopped what, and why, is never overwritten. Pausing or closing a task also preempts its
-session: a control event is persisted first, and a run in progress stops at its next step.
+session: a control event is persisted first, and a run in progress stops at its next step; its helper tasks stop
+the same way (`core.helper_tasks`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, select, update
 
-from wakeful.server.core import inbox, keys
+from wakeful.server.core import helper_tasks, inbox, keys
 from wakeful.server.errors import Conflict, NotFound
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
@@ -141,6 +142,8 @@ def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: Contro
         raise Conflict("invalid_transition", f"task {task_id} is {row.state}; cannot {kind.value} it",
                        task_id=task_id, state=row.state)
     record_id = record(conn, user_id=user_id, task_id=task_id, kind=kind, actor=actor, reason=reason, now=now)
+    if target in (TaskState.PAUSED, TaskState.CLOSED, TaskState.REVOKED):  # its helpers stop at their next step
+        helper_tasks.stop_for_task(conn, task_id=task_id, reason=f"the task was {target.value}", now=now)
     if target in (TaskState.CLOSED, TaskState.REVOKED):
         # Proactivity closes with its task: timers and pending waits end here, and its keys route to triage again.
         keys.release(conn, task_id=task_id, now=now)

@@ -28,11 +28,11 @@ from typing import Any, Protocol
 from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
 
 from wakeful.proxy.clock import Clock
-from wakeful.server.core import agenda, control, faults, holds, outbox, sessions, timers, waits
+from wakeful.server.core import agenda, control, faults, helper_tasks, holds, outbox, sessions, timers, waits
 from wakeful.server.core.authority import of_source
 from wakeful.server.core.schedule import Misfire, Recurrence
 from wakeful.server.core.speaking import Level, Urgency
-from wakeful.server.errors import StaleToken
+from wakeful.server.errors import Refused, StaleToken
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.db import read, upsert, write, write_lock_time
@@ -194,6 +194,7 @@ class RunContext:
     followups: int = 0
     planned: agenda.Planned = field(default_factory=agenda.Planned)
     """The timers and waits this run set, not committed yet: counted against the task's caps."""
+    helpers: int = 0
 
     @property
     def engine(self) -> Engine:
@@ -298,6 +299,27 @@ class RunContext:
         self.persist(lambda conn: holds.confirm_pause(
             conn, user_id=self.user_id, task_id=task_id, run_id=self.run_id, reason=reason,
             actor=f"agent:{self.user_id} in {self.run_id}", now=self.now()))
+    def start_helper(self, *, task_id: str, task_version: int, goal: str, constraints: list[str],
+                     output_form: str) -> str:
+        """A read-only sub-task with a run of its own (`core.helper_tasks`), admitted now (STOP, the task's state,
+        the cap, counting this run's own) and started when this run commits. Returns the helper's ID."""
+        settings = self._worker.settings
+        with read(self._worker.engine) as conn:
+            if control.stop_state(conn).blocks(self.user_id):
+                raise Refused("stopped", "a STOP is in force: no helper starts until the user lifts it")
+            helper_tasks.check_start(conn, user_id=self.user_id, task_id=task_id,
+                                     cap=settings.helper_cap - self.helpers)
+        self.helpers += 1
+        helper_id = new_id("hlp")
+
+        def effect(conn: Connection, now: datetime) -> None:
+            helper_tasks.start(conn, helper_id=helper_id, user_id=self.user_id, task_id=task_id,
+                               task_version=task_version, parent_session_id=self.session_id, goal=goal,
+                               constraints=constraints, output_form=output_form, cap=settings.helper_cap,
+                               max_steps=settings.helper_max_steps, deadline=now + settings.helper_max_time, now=now)
+
+        self.effects.append(effect)
+        return helper_id
 
     def schedule(self, *, task_id: str, note: str, every: timedelta | None = None, cron: str | None = None,
                  misfire: Misfire = Misfire.SKIP) -> datetime:

@@ -28,6 +28,7 @@ from sqlalchemy import Connection, and_, select
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.core import triage
 from wakeful.server.core.worker import EventView
+from wakeful.server.harness import helper_run
 from wakeful.server.harness.history import Moment, as_of
 from wakeful.server.store.tables import run_contexts, runs, tasks
 from wakeful.server.tools.specs import Face, tool_specs
@@ -82,6 +83,10 @@ def _instructions(path: Path | None) -> str:
 def assemble(conn: Connection, *, registry: Registry, instructions: Path | None, user_id: str, session_id: str,
              run_id: str, events: tuple[EventView, ...], computers: bool = False) -> Context:
     """The context of run `run_id`, as of its start (`tail["snapshot"]` is rendered as its own block)."""
+    now = conn.execute(select(runs.c.started_at).where(runs.c.id == run_id)).scalar_one()
+    helper = helper_run.helper_context(conn, registry=registry, session_id=session_id, events=events, now=now)
+    if helper is not None:  # a helper task's own session: its handoff, never the main conversation
+        return Context(prefix=helper[0], tools=helper[1], tail=helper[2])
     tools = tool_definitions(registry, computers=computers)
     prefix = "\n\n".join([
         SYSTEM_PROMPT,
@@ -89,7 +94,6 @@ def assemble(conn: Connection, *, registry: Registry, instructions: Path | None,
         + "\n</user_instructions>",
         "<tools>\n" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n</tools>",
     ])
-    now = conn.execute(select(runs.c.started_at).where(runs.c.id == run_id)).scalar_one()
     task = conn.execute(select(tasks.c.id).where(and_(tasks.c.session_id == session_id, tasks.c.user_id == user_id,
                                                       tasks.c.created_at <= now))
                         .order_by(tasks.c.created_at).limit(1)).scalar()
@@ -103,7 +107,8 @@ def assemble(conn: Connection, *, registry: Registry, instructions: Path | None,
     if task:
         tail |= as_of(conn, Moment(user_id=user_id, task_id=task, session_id=session_id, run_id=run_id, now=now,
                                    handed=frozenset(e.id for e in events)))
-    if task is None and triage.is_triage(conn, session_id):
+        tail["events"] = helper_run.mark_stale(tail["events"], tail["task"])
+    elif triage.is_triage(conn, session_id):
         tail["open_tasks"] = triage.open_tasks(conn, user_id)  # what a delivery that found no task may be attached to
     return Context(prefix=prefix, tools=tools, tail=tail)
 

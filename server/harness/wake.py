@@ -5,7 +5,8 @@
           replays the stored one) → each tool call goes through the same tool layer and admission as MCP calls,
           and its result is recorded
     end in exactly one of: a message through the outbox, an explicit silence with a reason, or a wait
-Plain model text is stored with its decision and never reaches the user.
+Plain model text is stored with its decision and never reaches the user. A helper task's run (`helper_run`) goes
+the same way with its own context and tools, and ends in its result or its failure, told to the main task.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from wakeful.server.core.schedule import Misfire
 from wakeful.server.core.worker import RunContext, RunInterrupted
 from wakeful.server.errors import Conflict, WakefulError
 from wakeful.server.harness import history
-from wakeful.server.harness.context import assemble, render_tail
+from wakeful.server.harness.context import Context, assemble, render_tail
+from wakeful.server.harness.helper_run import HelperRun
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
@@ -36,7 +38,7 @@ __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
 _OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record", "wait_for_reply", "keep_checking",
-                  "list_timers", "cancel_timer", "confirm_pause", "add_task_key", "attach_event"})
+                  "list_timers", "cancel_timer", "confirm_pause", "add_task_key", "attach_event", "start_helper"})
 
 
 class Harness:
@@ -58,10 +60,27 @@ class Harness:
             run_id=ctx.run_id, prefix_sha256=context.prefix_sha256, prefix=context.prefix,
             tail=json.dumps(context.tail, sort_keys=True, default=str), model=self.model.name,
             harness_version=HARNESS_VERSION, created_at=ctx.now())))
-        task_id = context.tail["task"]["task_id"] if context.tail["task"] else None
+        helper = HelperRun.of(ctx)
+        if helper is not None and not helper.running:
+            ctx.silence(f"helper {helper.helper.id} is {helper.helper.state.value}: nothing more to do")
+            return
+        try:
+            self._loop(ctx, context, helper)
+        except RunInterrupted as stop:
+            if helper is None or stop.outcome is not RunOutcome.BUDGET_EXHAUSTED:
+                raise
+            helper.fail(ctx, stop.reason)  # the main task is told, not the user
+            return
+        if helper is not None and not helper.returned:
+            helper.fail(ctx, "it ended without return_result")
+
+    def _loop(self, ctx: RunContext, context: Context, helper: HelperRun | None) -> None:
+        task: dict[str, Any] | None = context.tail["task"]
         messages: list[dict[str, Any]] = [{"role": "user", "content": render_tail(context.tail)}]
         tokens = 0
         while True:
+            if helper is not None:
+                helper.check_budget(ctx)
             ctx.step()
             request = ModelRequest(prefix=context.prefix, snapshot=context.snapshot, tools=context.tools,
                                    messages=tuple(messages))
@@ -76,7 +95,7 @@ class Harness:
                 {"type": "tool_use", "id": c.id, "name": c.name, "input": c.args} for c in reply.tool_calls]})
             results = []
             for index, call in enumerate(reply.tool_calls):
-                result = self._execute(ctx, task_id, call, f"{decision_id}:{index}")
+                result = self._execute(ctx, task, call, f"{decision_id}:{index}", helper)
                 row = {"id": new_id("tr"), "run_id": ctx.run_id, "step": ctx.decisions - 1, "call_id": call.id,
                        "tool": call.name, "args": json.dumps(call.args, sort_keys=True),
                        "result": json.dumps(result, sort_keys=True, default=str), "created_at": ctx.now()}
@@ -84,7 +103,7 @@ class Harness:
                 results.append({"type": "tool_result", "tool_use_id": call.id,
                                 "content": json.dumps(result, sort_keys=True, default=str),
                                 "is_error": "error" in result})
-                if call.name == "stay_quiet":
+                if helper.returned if helper is not None else call.name == "stay_quiet":
                     return
             messages.append({"role": "user", "content": results})
             if tokens > self.max_tokens:
@@ -93,8 +112,12 @@ class Harness:
     def _ask(self, request: ModelRequest) -> dict[str, Any]:
         return self.model.complete(request).to_json()
 
-    def _execute(self, ctx: RunContext, task_id: str | None, call: ToolCall, decision_id: str) -> dict[str, Any]:
+    def _execute(self, ctx: RunContext, task: dict[str, Any] | None, call: ToolCall, decision_id: str,
+                 helper: HelperRun | None) -> dict[str, Any]:
+        """One tool call's result; `task` is the task as this wake's context shows it."""
         try:
+            if helper is not None:
+                return helper.execute(ctx, call.name, dict(call.args), decision_id)
             # The run's own tools, checked against their specs like every other (the tool layer checks the rest).
             args: Any = spec(call.name).validate(Face.HARNESS, call.args) if call.name in _OWN else None
             if call.name == "send_to_user":
@@ -105,9 +128,10 @@ class Harness:
                 return {"quiet": True}
             if call.name == "attach_event":
                 return _attach(ctx, args)
-            if task_id is None:
+            if task is None:
                 raise WakefulError("no_task", "this wake belongs to no task; only send_to_user, stay_quiet and (in "
                                               "triage) attach_event work")
+            task_id: str = task["task_id"]
             if call.name == "add_task_key":
                 return _add_key(ctx, task_id, args)
             if call.name == "read_record":
@@ -117,6 +141,11 @@ class Harness:
             if call.name == "confirm_pause":
                 ctx.confirm_pause(task_id=task_id, reason=args.reason)
                 return {"paused": True}
+            if call.name == "start_helper":
+                helper_id = ctx.start_helper(task_id=task_id, task_version=task["version"],
+                                             goal=args.goal, constraints=list(args.constraints),
+                                             output_form=args.output_form)
+                return {"helper_id": helper_id, "state": "starting when this wake ends"}
             if call.name in _TIMEKEEPING:
                 return _TIMEKEEPING[call.name](ctx, task_id, args)
             result: dict[str, Any] = ctx.call_tool(task_id=task_id, tool=call.name, args=dict(call.args),

@@ -47,6 +47,7 @@ __all__ = [
     "OutboxState",
     "RunOutcome",
     "SteerState",
+    "HelperState",
     "TaskState",
     "TimerKind",
     "Risk",
@@ -68,6 +69,7 @@ __all__ = [
     "event_attachments",
     "events",
     "evidence",
+    "helpers",
     "metadata",
     "objects",
     "outbox",
@@ -173,6 +175,14 @@ class OnTimeout(StrEnum):
     FOLLOW_UP = "follow_up"  # the task's session wakes with a timeout event
     TELL_USER = "tell_user"  # one plain message to the user, through the outbox; no wake
     CLOSE = "close"          # the wait ends timed out, recorded; no wake
+class HelperState(StrEnum):
+    """A helper task (`server.core.helper_tasks`): it runs until it returns its result, fails (its budget, or it
+    ended without a result) or is stopped with its task."""
+
+    RUNNING = "running"
+    RETURNED = "returned"
+    FAILED = "failed"
+    STOPPED = "stopped"
 
 
 class TimerKind(StrEnum):
@@ -370,6 +380,28 @@ steer_proposals = Table(
     _check("state", SteerState),
 )
 
+helpers = Table(
+    "helpers",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("task_id", String(40), ForeignKey("tasks.id"), nullable=False),
+    Column("task_version", Integer, nullable=False),             # the version its handoff was based on
+    Column("parent_session_id", String(40), ForeignKey("sessions.id"), nullable=False),  # where its result goes
+    Column("session_id", String(40), ForeignKey("sessions.id"), nullable=False, unique=True),  # its own
+    Column("goal", Text, nullable=False),
+    Column("constraints", Text, nullable=False),                 # JSON: a list of sentences
+    Column("output_form", Text, nullable=False),
+    Column("state", String(16), nullable=False, default=HelperState.RUNNING.value),
+    Column("reason", Text),                                      # why it failed or was stopped
+    Column("max_steps", Integer, nullable=False),
+    _now_col("deadline", nullable=False),
+    _now_col("created_at", nullable=False),
+    _now_col("finished_at"),
+    Index(None, "task_id", "state"),
+    _check("state", HelperState),
+)
+
 events = Table(
     "events",
     metadata,
@@ -552,6 +584,7 @@ objects = Table(
     Column("snapshot", Text, nullable=False),  # JSON: the fields kept when it was read (price, expiry …)
     _now_col("created_at", nullable=False),
     _now_col("expires_at", nullable=False),
+    Column("helper_id", String(40)),  # minted for a helper run: only that helper's reads and writes resolve it
 )
 
 actions = Table(

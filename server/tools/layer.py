@@ -5,6 +5,9 @@ server-issued object IDs bound to this task version. Writes never go out here: t
 are admitted (or not) against recorded facts, and leave only through the dispatcher. Arguments naming objects
 accept only IDs this server issued for this task version and kind; anything else is refused as
 `unknown_object` and the refusal is recorded.
+
+A helper task's run (`core.helper_tasks`: the call comes from the helper's own session) may call read tools only;
+anything else is refused as `helper_read_only`, and recorded. Its reads mint IDs only that helper resolves.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from wakeful.server.acting.connectors import (
 from wakeful.server.acting.policy import Policy
 from wakeful.server.acting.verdicts import admit_and_record, lock_task, verdict_status
 from wakeful.server.computers.pool import COMPUTER_TOOLS, Computers
-from wakeful.server.core import sessions
+from wakeful.server.core import helper_tasks, sessions
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import add_evidence, proxy_refusal
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.errors import BadRequest, NotFound, Refused, WakefulError
-from wakeful.server.store.db import write
+from wakeful.server.store.db import read, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import GrantPurpose, Outcome, Risk, TaskState, actions, task_versions, tasks
 from wakeful.server.tools.computer import ComputerToolLayer
@@ -76,6 +79,7 @@ class ToolLayer:
         self._http.close()
 
     def call(self, binding: Binding, tool: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        helper = self._helper(binding, tool)
         if tool in COMPUTER_TOOLS:
             if self.computers is None:
                 raise WakefulError("tool_computer_unavailable", "this server runs no tool computers")
@@ -90,7 +94,7 @@ class ToolLayer:
                         not isinstance(value, str) or not _OBJECT_ID.fullmatch(value)):
                     raise objects.UnknownObject(repr(value)[:80], "not an ID this server issues")
             if op.effect == "read":
-                return self._read(binding, op, args)
+                return self._read(binding, op, args, helper_id=helper.id if helper else None)
             return self._write(binding, op, args)
         except (objects.UnknownObject, BadRequest) as refused:
             with write(self.engine) as conn:
@@ -99,6 +103,23 @@ class ToolLayer:
             raise
 
     # -- shared --------------------------------------------------------------------------------------------------
+
+    def _helper(self, binding: Binding, tool: str) -> helper_tasks.Helper | None:
+        """The helper task whose run calls (None for the main run and MCP calls); `helper_read_only` unless `tool`
+        is one of this task's reads."""
+        with read(self.engine) as conn:
+            helper = helper_tasks.of_session(conn, binding.session_id)
+        if helper is None:
+            return None
+        reads = {op.tool_name for op in self.registry.tools() if op.effect == "read"}
+        if tool in reads and helper.task_id == binding.task_id:
+            return helper
+        with write(self.engine) as conn:
+            objects.record_refusal(conn, user_id=binding.user_id, task_id=binding.task_id, run_id=binding.run_id,
+                                   tool=tool, code="helper_read_only", detail=f"helper {helper.id}",
+                                   now=self.clock.now())
+        raise Refused("helper_read_only", f"{tool}: a helper task only reads; what it found goes back to the main "
+                      "task, which decides and acts", helper_id=helper.id)
 
     def _fence(self, conn: Connection, binding: Binding) -> Any:
         if binding.token is not None and binding.session_id is not None:
@@ -117,19 +138,20 @@ class ToolLayer:
         return task
 
     def _resolve(self, conn: Connection, binding: Binding, op: Operation, args: Mapping[str, Any],
-                 version: int) -> dict[str, objects.IssuedObject]:
+                 version: int, helper_id: str | None = None) -> dict[str, objects.IssuedObject]:
         now = self.clock.now()
         return {name: objects.resolve(conn, args[name], user_id=binding.user_id, task_id=binding.task_id,
-                                      task_version=version, kind=param.kind, now=now)
+                                      task_version=version, kind=param.kind, now=now, helper_id=helper_id)
                 for name, param in op.params.items() if isinstance(param, ObjectParam) and name in args}
 
     # -- reads -----------------------------------------------------------------------------------------------
 
-    def _read(self, binding: Binding, op: Operation, args: Mapping[str, Any]) -> dict[str, Any]:
+    def _read(self, binding: Binding, op: Operation, args: Mapping[str, Any],
+              helper_id: str | None) -> dict[str, Any]:
         valid = validate_arguments(op, args)
         with write(self.engine) as conn:
             task = self._fence(conn, binding)
-            resolved = self._resolve(conn, binding, op, valid, task.current_version)
+            resolved = self._resolve(conn, binding, op, valid, task.current_version, helper_id)
             prepared = build_request(op, args=valid, resolved={k: o.ref for k, o in resolved.items()},
                                      idempotency_key=None)
             grant = self._http.grant(conn, purpose=GrantPurpose.READ, user_id=binding.user_id, task_id=task.id,
@@ -156,7 +178,7 @@ class ToolLayer:
                 object_id = objects.mint(conn, user_id=binding.user_id, task_id=binding.task_id,
                                          task_version=task.current_version, kind=found.kind, connector=op.connector,
                                          ref=found.ref, operation=op.tool_name, snapshot=found.snapshot, now=now,
-                                         ttl=self.policy.object_ttl)
+                                         ttl=self.policy.object_ttl, helper_id=helper_id)
                 issued.append({"id": object_id, "kind": found.kind, **found.snapshot})
             add_evidence(conn, action=None, task_id=binding.task_id, attempt_id=None, source="read",
                          verdict=Outcome.ACCEPTED, now=now,

@@ -5,6 +5,7 @@ harness (`server.harness.context`) render this one list; input schemas are gener
     ToolSpec        one tool: name, description, argument model, hints, the faces that offer it
     Hints           readOnly / destructive / idempotent / openWorld, true to what the tool does
     tool_specs      every tool of one face, for the declared connectors, with or without tool computers
+    helper_specs    what a helper task's run gets: the connectors' reads, and `return_result`
     connector_args  a connector operation's argument model, generated from its declaration
     input_schema    a model's JSON schema, self-contained (nested models inlined, no `$ref` to dangle)
 
@@ -12,8 +13,8 @@ Over MCP a tool that acts for a task takes the task's ID as `task_id`; in the ha
 the model never names one. Connector reads and writes, the tool-computer tools, `send_to_user`, `add_task_key` and
 the agent's timekeeping (`schedule_followup`, `wait_for_reply`, `keep_checking`, `list_timers`, `cancel_timer`:
 `server.core.agenda`) are on both faces; delegation (`create_responsibility`, `steer_responsibility`,
-`task_status`) is the MCP client's; `stay_quiet`, `read_record`, `confirm_pause` and `attach_event` (triage) the
-harness's.
+`task_status`) is the MCP client's; `stay_quiet`, `read_record`, `confirm_pause`, `attach_event` (triage) and
+`start_helper` (a helper is a run of the server's own model) the harness's.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from wakeful.server.core.keys import KEY_PATTERN, MAX_KEYS
 from wakeful.server.core.speaking import Level, Urgency
 from wakeful.server.errors import BadRequest
 
-__all__ = ["TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args", "input_schema",
-           "TaskRef", "spec", "tool_specs", "urgency_of"]
+__all__ = ["RETURN_RESULT", "TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args",
+           "helper_specs", "input_schema", "TaskRef", "spec", "tool_specs", "urgency_of"]
 
 TASK_ID_PATTERN: Final = "^task_[0-9a-z]+$"
 
@@ -235,6 +236,17 @@ class ListTimers(_Args):
 class CancelTimer(_Args):
     id: Annotated[str, Field(pattern=r"^(tmr|wait)_[0-9a-z]+$", max_length=64,
                              description="A timer_id or wait_id that list_timers showed.")]
+class StartHelper(_Args):
+    goal: Annotated[str, Field(min_length=1, max_length=2000, description="What the helper finds out, in one go.")]
+    constraints: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        default_factory=list, max_length=20, description="What it must hold to (it only reads, always).")
+    output_form: Annotated[str, Field(min_length=1, max_length=1000,
+                                      description='The form of its answer, e.g. "a table: flight, departs, price"')]
+
+
+class ReturnResult(_Args):
+    result: Annotated[str, Field(min_length=1, max_length=20_000)] = Field(
+        description="The answer, in the output form the handoff asked for.")
 
 
 class Observe(_Args):
@@ -385,7 +397,18 @@ STATIC: Final[tuple[ToolSpec, ...]] = (
              description="The user's message in this wake asks you to stop or wait: turn the hold it put on the "
                          "task into a pause, which only the user resumes. Without it the hold lifts when this wake "
                          "ends. Refused (not_held) when no message of the user holds the task."),
+    ToolSpec(name="start_helper", args=StartHelper, hints=_RECORD, faces=frozenset({Face.HARNESS}),
+             description="Hand a read-only sub-task (a comparison, some research) to a helper with a context of its "
+                         "own: it sees only this handoff (goal, constraints, this task's version, the output form), "
+                         "may only read, and its result comes back later as an event with the version it was based "
+                         "on. Its object IDs are not yours: read again before acting. Capped per task; stops when the "
+                         "task is paused or closed."),
 )
+
+RETURN_RESULT: Final = ToolSpec(
+    name="return_result", args=ReturnResult, hints=_RECORD, faces=frozenset({Face.HARNESS}),
+    description="Return your result to the main task, in the output form the handoff asked for. This ends your run.")
+"""A helper's own tool, and no one else's (`helper_specs`)."""
 
 COMPUTER: Final[tuple[ToolSpec, ...]] = (
     ToolSpec(name=OBSERVE_TOOL, args=Observe,
@@ -414,7 +437,7 @@ def spec(name: str) -> ToolSpec:
     return _BY_NAME[name]
 
 
-_BY_NAME: Final[Mapping[str, ToolSpec]] = {s.name: s for s in (*STATIC, *COMPUTER)}
+_BY_NAME: Final[Mapping[str, ToolSpec]] = {s.name: s for s in (*STATIC, *COMPUTER, RETURN_RESULT)}
 
 
 def connector_spec(op: Operation) -> ToolSpec:
@@ -426,6 +449,12 @@ def tool_specs(registry: Registry, face: Face, *, computers: bool) -> list[ToolS
     """The tools `face` offers, in a fixed order: delegation and messages, connector operations, tool computer."""
     connectors = [connector_spec(op) for op in registry.tools()]
     return [s for s in (*STATIC, *connectors, *(COMPUTER if computers else ())) if face in s.faces]
+
+
+def helper_specs(registry: Registry) -> list[ToolSpec]:
+    """A helper task's tools: the connectors' reads and `return_result`. Not the tool computer, and no tool of the
+    harness's own, read-only or not: those read the main task's records, which a helper never sees."""
+    return [*(connector_spec(op) for op in registry.tools() if op.effect == "read"), RETURN_RESULT]
 
 
 # -- connector operations ------------------------------------------------------------------------------------------

@@ -121,7 +121,7 @@ def test_over_mcp_a_task_scoped_tool_takes_the_task_id_and_in_the_harness_the_wa
     assert harness["attach_event"]["required"] == ["event_id", "task_id", "reason"]
     assert [name for name, s in mcp.items() if "task_id" not in s.get("required", [])] == ["create_responsibility"]
     assert set(mcp) - set(harness) == {"create_responsibility", "steer_responsibility", "task_status"}
-    assert set(harness) - set(mcp) == {"read_record", "stay_quiet", "confirm_pause", "attach_event"}
+    assert set(harness) - set(mcp) == {"read_record", "stay_quiet", "confirm_pause", "attach_event", "start_helper"}
 
 
 def test_the_act_argument_offers_exactly_the_act_kinds_of_vm_observe() -> None:
