@@ -11,6 +11,7 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,9 @@ class Trip:
         return dict(answer.json())
 
     def drain(self) -> None:
-        """Every due run, one after the other (the runtime's loops are not started: the test drives them)."""
+        """Every due run, one after the other (the runtime's loops are not started: the test drives them), once the
+        coalescing window a keyed delivery waits for others has passed."""
+        self.w.clock.advance(timedelta(seconds=self.runtime.settings.coalesce_seconds))
         while self.runtime.workers[0].run_once():
             pass
 
