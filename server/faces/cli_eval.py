@@ -8,28 +8,32 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
 
-from wakeful.server.evals.agents import scripted
-from wakeful.server.evals.catalog import SCENARIOS, select
-from wakeful.server.evals.runner import ModelFactory, Trial, report, run_all, table
-from wakeful.server.evals.scenario import Scenario
 from wakeful.server.faces.cli_common import err, say
-from wakeful.server.faces.http import create_app
-from wakeful.server.harness.model import ModelAdapter
-from wakeful.server.runtime import Runtime
 from wakeful.server.settings import ConfigFileError, load_settings
-from wakeful.server.sims.fleet import SIMULATORS
+
+if TYPE_CHECKING:
+    from wakeful.server.evals.runner import ModelFactory, Trial
+    from wakeful.server.evals.scenario import Scenario
+    from wakeful.server.harness.model import ModelAdapter
+    from wakeful.server.runtime import Runtime
 
 __all__ = ["eval_cmd"]
+
+# The scenarios, the simulators and the HTTP app are imported by the command itself, not with this module: every
+# `wakeful` process (the egress proxy child among them) imports the command line, and they would add a second to
+# each start.
 
 MODELS = ("scripted", "anthropic")
 
 
 def _listing() -> str:
+    from wakeful.server.evals.catalog import SCENARIOS
+
     width = max(len(name) for name in SCENARIOS)
     lines = []
     for s in SCENARIOS.values():
@@ -41,6 +45,8 @@ def _listing() -> str:
 
 def _faults(given: list[str]) -> dict[str, dict[str, Any]]:
     """`SIM.KNOB=VALUE` (VALUE as JSON: 3, true, 0.5) into {sim: {knob: value}}."""
+    from wakeful.server.sims.fleet import SIMULATORS
+
     faults: dict[str, dict[str, Any]] = {}
     for item in given:
         target, equals, raw = item.partition("=")
@@ -77,11 +83,15 @@ def _anthropic() -> ModelFactory:
 
 
 def _scripted(scenario: Scenario) -> ModelAdapter:
+    from wakeful.server.evals.agents import scripted
+
     assert scenario.playbook is not None, f"{scenario.name} has no scripted part"
     return scripted(scenario.playbook)
 
 
 def _app(runtime: Runtime) -> Any:
+    from wakeful.server.faces.http import create_app
+
     return create_app(runtime, manage_runtime=False)
 
 
@@ -109,6 +119,9 @@ def eval_cmd(names: Annotated[list[str] | None, typer.Argument(help="Scenarios t
              timeout: Annotated[float, typer.Option(min=1, help="Seconds one wait in a scenario may take.")] = 30.0,
              ) -> None:
     """Run the evaluation scenarios against the simulators; exit 1 if any trial failed."""
+    from wakeful.server.evals.catalog import select
+    from wakeful.server.evals.runner import report, run_all, table
+
     if list_only:
         typer.echo(_listing())
         return

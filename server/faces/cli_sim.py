@@ -15,13 +15,14 @@ import threading
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from wakeful.server.faces.cli_common import say
-from wakeful.server.sims import SimClock
-from wakeful.server.sims.fleet import SIMULATORS, WebhookTarget, running, self_signed_pem
+
+if TYPE_CHECKING:
+    from wakeful.server.sims.fleet import WebhookTarget
 
 __all__ = ["SECRET_ENV", "sim"]
 
@@ -30,6 +31,9 @@ CONTROLS = ("records", "faults", "clock", "webhooks")
 
 
 def _names(which: str) -> list[str]:
+    # The simulators (and the web framework under them) are imported by the command, not with the command line.
+    from wakeful.server.sims.fleet import SIMULATORS
+
     if which == "all":
         return list(SIMULATORS)
     if which not in SIMULATORS:
@@ -60,6 +64,8 @@ def _target(url: str | None, secret_file: Path | None, names: list[str]) -> Webh
         say("bad_webhook_url", "several simulators need one source each: put {sim} in the URL, "
                                "e.g. http://127.0.0.1:8787/v1/hooks/{sim}")
         raise typer.Exit(2)
+    from wakeful.server.sims.fleet import WebhookTarget
+
     return WebhookTarget(url=url, secret=_secret(secret_file))
 
 
@@ -89,6 +95,9 @@ def sim(which: Annotated[str, typer.Argument(help="merchant, airline, hotel, mai
         flush_every: Annotated[float, typer.Option(help="Send pending webhooks every N seconds (0: only on "
                                                         "POST /_sim/webhooks/flush).", min=0)] = 0.5) -> None:
     """Run simulated services on 127.0.0.1 until interrupted (Ctrl-C or SIGTERM)."""
+    from wakeful.server.sims import SimClock
+    from wakeful.server.sims.fleet import running, self_signed_pem
+
     names = _names(which)
     target = _target(webhook_url, webhook_secret_file, names)
     with tempfile.TemporaryDirectory(prefix="wakeful-sim-") as tmp, ExitStack() as stack:

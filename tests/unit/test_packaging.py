@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
@@ -94,3 +95,12 @@ def test_the_package_list_names_every_package_of_the_tree_and_nothing_else() -> 
 def test_the_only_top_level_import_name_is_wakeful() -> None:
     assert {name.partition(".")[0] for name in SETUPTOOLS["packages"]} == {"wakeful"}
     assert {name.partition(".")[0] for name in SETUPTOOLS["package-dir"]} == {"wakeful"}
+
+
+def test_the_command_line_leaves_the_web_stack_and_the_simulators_to_the_commands_that_use_them() -> None:
+    """Every `wakeful` process imports the command line (the egress proxy child too, on every `wakeful serve`):
+    what only `serve`, `sim` or `eval` need is imported when they run, not on each start."""
+    heavy = ("fastapi", "mcp", "wakeful.server.evals", "wakeful.server.sims", "wakeful.server.faces.http")
+    probe = f"import sys, wakeful.server.faces.cli; print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"
