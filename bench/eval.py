@@ -1,10 +1,10 @@
-"""Wall time of the scripted evaluation scenarios: the subscription cancellation, and the Hong Kong trip's days
-that can be played today.
+"""Wall time of the scripted evaluation scenarios: the subscription cancellation, and every day of the Hong Kong
+trip.
 
 Each trial is what `wakeful eval` runs: a fresh data directory, the simulators and a runtime serving the HTTP app on
 loopback, the scenario, the judgement, and everything stopped again. Baseline: the same world started and stopped
 with an empty scenario (what a trial costs before it does anything), measured in the same run. Target: the whole
-scripted trip in 60 s or less; until every day can be played, the figure covers the days present (listed).
+scripted trip in 60 s or less, printed beside the cancellation.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def seconds(scenario: Scenario, repeats: int) -> float:
 
 
 def trip_days() -> Sequence[Scenario]:
-    return [s for s in SCENARIOS.values() if s.name.startswith("hk-") and not s.pending]
+    return [s for s in SCENARIOS.values() if s.name.startswith("hk-")]
 
 
 def run(quick: bool) -> list[Table]:
@@ -47,16 +47,14 @@ def run(quick: bool) -> list[Table]:
     cancel = seconds(SCENARIOS["cancel-lost-response"], repeats)
     days = {s.name: seconds(s, repeats) for s in trip_days()}
     trip = sum(days.values())
-    pending = [s.name for s in SCENARIOS.values() if s.name.startswith("hk-") and s.pending]
     return [Table(
         title="Scripted evaluation scenarios: wall time per trial (median)",
         rows=[Row("cancellation, response lost (cancel-lost-response)", f"{cancel:.2f} s", f"{empty:.2f} s"),
               *[Row(f"  {name}", f"{t:.2f} s", f"{empty:.2f} s") for name, t in days.items()],
-              Row(f"Hong Kong trip, {len(days)} scenario(s) present", f"{trip:.2f} s", f"{empty * len(days):.2f} s",
+              Row(f"the whole Hong Kong trip, {len(days)} scenarios", f"{trip:.2f} s", f"{empty * len(days):.2f} s",
                   f"<= {TRIP_TARGET_SECONDS:.0f} s", verdict(trip <= TRIP_TARGET_SECONDS))],
         reproduce=reproduce("eval.py", quick),
-        notes=["baseline: the same world (simulators, runtime, HTTP app) started and stopped with an empty scenario",
-               f"not yet playable, so not in the trip's figure: {', '.join(pending)}"])]
+        notes=["baseline: the same world (simulators, runtime, HTTP app) started and stopped with an empty scenario"])]
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ reconciliation).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
@@ -162,13 +162,17 @@ def add_check(conn: Connection, *, user_id: str, task_id: str, note: str, now: d
 
 
 def add_wait(conn: Connection, *, user_id: str, task_id: str, key: str, deadline: datetime, on_timeout: OnTimeout,
-             note: str, now: datetime, limits: Limits, source: str | None = None) -> str:
-    """A wait for a delivery carrying `key` from `source` (any webhook source when None), ending at `deadline`."""
+             note: str, now: datetime, limits: Limits, source: str | None = None,
+             replying_to: Collection[str] = ()) -> str:
+    """A wait for a delivery carrying `key` from `source` (any webhook source when None), ending at `deadline`.
+    Only a later delivery answers it: not the events `replying_to` names (those the setting run read), nor any
+    a run already took (`waits.register`)."""
     check_deadline(deadline, now=now)
     session_id = admit_wait(conn, user_id=user_id, task_id=task_id, limits=limits)
     return waits.register(conn, user_id=user_id, session_id=session_id, match_key=key, kind=REPLY,
                           authority=of_source(source) if source is not None else Authority.ANY_SOURCE,
-                          deadline=deadline, now=now, task_id=task_id, on_timeout=on_timeout, note=note)
+                          deadline=deadline, now=now, task_id=task_id, on_timeout=on_timeout, note=note,
+                          replying_to=replying_to)
 
 
 def _open_item(conn: Connection, *, user_id: str, task_id: str, item_id: str) -> Any:

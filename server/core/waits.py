@@ -22,6 +22,7 @@ does not time out; it does on resume, if its deadline has passed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
@@ -51,9 +52,14 @@ TERMINAL = frozenset({WaitState.SATISFIED, WaitState.TIMED_OUT, WaitState.CANCEL
 
 def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str, authority: str,
              deadline: datetime | None, now: datetime, task_id: str | None = None,
-             on_timeout: OnTimeout | None = None, note: str | None = None) -> str:
+             on_timeout: OnTimeout | None = None, note: str | None = None,
+             replying_to: Collection[str] | None = None) -> str:
     """A pending wait for `match_key` that only a delivery from `authority` may satisfy (`server.core.authority`);
-    `on_timeout` and `note`: a reply wait the agent set (None: its deadline wakes the session)."""
+    `on_timeout` and `note`: a reply wait the agent set (None: its deadline wakes the session).
+
+    A delivery that carried the key before the wait existed answers it at once, except for a reply wait
+    (`replying_to` given): what the agent already read (an earlier mail of the thread, the acknowledgement it is
+    waiting on, the events `replying_to` names) is not the reply; only a delivery no run has taken yet is."""
     sessions.lock(conn, session_id)
     taken = conn.execute(
         select(waits.c.id).where(and_(waits.c.user_id == user_id, waits.c.match_key == match_key))
@@ -62,7 +68,7 @@ def register(conn: Connection, *, user_id: str, session_id: str, match_key: str,
         raise Conflict("wait_key_taken", f"a wait with match key {match_key!r} already exists; keys are single-use",
                        match_key=match_key)
     wait_id = new_id("wait")
-    early = _early_answer(conn, user_id=user_id, match_key=match_key, authority=authority)
+    early = _early_answer(conn, user_id=user_id, match_key=match_key, authority=authority, replying_to=replying_to)
     conn.execute(
         waits.insert().values(
             id=wait_id, user_id=user_id, session_id=session_id, task_id=task_id, match_key=match_key,
@@ -82,17 +88,20 @@ def register(conn: Connection, *, user_id: str, session_id: str, match_key: str,
     return wait_id
 
 
-def _early_answer(conn: Connection, *, user_id: str, match_key: str, authority: str) -> Row[Any, Any, Any] | None:
-    """The first event that carried `match_key` before its wait existed, from a sender the wait accepts; or None."""
+def _early_answer(conn: Connection, *, user_id: str, match_key: str, authority: str,
+                  replying_to: Collection[str] | None) -> Row[Any, Any, Any] | None:
+    """The first event that carried `match_key` before its wait existed, from a sender the wait accepts (for a reply
+    wait: one no run has taken, and not one it replies to); or None."""
     senders = conn.execute(select(events.c.authority).distinct()
                            .where(and_(events.c.user_id == user_id, events.c.corr_key == match_key))).scalars()
     accepted = [sender for sender in senders if may_satisfy(authority, sender)]
-    return conn.execute(
-        select(events.c.id, events.c.session_id, events.c.status)
-        .where(and_(events.c.user_id == user_id, events.c.corr_key == match_key, events.c.authority.in_(accepted)))
-        .order_by(events.c.received_at)
-        .limit(1)
-    ).first() if accepted else None
+    if not accepted:
+        return None
+    which = [events.c.user_id == user_id, events.c.corr_key == match_key, events.c.authority.in_(accepted)]
+    if replying_to is not None:
+        which += [events.c.status == EventStatus.PENDING.value, events.c.id.not_in(list(replying_to))]
+    return conn.execute(select(events.c.id, events.c.session_id, events.c.status).where(and_(*which))
+                        .order_by(events.c.received_at).limit(1)).first()
 
 
 def _end_pending(conn: Connection, *which: ColumnElement[bool], to: WaitState, now: datetime) -> int:

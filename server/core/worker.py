@@ -351,7 +351,8 @@ class RunContext:
 
         def effect(conn: Connection, now: datetime) -> None:
             agenda.add_wait(conn, user_id=self.user_id, task_id=task_id, key=key, deadline=deadline,
-                            on_timeout=on_timeout, note=note, now=now, limits=limits, source=source)
+                            on_timeout=on_timeout, note=note, now=now, limits=limits, source=source,
+                            replying_to=[e.id for e in self.events])
 
         self.effects.append(effect)
         self.ended_by = self.ended_by or f"wait: {key}"

@@ -8,6 +8,7 @@ scenario's harness calls; `--model anthropic` replaces it with the real model an
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ __all__ = ["Playbook", "Turn", "end", "scripted"]
 
 MAX_STEPS = 1000
 """More steps than any scenario takes: the script never runs out before the scenario ends."""
+_EVENT = re.compile(r'<event id="[^"]*" source="([^"]*)"[^>]*>\n(.*?)\n</event>', re.S)
+"""One event of the tail as `server.harness.context.render_tail` writes it: its source, then its payload's JSON."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class Turn:
     @property
     def woken_by_delegation(self) -> bool:
         return not self.called and 'source="delegation"' in self.tail
+
+    def events(self, source: str) -> list[Any]:
+        """The payloads of this wake's events from `source` (a webhook source, "timer", "wait"), in order."""
+        return [json.loads(payload) for named, payload in _EVENT.findall(self.tail) if named == source]
 
     def result_of(self, tool: str) -> dict[str, Any]:
         return self.results[self.called.index(tool)]

@@ -17,11 +17,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
+from datetime import time as dt_time
 from functools import cache, partial
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, TypeVar
+from zoneinfo import ZoneInfo
 
 import httpx
 from pydantic import SecretStr
@@ -42,6 +44,8 @@ EXAMPLE_POLICIES = Path(str(files("wakeful.policies")))
 DB_FILE = "wakeful.db"
 """The embedded default's database file in a data directory."""
 T = TypeVar("T")
+COALESCE = timedelta(seconds=2)
+"""The runtime's coalescing window: keyed webhooks arriving within it are one run (`Settings.coalesce_seconds`)."""
 AppFactory = Callable[[Runtime], ASGIApp]
 """Builds the HTTP app over a runtime that is already running (the caller's `create_app(..., manage_runtime=False)`)."""
 
@@ -70,8 +74,9 @@ class EvalWorld:
         response.raise_for_status()
         return response.json()
 
-    def delegate(self, title: str, completion: list[dict[str, Any]] | None = None) -> str:
-        created = self.post("/v1/tasks", {"title": title, "completion": completion or []})
+    def delegate(self, title: str, completion: list[dict[str, Any]] | None = None,
+                 keys: Sequence[str] = ()) -> str:
+        created = self.post("/v1/tasks", {"title": title, "completion": completion or [], "keys": list(keys)})
         created.raise_for_status()
         self.tasks.append(created.json()["task_id"])
         return self.tasks[-1]
@@ -87,6 +92,32 @@ class EvalWorld:
 
     def decide(self, action_id: str, decision: str = "approve") -> dict[str, Any]:
         return dict(self.post(f"/v1/actions/{action_id}/{decision}", {"reason": "eval"}).json())
+
+    def prefer(self, **changes: Any) -> dict[str, Any]:
+        """The user's preferences (`PUT /v1/preferences`: timezone, quiet_hours, attention_budget)."""
+        answer = self.api.put("/v1/preferences", json=changes)
+        answer.raise_for_status()
+        return dict(answer.json())
+
+    def messages(self, after: int = 0) -> list[dict[str, Any]]:
+        """What the user was sent after feed position `after`, in feed order (`GET /v1/messages?after=`)."""
+        return list(self.get(f"/v1/messages?after={after}")["messages"])
+
+    def deliver(self, name: str) -> list[dict[str, Any]]:
+        """Send the simulator's pending webhooks, let their coalescing window pass, and wait until each is handled
+        (a run took it, or it was late): the events they became."""
+        delivered = self.flush(name)
+        self.jump(COALESCE)
+        return self.handled(delivered)
+
+    def jump_to(self, local: dt_time, zone: ZoneInfo) -> datetime:
+        """Jump to the next `local` wall-clock time in `zone` (at least a second ahead); returns it."""
+        now = self.clock.now().astimezone(zone)
+        target = datetime.combine(now.date(), local, tzinfo=zone)
+        if target <= now:
+            target = datetime.combine(now.date() + timedelta(days=1), local, tzinfo=zone)
+        self.jump(target - now)
+        return target
 
     def sim(self, name: str, method: str, path: str, body: Any = None) -> Any:
         """A simulator's own API or its `/_sim` controls, over HTTP."""
@@ -168,7 +199,7 @@ def _settings(data_dir: Path, urls: dict[str, str], secret: str, policy: str) ->
                              for name in urls},
                     proxy=False, computers=False, poll_interval=0.05, idle_poll_max=0.2, reconcile_interval=0.2,
                     connector_timeout=1.0, resend_after=timedelta(seconds=30), dispatch_backoff=timedelta(seconds=0.2),
-                    sweep_interval=1.0, lease=timedelta(days=365))
+                    sweep_interval=1.0, lease=timedelta(days=365), coalesce_seconds=COALESCE.total_seconds())
 
 
 @contextmanager

@@ -18,8 +18,11 @@ Service API:
                                      {"error": "flight_cancelled"}. Every accepted order issues another ticket.
     GET  /v1/orders?idempotency_key=K {"orders": [{order_id, pnr, flight, ticket, idempotency_key, created_at}]}
 Sim-only:
-    POST /_sim/cancel_flight {"flight"} -> {"flight", "pnrs": [...]}: confirmed bookings on it become cancelled,
-                                     one signed {"type": "flight.cancelled", "pnr", "flight"} webhook queued each
+    POST /_sim/cancel_flight {"flight", "notices"?} -> {"flight", "pnrs": [...]}: confirmed bookings on it become
+                                     cancelled; `notices` (1) signed {"type": "flight.cancelled", "pnr", "flight",
+                                     "notice"} webhooks queued each (airlines repeat a cancellation notice)
+    POST /_sim/advisory {"pnr", "text"} -> {"pnr"}: one signed {"type": "travel.advisory", "pnr", "text"} webhook
+                                     queued (a typhoon warning for the booking's trip); 404 {"error": "not_found"}
 
 Knobs: dedupe, fail_before_commit, stall_seconds (see _base), and
     ticketing_timeout  int  the next N orders commit (ticket issued), then hold the response back `stall_seconds`
@@ -105,15 +108,25 @@ class Airline(Sim):
         with self.lock:
             return [dict(o) for o in self._orders if idempotency_key in (None, o["idempotency_key"])]
 
-    def cancel_flight(self, flight: str) -> list[str]:
-        """The airline cancels `flight`: its confirmed bookings become cancelled and a webhook is queued for each."""
+    def cancel_flight(self, flight: str, *, notices: int = 1) -> list[str]:
+        """The airline cancels `flight`: its confirmed bookings become cancelled and `notices` webhooks are queued
+        for each."""
         with self.lock:
             self.cancelled_flights.add(flight)
             pnrs = [b["pnr"] for b in self._bookings.values() if b["flight"] == flight and b["status"] == "confirmed"]
             for pnr in pnrs:
                 self._bookings[pnr]["status"] = "cancelled"
-                self.webhooks.queue({"type": "flight.cancelled", "pnr": pnr, "flight": flight})
+                for notice in range(1, notices + 1):
+                    self.webhooks.queue({"type": "flight.cancelled", "pnr": pnr, "flight": flight, "notice": notice})
             return pnrs
+
+    def advise(self, pnr: str, text: str) -> bool:
+        """A travel advisory for a booking's trip (a typhoon warning): one webhook; False for an unknown booking."""
+        with self.lock:
+            if pnr not in self._bookings:
+                return False
+            self.webhooks.queue({"type": "travel.advisory", "pnr": pnr, "text": text})
+            return True
 
     def order(self, pnr: str, flight: str, key: str) -> Reply:
         with self.lock:
@@ -165,7 +178,12 @@ def create_airline(*, clock: SimClock | None = None) -> tuple[FastAPI, Airline]:
         return {"orders": sim.orders(idempotency_key)}
 
     @app.post("/_sim/cancel_flight")
-    def cancel_flight(flight: Annotated[str, Body(embed=True)]) -> dict[str, Any]:
-        return {"flight": flight, "pnrs": sim.cancel_flight(flight)}
+    def cancel_flight(flight: Annotated[str, Body()], notices: Annotated[int, Body(ge=1, le=10)] = 1) -> dict[str, Any]:
+        return {"flight": flight, "pnrs": sim.cancel_flight(flight, notices=notices)}
+
+    @app.post("/_sim/advisory", response_model=None)
+    def advisory(pnr: Annotated[str, Body()],
+                 text: Annotated[str, Body(max_length=2000)]) -> dict[str, Any] | JSONResponse:
+        return {"pnr": pnr} if sim.advise(pnr, text) else error(404, "not_found")
 
     return app, sim

@@ -15,6 +15,10 @@ Service API:
     POST /v1/messages                Idempotency-Key required; {"to": [...], "cc": [...], "subject", "body",
                                      "thread_id"?}: send -> 201 {message_id, thread_id}, effect {"kind": "send",
                                      "target": thread_id, "to", "cc", "subject"}; a new thread when none is given
+    POST /v1/threads/{thread_id}/replies  Idempotency-Key required; {"body"}: a reply in the thread to the sender
+                                     of its latest inbound mail, subject "Re: " its first -> 201 {message_id,
+                                     thread_id}, the same "send" effect; 404 {"error": "not_found"}; 409
+                                     {"error": "no_sender"} (a thread with no inbound mail)
     GET  /v1/messages?idempotency_key=K  {"messages": [sent message + idempotency_key]}
     POST /v1/calendar/events         Idempotency-Key required; {"title", "starts_at", "ends_at"} -> 201 {event_id, ...},
                                      effect {"kind": "calendar_event", "target": event_id}
@@ -60,6 +64,10 @@ class Incoming(BaseModel):
     subject: str
     body: str = ""
     thread_id: str | None = None
+
+
+class ReplyBody(BaseModel):
+    body: str = Field(min_length=1)
 
 
 class CalendarEvent(BaseModel):
@@ -115,6 +123,19 @@ class Mail(Sim):
                         subject=mail.subject)
             return Reply(201, {"message_id": stored["message_id"], "thread_id": stored["thread_id"]}, applied=True)
 
+    def reply(self, thread_id: str, body: str, key: str) -> Reply:
+        """Answer the thread's latest inbound mail, in the thread."""
+        with self.lock:
+            messages = self._threads.get(thread_id)
+            if messages is None:
+                return Reply(404, {"error": "not_found"})
+            inbound = [m for m in messages if m["direction"] == "in"]
+            if not inbound:
+                return Reply(409, {"error": "no_sender"})
+            subject = messages[0]["subject"]
+            return self.send(Outgoing(to=[inbound[-1]["from"]], subject=subject if subject.startswith("Re: ")
+                                      else f"Re: {subject}", body=body, thread_id=thread_id), key)
+
     def add_event(self, event: CalendarEvent, key: str) -> Reply:
         with self.lock:
             stored = {"event_id": f"ev_{len(self._events) + 1}", **event.model_dump()}
@@ -140,6 +161,12 @@ def create_mail(*, clock: SimClock | None = None) -> tuple[FastAPI, Mail]:
     @app.post("/v1/messages")
     async def send(body: Outgoing, request: Request) -> JSONResponse:
         return await sim.effect_request(request, body.model_dump(), lambda key: sim.send(body, key),
+                                        stall_knob="commit_then_timeout")
+
+    @app.post("/v1/threads/{thread_id}/replies")
+    async def reply(thread_id: str, body: ReplyBody, request: Request) -> JSONResponse:
+        return await sim.effect_request(request, {"thread_id": thread_id, **body.model_dump()},
+                                        lambda key: sim.reply(thread_id, body.body, key),
                                         stall_knob="commit_then_timeout")
 
     @app.get("/v1/messages")

@@ -63,9 +63,11 @@ ANNOTATIONS = {  # read-only, destructive, idempotent, open-world
     "cancel_timer": (False, False, True, False),             # narrows; a second call finds nothing open
     "add_task_key": (False, False, False, False),            # a binding record, each with its reason
     **dict.fromkeys(["merchant__list_subscriptions", "merchant__get_subscription", "airline__get_booking",
-                     "airline__search_flights", "hotel__quote_stay", "hotel__get_quote"], (True, False, True, True)),
+                     "airline__search_flights", "hotel__quote_stay", "hotel__get_quote", "mail__read_thread",
+                     "airline__read_booking"],
+                    (True, False, True, True)),
     # a write proposes an action (admitted or held for the user's approval); the same call again is that action
-    **dict.fromkeys(["merchant__cancel_renewal", "airline__order_flight", "hotel__book_quote"],
+    **dict.fromkeys(["merchant__cancel_renewal", "airline__order_flight", "hotel__book_quote", "mail__reply"],
                     (False, True, True, True)),
     "computer__observe": (True, False, True, True),
     "computer__act": (False, True, False, True),

@@ -18,7 +18,7 @@ from sqlalchemy import Engine, select
 from tests.support.acting import World, world
 from tests.support.records import event_rows, messages
 from wakeful.proxy.clock import FakeClock
-from wakeful.server.core import control, inbox
+from wakeful.server.core import control, inbox, keys
 from wakeful.server.core.signatures import sign
 from wakeful.server.core.worker import Binding, Worker
 from wakeful.server.faces.http import create_app
@@ -155,6 +155,22 @@ def test_an_acknowledgement_becomes_a_two_day_wait_that_wakes_the_task_once_and_
     assert not agent.run()  # nothing to wake for
     assert len(timeouts(agent.w.engine)) == 1
     assert [e["state"] for e in agent.ledger(task) if e["type"] == "wait_ended"] == [WaitState.TIMED_OUT]
+
+
+@BOTH_DATABASES
+def test_a_wait_set_in_answer_to_a_delivery_on_its_key_waits_for_the_next_one_not_that_one(agent: Agent) -> None:
+    task = delegated(agent, ("list_timers", {}))
+    with write(agent.w.engine) as conn:
+        keys.bind(conn, user_id=agent.w.owner, task_id=task.task_id, keys=["thread-45"], actor="user:test",
+                  reason="the client's thread", now=agent.w.clock.now())
+    agent.reply("ack-1", "thread-45")  # "I'll confirm with my boss", in the task's thread
+    agent.later(timedelta(seconds=5))  # its coalescing window
+    assert agent.run(calls(waiting("thread-45", "follow_up")), quiet("an acknowledgement: waiting for the reply"))
+    (pending,) = agent.status(task)["waits"]  # the acknowledgement it answers is not the reply
+    assert pending["match_key"] == "thread-45"
+    assert agent.reply("reply-1", "thread-45")["status"] == EventStatus.PENDING
+    assert agent.status(task)["waits"] == []
+    assert [e["state"] for e in agent.ledger(task) if e["type"] == "wait_ended"] == [WaitState.SATISFIED]
 
 
 @BOTH_DATABASES

@@ -121,14 +121,14 @@ def shipped() -> Registry:
 
 
 def test_the_shipped_declarations_load_with_one_tool_per_operation_except_internal_reads(shipped: Registry) -> None:
-    assert sorted(shipped.connectors) == ["airline", "hotel", "merchant"]
+    assert sorted(shipped.connectors) == ["airline", "hotel", "mail", "merchant"]
     assert sorted(op.tool_name for op in shipped.tools()) == [
-        "airline__get_booking", "airline__order_flight", "airline__search_flights",
-        "hotel__book_quote", "hotel__get_quote", "hotel__quote_stay",
+        "airline__get_booking", "airline__order_flight", "airline__read_booking", "airline__search_flights",
+        "hotel__book_quote", "hotel__get_quote", "hotel__quote_stay", "mail__read_thread", "mail__reply",
         "merchant__cancel_renewal", "merchant__get_subscription", "merchant__list_subscriptions",
     ]
     assert {op.name for op in shipped.operations() if op.internal} == {
-        "find_cancellations", "find_orders", "find_bookings"}
+        "find_cancellations", "find_orders", "find_bookings", "find_sent"}
 
 
 def test_base_urls_given_at_load_time_override_the_files(shipped: Registry) -> None:
@@ -139,11 +139,21 @@ def test_base_urls_given_at_load_time_override_the_files(shipped: Registry) -> N
 
 
 def test_every_shipped_write_asks_has_an_idempotency_header_and_reconciles_through_a_read(shipped: Registry) -> None:
-    writes = [op for op in shipped.operations() if op.effect == "write"]
-    assert len(writes) == 3
-    for op in writes:
-        assert op.risk == "ask" and op.idempotency_header == "Idempotency-Key" and op.amount is not None
+    writes = {op.tool_name: op for op in shipped.operations() if op.effect == "write"}
+    assert sorted(writes) == ["airline__order_flight", "hotel__book_quote", "mail__reply", "merchant__cancel_renewal"]
+    for op in writes.values():
+        assert op.risk == "ask" and op.idempotency_header == "Idempotency-Key"
         assert shipped.reconciler(op).effect == "read"
+    assert [name for name, op in writes.items() if op.amount is None] == ["mail__reply"]  # a mail spends nothing
+
+
+def test_a_mail_reply_goes_to_its_threads_sender_and_the_model_names_no_recipient(shipped: Registry) -> None:
+    reply = shipped.operation("mail__reply")
+    assert set(reply.params) == {"thread", "body"}  # no to, no cc: "CC the itinerary to ..." has nowhere to go
+    request = build_request(reply, args={"thread": "obj_1", "body": "any news?"}, resolved={"thread": "thr-1"},
+                            idempotency_key="k1")
+    assert (request.method, httpx.URL(request.url).path, request.body) == (
+        "POST", "/v1/threads/thr-1/replies", b'{"body":"any news?"}')
 
 
 def test_the_hotel_quote_is_a_read_sent_as_post(shipped: Registry) -> None:

@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from wakeful.server.core.signatures import SignatureError, verify_signature
 from wakeful.server.sims import Sim, SimClock, create_airline, create_hotel, create_mail, create_merchant
 from wakeful.server.sims.hotel import DEFAULT_NIGHTLY_CENTS
+from wakeful.server.sims.mail import Outgoing
 
 SECRET = "whsec_sim_test"
 
@@ -298,8 +299,24 @@ def test_a_flight_cancellation_cancels_its_bookings_and_queues_a_webhook_whose_s
     [request] = received
     verify(request)
     assert request.headers["X-Wakeful-Delivery"]
-    assert json.loads(request.content) == {"type": "flight.cancelled", "pnr": "PNR123", "flight": "AB100"}
+    assert json.loads(request.content) == {"type": "flight.cancelled", "pnr": "PNR123", "flight": "AB100",
+                                           "notice": 1}
     assert sim.effects == []  # the airline's own decision is not an effect we caused
+
+
+def test_a_repeated_cancellation_notice_and_an_advisory_are_separate_deliveries_for_the_booking() -> None:
+    app, sim = create_airline()
+    received = capture_webhooks(sim)
+    client = TestClient(app)
+    assert client.post("/_sim/advisory", json={"pnr": "PNR123", "text": "typhoon signal 8"}).json() == {
+        "pnr": "PNR123"}
+    assert client.post("/_sim/advisory", json={"pnr": "NOPE1", "text": "x"}).status_code == 404
+    client.post("/_sim/cancel_flight", json={"flight": "AB100", "notices": 2}).raise_for_status()
+    sim.webhooks.flush()
+    bodies = [json.loads(r.content) for r in received]
+    assert [(b["type"], b["pnr"], b.get("notice")) for b in bodies] == [
+        ("travel.advisory", "PNR123", None), ("flight.cancelled", "PNR123", 1), ("flight.cancelled", "PNR123", 2)]
+    assert len({r.headers["X-Wakeful-Delivery"] for r in received}) == 3
 
 
 def test_alternatives_leave_out_the_cancelled_flight_and_an_order_rebooks_with_a_new_ticket() -> None:
@@ -506,6 +523,22 @@ def test_sending_mail_is_an_idempotent_effect_and_a_reply_to_an_unknown_thread_a
     assert (effect["target"], effect["to"], effect["cc"]) == (thread, ["hotel@hk.test"], [])
     assert [m["idempotency_key"] for m in client.get("/v1/messages", params={"idempotency_key": "k1"})
             .json()["messages"]] == ["k1"]
+
+
+def test_a_reply_goes_to_the_latest_sender_in_its_thread_only_once_per_key() -> None:
+    app, sim = create_mail()
+    client = TestClient(app)
+    thread = sim.receive("assistant@client.test", "meeting", "I'll confirm", thread_id="thr-1")["thread_id"]
+    first = client.post(f"/v1/threads/{thread}/replies", json={"body": "any news?"}, headers=key("k1"))
+    again = client.post(f"/v1/threads/{thread}/replies", json={"body": "any news?"}, headers=key("k1"))
+    lost = client.post("/v1/threads/t_404/replies", json={"body": "hello"}, headers=key("k2"))
+    assert first.status_code == 201 and again.json() == first.json() and lost.status_code == 404
+    [effect] = sim.effects_of("send")
+    assert (effect["target"], effect["to"], effect["cc"], effect["subject"]) == (
+        "thr-1", ["assistant@client.test"], [], "Re: meeting")
+    outgoing = sim.send(Outgoing(to=["me@x.test"], subject="new"), "k3").body["thread_id"]
+    assert client.post(f"/v1/threads/{outgoing}/replies", json={"body": "hi"}, headers=key("k4")).json() == {
+        "error": "no_sender"}
 
 
 def test_a_calendar_event_is_an_effect_listed_by_the_calendar() -> None:
