@@ -42,10 +42,14 @@ __all__ = [
     "EventKind",
     "EventStatus",
     "GrantPurpose",
+    "MemoryForm",
+    "MemoryScope",
+    "MemoryState",
     "Outcome",
     "OutboxKind",
     "OutboxState",
     "RunOutcome",
+    "Speaker",
     "SteerState",
     "HelperState",
     "TaskState",
@@ -70,6 +74,12 @@ __all__ = [
     "events",
     "evidence",
     "helpers",
+    "memories",
+    "memory_changes",
+    "memory_disowned",
+    "memory_links",
+    "memory_topics",
+    "memory_uses",
     "metadata",
     "objects",
     "outbox",
@@ -183,6 +193,42 @@ class HelperState(StrEnum):
     RETURNED = "returned"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+class MemoryForm(StrEnum):
+    """What a memory record is (`server.memory`): its form decides how far it may shape a plan."""
+
+    INSTRUCTION = "instruction"    # the user's standing instruction: written by the user only, read-only to the agent
+    PREFERENCE = "preference"      # a preference in force: the user's own words, or a candidate the user confirmed
+    FACT = "fact"                  # a fact about the user or their world, confirmed by the user
+    HYPOTHESIS = "hypothesis"      # a candidate inferred from choices, approvals, rejections, edits: pending the user
+    STATEMENT = "statement"        # what the user said, when and where: a stance, never a premise
+    EPISODE = "episode"            # what happened once (the last typhoon rebooking): recalled for similar cases
+    SOURCED_FACT = "sourced_fact"  # what a named third party says: never a preference, never an instruction
+    SKILL = "skill"                # a procedure revision: pending the user
+
+
+class MemoryState(StrEnum):
+    PENDING = "pending"  # awaiting the user's confirmation: never recalled as something in force
+    ACTIVE = "active"
+    RETIRED = "retired"  # kept with why and by whom (`retire_reason`, `retired_by`); never deleted
+
+
+class MemoryScope(StrEnum):
+    """Where a record holds, narrowest first; a narrower record overrides a wider one without rewriting it."""
+
+    RUN = "run"
+    TASK = "task"        # expires with its task
+    PROJECT = "project"  # a name the user gives a group of tasks
+    ALWAYS = "always"
+
+
+class Speaker(StrEnum):
+    """Who said what a record holds: never confusable."""
+
+    USER = "user"
+    AGENT = "agent"
+    THIRD_PARTY = "third_party"  # named in `speaker_name` (the source that sent it)
 
 
 class TimerKind(StrEnum):
@@ -736,6 +782,116 @@ event_attachments = Table(
 )
 """A delivery from triage given to a task as information (`core.attach`): who attached it, and why."""
 
+memories = Table(
+    "memories",
+    metadata,
+    Column("id", String(40), primary_key=True),             # one version of a record
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("lineage_id", String(40), nullable=False),       # the record: its first version's id
+    Column("version", Integer, nullable=False),
+    Column("supersedes", String(40)),                       # the version this one replaced
+    Column("form", String(16), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("subject", String(80), nullable=False),          # what it is about ("seat"): contradiction is judged on
+    Column("relation", String(80), nullable=False),         # subject and relation only ("prefers")
+    Column("value", Text, nullable=False),                  # ("window")
+    Column("text", Text, nullable=False),                   # in plain words, as the model and the user read it
+    Column("scope", String(16), nullable=False),
+    Column("scope_ref", String(200)),                       # the run, task or project it holds for; NULL: always
+    Column("speaker", String(16), nullable=False),
+    Column("speaker_name", String(120), nullable=False),    # the user's name, the run, or the third party's source
+    Column("confidence", Float),                            # a hypothesis's
+    Column("review", Boolean, nullable=False, default=False),  # retired by someone other than the user: shown to them
+    Column("run_id", String(40)),                           # the run that proposed it
+    Column("task_id", String(40), ForeignKey("tasks.id")),  # the task it was learnt in
+    Column("confirmed_by", String(120)),                    # what confirmed it (the user's change, an approval)
+    _now_col("confirmed_at"),
+    # bi-temporal: when it holds in the world, and when the system learnt and retired it
+    _now_col("valid_from", nullable=False),
+    _now_col("valid_until"),
+    _now_col("recorded_at", nullable=False),
+    _now_col("retired_at"),
+    Column("retire_reason", String(16)),
+    Column("retired_by", String(16)),
+    UniqueConstraint("lineage_id", "version"),
+    Index(None, "user_id", "state", "scope"),
+    Index(None, "user_id", "subject", "relation"),
+    _check("form", MemoryForm),
+    _check("state", MemoryState),
+    _check("scope", MemoryScope),
+    _check("speaker", Speaker),
+    CheckConstraint("retire_reason IS NULL OR retire_reason IN ('superseded', 'contradicted', 'corrected', "
+                    "'forgotten', 'expired', 'rejected', 'invalidated')", name="retire_reason_valid"),
+    CheckConstraint("retired_by IS NULL OR retired_by IN ('user', 'agent', 'system')", name="retired_by_valid"),
+)
+"""Knowledge (`server.memory`): what the agent learnt about its user, each version a row. Content never changes
+after the insert; a change is a new version that supersedes the old, which is retired, not deleted."""
+
+memory_topics = Table(
+    "memory_topics",
+    metadata,
+    Column("memory_id", String(40), ForeignKey("memories.id"), primary_key=True),
+    Column("topic", String(80), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Index(None, "user_id", "topic"),
+)
+"""What a record is recalled for (its subject and tags: "seat", "flight", an event kind)."""
+
+memory_links = Table(
+    "memory_links",
+    metadata,
+    Column("memory_id", String(40), ForeignKey("memories.id"), primary_key=True),
+    Column("ref_type", String(16), primary_key=True),  # event, decision, approval, action, steer, message, run, memory
+    Column("ref_id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Index(None, "ref_type", "ref_id"),
+)
+"""The evidence a record was produced from, by ID; `memory` refs are what it was derived from (lineage)."""
+
+memory_uses = Table(
+    "memory_uses",
+    metadata,
+    Column("run_id", String(40), ForeignKey("runs.id"), primary_key=True),
+    Column("memory_id", String(40), ForeignKey("memories.id"), primary_key=True),
+    Index(None, "memory_id"),
+)
+"""Which record versions a run's context recalled: what a correction's propagation reaches."""
+
+memory_disowned = Table(
+    "memory_disowned",
+    metadata,
+    Column("user_id", String(40), ForeignKey("users.id"), primary_key=True),
+    Column("ref_type", String(16), primary_key=True),
+    Column("ref_id", String(40), primary_key=True),
+    Column("memory_id", String(40), ForeignKey("memories.id"), nullable=False),  # the record the user corrected
+    Column("reason", Text, nullable=False),
+    _now_col("created_at", nullable=False),
+)
+"""Evidence the user said shows no preference ("those times had no alternatives"): never again evidence for one."""
+
+memory_changes = Table(
+    "memory_changes",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("memory_id", String(40), ForeignKey("memories.id")),  # NULL for a refused proposal
+    Column("change", String(16), nullable=False),
+    Column("actor", String(16), nullable=False),                 # user, agent, system
+    Column("run_id", String(40)),
+    Column("task_id", String(40)),
+    Column("code", String(40)),                                  # a refusal's stable code
+    Column("detail", Text, nullable=False, default="{}"),        # JSON: the proposal, the reason, what it reached
+    _now_col("at", nullable=False),
+    Index(None, "user_id", "at"),
+    Index(None, "memory_id"),
+    Index(None, "task_id"),
+    CheckConstraint("change IN ('committed', 'refused', 'confirmed', 'rejected', 'edited', 'corrected', "
+                    "'forgotten', 'retired', 'invalidated', 'expired', 'reviewed')", name="change_valid"),
+    CheckConstraint("actor IN ('user', 'agent', 'system')", name="actor_valid"),
+)
+"""Every change to memory, refused proposals included: the memory part of the ledger."""
+
+
 class GrantPurpose(StrEnum):
     READ = "read"            # a read tool the agent called
     WRITE = "write"          # one attempt of an admitted action
@@ -822,7 +978,8 @@ egress_audit = Table(
 
 APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
                "approval_uses", "evidence", "refusals", "run_contexts", "tool_results", "egress_grants",
-               "egress_grant_uses", "egress_audit", "event_attachments")
+               "egress_grant_uses", "egress_audit", "event_attachments", "memory_links", "memory_uses",
+               "memory_disowned", "memory_changes")
 """History tables: the schema refuses UPDATE and DELETE on them."""
 
 
