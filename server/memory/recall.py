@@ -175,7 +175,7 @@ def recall(conn: Connection, *, user_id: str, task_id: str | None, run_id: str, 
     """The records of `user_id` in force at `now` that this wake (of `task_id`, run `run_id`) recalls."""
     topics = _topics([*event_kinds, *focus])
     m = memories.c
-    hits = dict(conn.execute(  # per record on a topic of the focus: how many of its topics are
+    hits: dict[str, int] = dict(conn.execute(  # per record on a topic of the focus: how many of its topics are
         select(memory_topics.c.memory_id, func.count()).where(and_(
             memory_topics.c.user_id == user_id, memory_topics.c.topic.in_(topics)))
         .group_by(memory_topics.c.memory_id)).tuples().all()) if topics else {}
