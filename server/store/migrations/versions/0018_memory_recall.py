@@ -1,7 +1,7 @@
 """memory recall indexes
 
-Revision ID: 0017
-Revises: 0016
+Revision ID: 0018
+Revises: 0017
 
 Recall (`server.memory.recall`) reads, besides the records on the wake's topics, the records of this task or run and
 the user's standing instructions: an index for each, so a user with many records is not scanned whole every wake.
@@ -9,8 +9,8 @@ the user's standing instructions: an index for each, so a user with many records
 
 from alembic import op
 
-revision = '0017'
-down_revision = '0016'
+revision = '0018'
+down_revision = '0017'
 branch_labels = None
 depends_on = None
 
