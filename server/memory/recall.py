@@ -175,10 +175,10 @@ def recall(conn: Connection, *, user_id: str, task_id: str | None, run_id: str, 
     """The records of `user_id` in force at `now` that this wake (of `task_id`, run `run_id`) recalls."""
     topics = _topics([*event_kinds, *focus])
     m = memories.c
-    hits: dict[str, int] = dict(conn.execute(  # per record on a topic of the focus: how many of its topics are
-        select(memory_topics.c.memory_id, func.count()).where(and_(
+    hits: dict[str, int] = {  # per record on a topic of the focus: how many of its topics are
+        r.memory_id: r.n for r in conn.execute(select(memory_topics.c.memory_id, func.count().label("n")).where(and_(
             memory_topics.c.user_id == user_id, memory_topics.c.topic.in_(topics)))
-        .group_by(memory_topics.c.memory_id)).tuples().all()) if topics else {}
+            .group_by(memory_topics.c.memory_id))} if topics else {}
     own = union(  # the user's instructions and the records of this task or run, whatever their topics
         select(m.id).where(and_(m.user_id == user_id, m.form == MemoryForm.INSTRUCTION.value, m.scope.in_(_WIDER))),
         select(m.id).where(and_(m.user_id == user_id, m.scope == MemoryScope.TASK.value, m.scope_ref == task_id)),
