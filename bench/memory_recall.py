@@ -15,6 +15,7 @@ For one wake of the delegation (an airline push), measured in process with a fak
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
@@ -217,7 +218,9 @@ def run(quick: bool) -> list[Table]:
              f"past valid_until) and {OTHERS} other users with {OTHER_RECORDS:,} each, SQLite file, in process",
              f"{counts['n']} recalls and context assemblies, {counts['wakes']} whole wakes (each after one airline "
              f"push; scripted model answering stay_quiet); the last wake wrote {counts['uses']} memory_uses rows",
-             "whole wake = Worker.run_once: claim, context (with recall), decision, tool call, commit"]
+             "whole wake = Worker.run_once: claim, context (with recall), decision, tool call, commit",
+             "load average at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+             + f" on {os.cpu_count()} CPUs (other processes move every figure)"]
     return [Table(title="memory recall at 10,000 records per user, beside the wake's other costs", rows=rows,
                   reproduce=reproduce("memory_recall.py", quick), notes=notes)]
 
