@@ -189,7 +189,8 @@ class TaskKey(_Answer):
 
     key: str
     bound_by: str
-    """`user:<id>` (given at delegation) or the agent (`agent:<id> via mcp`, `agent:<id> run <run>`)."""
+    """`user:<id>` (given at delegation) or the agent (`agent:<id> via mcp`, `agent:<id>/<name> via mcp` with the
+    agent credential `<name>`, `agent:<id> run <run>`)."""
     reason: str
     bound_at: str
     released_at: str | None
