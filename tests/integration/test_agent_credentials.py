@@ -31,7 +31,7 @@ from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.http import WebhookInbox, create_app
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read
-from wakeful.server.store.tables import agent_credentials, task_versions
+from wakeful.server.store.tables import agent_credentials, events, task_versions, tasks
 
 pytestmark = pytest.mark.anyio
 BOTH = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
@@ -233,8 +233,11 @@ async def test_an_agent_credential_calls_the_tools_over_streamable_http_and_is_r
 
     with read(engine) as conn:
         (version,) = conn.execute(select(task_versions).where(task_versions.c.task_id == task_id)).all()
+        session_id = conn.execute(select(tasks.c.session_id).where(tasks.c.id == task_id)).scalar_one()
+        said = conn.execute(select(events.c.trust, events.c.authority).where(events.c.session_id == session_id)).all()
     owner = version.created_by.removeprefix("agent:").split("/")[0]
     assert version.created_by == f"agent:{owner}/claude-code via mcp"
+    assert said and {(e.trust, e.authority) for e in said} == {("agent", "agent")}  # its word satisfies no wait
 
     # the user sees it on the control channel, the agent does not get there
     auth = {"Authorization": f"Bearer {token}"}
