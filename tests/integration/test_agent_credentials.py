@@ -27,11 +27,13 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 
 from tests.integration.test_cli import run
 from tests.support.serve import serving
+from wakeful.server.faces.auth import Kind, Principal
 from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.http import WebhookInbox, create_app
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read
-from wakeful.server.store.tables import agent_credentials, events, task_versions, tasks
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import agent_credentials, events, steer_proposals, task_keys, task_versions, tasks
 
 pytestmark = pytest.mark.anyio
 BOTH = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
@@ -255,3 +257,9 @@ async def test_an_agent_credential_calls_the_tools_over_streamable_http_and_is_r
         by = conn.execute(select(task_versions.c.created_by).where(
             task_versions.c.task_id == second["task_id"])).scalar_one()
     assert by == f"agent:{owner} via mcp"
+
+
+def test_the_longest_named_agent_fits_every_column_that_names_an_actor() -> None:
+    longest = Principal(user_id=new_id("usr"), kind=Kind.AGENT, agent="a" * 40).actor
+    columns = [task_versions.c.created_by, task_keys.c.bound_by, steer_proposals.c.proposed_by]
+    assert all(len(longest) <= column.type.length for column in columns), (longest, len(longest))
