@@ -1,24 +1,86 @@
-"""Who is asking: the bearer token of an HTTP request, resolved to its user (every route and the live view use it)."""
+"""Who is asking: a bearer token resolved to its principal, the one place the two kinds of credential are told apart.
+
+    user credential   `wk_…` (`wakeful token`): the user. It reaches everything the user may do: the control
+                      channel (`/v1`), and the MCP tools, where what it does is still recorded as the agent's.
+    agent credential  `wka_…` (`wakeful agent add NAME`): one MCP client of the user. It reaches the agent's tools
+                      (`/mcp`) and nothing else: every `/v1` route answers it 403 `user_credential_required`, reads
+                      included (the agent reads through its tools; what it may see is what they show it).
+
+Every `/v1` route takes its user from `current_user` (the `User` parameter, and the router's own dependency, so a
+route that forgets the parameter is guarded all the same); the control gate in front of them asks `user_of`, the same
+check, before a byte of a body is read. The MCP server asks `principal_of` and records whatever reaches it as the
+agent's (principle 9): over `/mcp` the channel, not the credential, decides whose word it is.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Annotated
 
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
-from wakeful.server.store import users
+from wakeful.server.errors import Refused
+from wakeful.server.store import agents, users
 from wakeful.server.store.db import read
 
-__all__ = ["User", "bearer", "current_user", "user_of"]
+__all__ = ["Kind", "Principal", "User", "authenticate", "bearer", "current_user", "principal_of", "user_of"]
+
+
+class Kind(StrEnum):
+    USER = "user"
+    AGENT = "agent"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Principal:
+    """Who a request speaks for: the user whose records it touches, and whether it is that user or their agent."""
+
+    user_id: str
+    kind: Kind
+    agent: str | None = None
+    """The agent credential's name (`claude-code`); None for the user, and for an agent with no credential of its
+    own (the stdio server started for a local user, or a client holding the user's token)."""
+
+    def as_agent(self) -> Principal:
+        """The same caller heard through the agent's channel (MCP): the agent, whatever credential it holds."""
+        return self if self.kind is Kind.AGENT else Principal(user_id=self.user_id, kind=Kind.AGENT)
+
+    @property
+    def actor(self) -> str:
+        """Who the records it writes name: `user:<id>`, or `agent:<id> via mcp` (`agent:<id>/<name> via mcp` with
+        a named credential)."""
+        if self.kind is Kind.USER:
+            return f"user:{self.user_id}"
+        return f"agent:{self.user_id}{'/' + self.agent if self.agent else ''} via mcp"
+
+
+def authenticate(conn: Connection, token: str | None) -> Principal:
+    """The principal of a bearer token; `Unauthorized` for a missing, unknown or revoked one."""
+    if token and token.startswith(agents.PREFIX):
+        user_id, name = agents.authenticate(conn, token)
+        return Principal(user_id=user_id, kind=Kind.AGENT, agent=name)
+    return Principal(user_id=users.authenticate(conn, token), kind=Kind.USER)
+
+
+def principal_of(engine: Engine, authorization: str | None) -> Principal:
+    """The principal of an `Authorization: Bearer …` value."""
+    scheme, _, token = (authorization or "").partition(" ")
+    with read(engine) as conn:
+        return authenticate(conn, token if scheme.lower() == "bearer" else None)
 
 
 def user_of(engine: Engine, authorization: str | None) -> str:
-    """The user of an `Authorization: Bearer …` value; `Unauthorized` for a missing or unknown token."""
-    scheme, _, token = (authorization or "").partition(" ")
-    with read(engine) as conn:
-        return users.authenticate(conn, token if scheme.lower() == "bearer" else None)
+    """The user of an `Authorization` value that holds a user credential: `Unauthorized` without a valid one, and
+    `Refused` (403 `user_credential_required`) for an agent credential. The one guard of the control channel."""
+    principal = principal_of(engine, authorization)
+    if principal.kind is not Kind.USER:
+        raise Refused("user_credential_required",
+                      f"this is the user's control channel, and an agent credential ({principal.agent}) reaches only "
+                      "the agent's tools at /mcp; send the user's own token (`wakeful token`)")
+    return principal.user_id
 
 
 bearer = HTTPBearer(auto_error=False, description="a user's token: `wakeful token` issues one")
@@ -26,7 +88,7 @@ bearer = HTTPBearer(auto_error=False, description="a user's token: `wakeful toke
 
 
 def current_user(request: Request, _scheme: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]) -> str:
-    """The bearer token's user; every record a request touches is filtered by it."""
+    """The bearer token's user, who must hold a user credential; every record a request touches is filtered by it."""
     return user_of(request.app.state.runtime.engine, request.headers.get("authorization"))
 
 

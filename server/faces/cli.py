@@ -26,6 +26,7 @@ from wakeful.server.acting.policy import load_policy
 from wakeful.server.core import control, holds, speaking, steers
 from wakeful.server.core.nudge import nudge
 from wakeful.server.errors import BadRequest, WakefulError
+from wakeful.server.faces.cli_agent import agent_app
 from wakeful.server.faces.cli_common import DataDir, DbUrl, Json, err, print_json, say
 from wakeful.server.faces.cli_common import fail as _fail
 from wakeful.server.faces.cli_common import open_engine as _engine
@@ -58,6 +59,7 @@ class _Wakeful(typer.Typer):
 
 app = _Wakeful(rich_markup_mode=None, help="wakeful: a runtime for always-on personal agents.", no_args_is_help=True,
                pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]})
+app.add_typer(agent_app, name="agent")
 app.add_typer(proxy_app, name="proxy")
 app.add_typer(secret_app, name="secret")
 app.add_typer(egress_app, name="egress")

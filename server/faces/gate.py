@@ -5,8 +5,9 @@ holding NUL (`%00`) is refused here too: every route behind the gate looks its p
 PostgreSQL cannot be asked about text with NUL in it.
 
 The routes still authenticate (the gate does not hand them the user); the gate only decides whether reading on is
-worth it. Paths outside the control channel (webhooks, which are signed instead, the live view's one-time links, MCP
-with its own token check) pass through untouched.
+worth it, with the routes' own check (`server.faces.auth.user_of`): no valid token is 401, an agent credential 403.
+Paths outside the control channel (webhooks, which are signed instead, the live view's one-time links, MCP with its
+own token check) pass through untouched.
 """
 
 from __future__ import annotations

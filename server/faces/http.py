@@ -5,7 +5,7 @@ failure answers `{"error": {"code", "message", ...}}` with a stable code (docs/h
     POST /v1/hooks/{source}        a signed webhook delivery (no token: the signature authenticates it)
     POST /v1/wake                  another local process wrote work: the loops look now (carries nothing)
     POST /v1/noop                  does nothing: the baseline the benchmarks compare ingest against
-    /mcp                           the MCP server over streamable HTTP (bearer token)
+    /mcp                           the MCP server over streamable HTTP (an agent credential, or the user's token)
     GET  /openapi.json             the OpenAPI document of all of it (bearer token; `server.faces.openapi`)
     GET  /healthz
 """

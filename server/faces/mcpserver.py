@@ -18,10 +18,12 @@ control channel (`server.routes`, the CLI), so no model, however persuaded, can 
 is an error result whose text starts with a stable code (`unknown_object: …`, `paused: …`).
 
 Over stdio the caller is the local user the process was started for; over streamable HTTP it is the user whose
-bearer token came with the request, and a missing or unknown token never reaches a handler. Either way the caller
-is that user's agent, not the user (principle 9): what it records is labelled `agent:<user> via mcp` with trust
-`agent`, and what it may write to a delegation is `server.core.steers`'s to decide (a steer that widens a task
-waits for the user's confirmation on the control channel).
+bearer token came with the request (`server.faces.auth`): an agent credential (`wakeful agent add NAME`), or the
+user's own token, and a missing, unknown or revoked one never reaches a handler. Either way the caller is that
+user's agent, not the user (principle 9): what it records is labelled `agent:<user> via mcp` (`agent:<user>/<name>
+via mcp` with a named credential) with trust `agent`, and what it may write to a delegation is
+`server.core.steers`'s to decide (a steer that widens a task waits for the user's confirmation on the control
+channel).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from wakeful.server.core import agenda, keys, outbox, steers
 from wakeful.server.core.schedule import Misfire
 from wakeful.server.core.worker import Binding
 from wakeful.server.errors import NotFound, WakefulError
+from wakeful.server.faces.auth import Kind, Principal, authenticate
 from wakeful.server.faces.routes import check_completion
 from wakeful.server.memory import Actor, ActorKind, Proposal, committer
 from wakeful.server.settings import Settings
@@ -72,21 +75,22 @@ def _mcp_tool(spec: ToolSpec) -> types.Tool:
 
 
 class TokenVerifier:
-    """Bearer tokens for the streamable HTTP transport are wakeful API tokens (`wakeful token`)."""
+    """Bearer tokens for the streamable HTTP transport: an agent credential (`wakeful agent add NAME`) or the user's
+    token (`wakeful token`), whose caller is the agent all the same (`WakefulMCP._caller`)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     async def verify_token(self, token: str) -> AccessToken | None:
-        def check() -> str | None:
+        def check() -> Principal | None:
             with read(self._engine) as conn:
                 try:
-                    return users.authenticate(conn, token)
+                    return authenticate(conn, token)
                 except WakefulError:
                     return None
 
-        user_id = await anyio.to_thread.run_sync(check)
-        return None if user_id is None else AccessToken(token=token, client_id=user_id, scopes=[])
+        principal = await anyio.to_thread.run_sync(check)
+        return None if principal is None else AccessToken(token=token, client_id=principal.user_id, scopes=[])
 
 
 class WakefulMCP:
@@ -110,17 +114,18 @@ class WakefulMCP:
 
     # -- who is calling ------------------------------------------------------------------------------------------
 
-    def _user(self, ctx: ServerRequestContext[Any]) -> str:
+    def _caller(self, ctx: ServerRequestContext[Any]) -> Principal:
+        """The agent calling: of the local user (stdio, in-process), or of the bearer token's user (HTTP)."""
         headers: Mapping[str, str] | None = getattr(ctx.request, "headers", None)  # the HTTP request, if any
         if headers is None:  # stdio or in-process: the local user this process was started for
             if self._local_user is None:
                 raise WakefulError("no_user", "this MCP server has no local user")
             with read(self.engine) as conn:
-                return users.user_id_by_name(conn, self._local_user)
+                return Principal(user_id=users.user_id_by_name(conn, self._local_user), kind=Kind.AGENT)
         authorization = next((v for k, v in headers.items() if k.lower() == "authorization"), "")
         scheme, _, token = authorization.partition(" ")
         with read(self.engine) as conn:
-            return users.authenticate(conn, token if scheme.lower() == "bearer" else None)
+            return authenticate(conn, token if scheme.lower() == "bearer" else None).as_agent()
 
     # -- tools ---------------------------------------------------------------------------------------------------
 
@@ -140,8 +145,8 @@ class WakefulMCP:
                          params: types.CallToolRequestParams) -> types.CallToolResult:
         args = dict(params.arguments or {})
         try:
-            user = await anyio.to_thread.run_sync(self._user, ctx)
-            result = await anyio.to_thread.run_sync(self.dispatch_tool, user, params.name, args)
+            caller = await anyio.to_thread.run_sync(self._caller, ctx)
+            result = await anyio.to_thread.run_sync(self.dispatch_tool, caller, params.name, args)
             await anyio.to_thread.run_sync(self._on_write)
         except WakefulError as exc:
             return types.CallToolResult(is_error=True, content=[types.TextContent(text=f"{exc.code}: {exc.message}")],
@@ -152,11 +157,13 @@ class WakefulMCP:
             content.append(types.ImageContent(data=screenshot, mime_type="image/png"))
         return types.CallToolResult(content=content, structured_content=result)
 
-    def dispatch_tool(self, user: str, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    def dispatch_tool(self, caller: Principal | str, name: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Call tool `name` for `caller`: the agent of that principal, or of the user with that ID."""
+        agent = caller.as_agent() if isinstance(caller, Principal) else Principal(user_id=caller, kind=Kind.AGENT)
         spec = self.specs().get(name)
         if spec is None:
             raise NotFound("unknown_tool", f"there is no tool named {name[:80]!r}", tool=name[:80])
-        handlers: dict[str, Callable[[str, Any], dict[str, Any]]] = {
+        handlers: dict[str, Callable[[Principal, Any], dict[str, Any]]] = {
             "create_responsibility": self._create, "steer_responsibility": self._steer,
             "task_status": self._status, "send_to_user": self._send, "schedule_followup": self._followup,
             "wait_for_reply": self._wait_for_reply, "keep_checking": self._keep_checking,
@@ -164,33 +171,36 @@ class WakefulMCP:
             "add_task_key": self._add_key, "remember": self._remember,
         }
         if name in handlers:
-            return handlers[name](user, spec.validate(Face.MCP, args))
+            return handlers[name](agent, spec.validate(Face.MCP, args))
         # The tool layer validates the rest itself, so that a forged object ID is refused and recorded as such.
-        return self.tools.call(Binding(user_id=user, task_id=spec.task_of(args)), name,
+        return self.tools.call(Binding(user_id=agent.user_id, task_id=spec.task_of(args)), name,
                                {k: v for k, v in args.items() if k != "task_id"})
 
-    def _create(self, user: str, args: CreateResponsibility) -> dict[str, Any]:
+    def _create(self, caller: Principal, args: CreateResponsibility) -> dict[str, Any]:
+        user = caller.user_id
         completion = check_completion(self.registry, list(args.completion))
         # The one ceiling a user sets for what a task may spend per action is the policy's.
         ceilings = {"max_amount_cents": self.tools.policy.per_action_cents}
         with write(self.engine) as conn:
             task_id = steers.delegate(conn, user_id=user, title=args.title, goal=args.goal,
                                       constraints=args.constraints, completion=completion, ceilings=ceilings,
-                                      actor=agent_actor(user), now=self.clock.now(), task_keys=args.keys)
+                                      actor=caller.actor, now=self.clock.now(), task_keys=args.keys)
         return {"task_id": task_id, "version": 1}
 
-    def _steer(self, user: str, args: Any) -> dict[str, Any]:
+    def _steer(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         completion = check_completion(self.registry, list(args.completion))
         with write(self.engine) as conn:
             steered = steers.steer(conn, user_id=user, task_id=args.task_id, goal=args.goal,
-                                   constraints=args.constraints, completion=completion, actor=agent_actor(user),
+                                   constraints=args.constraints, completion=completion, actor=caller.actor,
                                    now=self.clock.now())
         answer: dict[str, Any] = {"task_id": steered.task_id, "version": steered.version, "state": steered.state}
         if steered.steer_id is not None:
             answer |= {"steer_id": steered.steer_id, "widens": list(steered.widens)}
         return answer
 
-    def _status(self, user: str, args: Any) -> dict[str, Any]:
+    def _status(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         with read(self.engine) as conn:
             return ledger.task_status(conn, user_id=user, task_id=args.task_id)
 
@@ -200,7 +210,8 @@ class WakefulMCP:
             raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
         return row
 
-    def _send(self, user: str, args: Any) -> dict[str, Any]:
+    def _send(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         with write(self.engine) as conn:
             task = self._own_task(conn, user, args.task_id)
             message_id = outbox.enqueue(conn, user_id=user, session_id=task.session_id, now=self.clock.now(),
@@ -208,7 +219,8 @@ class WakefulMCP:
                                         level=args.level, urgency=urgency_of(args))
         return {"message_id": message_id, "state": "queued"}
 
-    def _followup(self, user: str, args: Any) -> dict[str, Any]:
+    def _followup(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         now = self.clock.now()
         due = now + timedelta(seconds=args.in_seconds)
         with write(self.engine) as conn:
@@ -216,7 +228,8 @@ class WakefulMCP:
                                            now=now, limits=agenda.Limits.of(self.settings))
         return {"timer_id": timer_id, "due_at": due.isoformat()}
 
-    def _wait_for_reply(self, user: str, args: Any) -> dict[str, Any]:
+    def _wait_for_reply(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         now = self.clock.now()
         deadline = args.until or now + timedelta(seconds=args.within_seconds)
         with write(self.engine) as conn:
@@ -225,7 +238,8 @@ class WakefulMCP:
                                       limits=agenda.Limits.of(self.settings), source=args.source)
         return {"wait_id": wait_id, "deadline": deadline.astimezone(UTC).isoformat(), "on_timeout": args.on_timeout}
 
-    def _keep_checking(self, user: str, args: Any) -> dict[str, Any]:
+    def _keep_checking(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         every = timedelta(seconds=args.every_seconds) if args.every_seconds is not None else None
         with write(self.engine) as conn:
             timer_id = agenda.add_check(conn, user_id=user, task_id=args.task_id, note=args.note,
@@ -235,20 +249,24 @@ class WakefulMCP:
                         if t["timer_id"] == timer_id)
         return said
 
-    def _list_timers(self, user: str, args: Any) -> dict[str, Any]:
+    def _list_timers(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         with read(self.engine) as conn:
             self._own_task(conn, user, args.task_id)
             return agenda.listing(conn, user_id=user, task_id=args.task_id)
 
-    def _cancel_timer(self, user: str, args: Any) -> dict[str, Any]:
+    def _cancel_timer(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         with write(self.engine) as conn:
             agenda.check_open(conn, user_id=user, task_id=args.task_id, item_id=args.id)
             agenda.cancel(conn, user_id=user, task_id=args.task_id, item_id=args.id,
-                          reason=f"cancelled by {agent_actor(user)}", now=self.clock.now())
+                          reason=f"cancelled by {caller.actor}", now=self.clock.now())
         return {"cancelled": args.id}
-    def _add_key(self, user: str, args: Any) -> dict[str, Any]:
+
+    def _add_key(self, caller: Principal, args: Any) -> dict[str, Any]:
+        user = caller.user_id
         with write(self.engine) as conn:
-            keys.bind(conn, user_id=user, task_id=args.task_id, keys=[args.key], actor=agent_actor(user),
+            keys.bind(conn, user_id=user, task_id=args.task_id, keys=[args.key], actor=caller.actor,
                       reason=args.reason, now=self.clock.now())
         return {"task_id": args.task_id, "key": args.key, "bound": True}
 
@@ -268,7 +286,7 @@ class WakefulMCP:
 
     async def _list_resources(self, ctx: ServerRequestContext[Any],
                               params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
-        user = await anyio.to_thread.run_sync(self._user, ctx)
+        user = (await anyio.to_thread.run_sync(self._caller, ctx)).user_id
 
         def listing() -> list[types.Resource]:
             with read(self.engine) as conn:
@@ -291,7 +309,7 @@ class WakefulMCP:
 
     async def _read_resource(self, ctx: ServerRequestContext[Any],
                              params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
-        user = await anyio.to_thread.run_sync(self._user, ctx)
+        user = (await anyio.to_thread.run_sync(self._caller, ctx)).user_id
         uri = str(params.uri)
         try:
             data = await anyio.to_thread.run_sync(self.read_resource, user, uri)
@@ -310,11 +328,6 @@ class WakefulMCP:
             if len(parts) == 3 and parts[0] == "tasks" and parts[2] == "ledger":
                 return {"entries": ledger.entries(conn, task_id=parts[1], user_id=user)}
         raise NotFound("unknown_resource", f"no resource {uri}")
-
-
-def agent_actor(user: str) -> str:
-    """Who an MCP call's records name: the user's agent, never the user."""
-    return f"agent:{user} via mcp"
 
 
 def pending_approvals(conn: Any, user: str) -> list[dict[str, Any]]:

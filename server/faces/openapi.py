@@ -61,6 +61,7 @@ def _document_errors(path: str, operation: dict[str, Any]) -> None:
         answered += ["invalid_parameter"] if any(p["in"] == "query" for p in operation.get("parameters", [])) else []
     if operation.get("security"):
         answered += _TOKEN_CODES
+        answered += [] if path == "/mcp" else ["user_credential_required"]  # only the agent's channel takes an agent's
     if guards(path):
         answered += _BODY_CODES
         answered += ["invalid_parameter"] if any(p["in"] == "path" for p in operation.get("parameters", [])) else []

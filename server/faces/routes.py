@@ -19,7 +19,8 @@ Every write wakes the runtime's loops (`Signals.wake_all`, as MCP writes and `PO
 gave them to do starts now rather than at their next idle poll.
 
 Every query is filtered by the token's user: another user's records answer 404, never their contents. Nothing
-here is reachable by a model: MCP tools and run handlers have no route to control state.
+here is reachable by a model: MCP tools and run handlers have no route to control state, and an agent credential is
+refused here with 403 `user_credential_required` (`server.faces.auth`), reads included.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from wakeful.server.core import control, holds, sessions, speaking, steers
 from wakeful.server.core.keys import MAX_KEYS
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
-from wakeful.server.faces.auth import User
+from wakeful.server.faces.auth import User, current_user
 from wakeful.server.faces.pages import Cursor, Limit, decode_cursor, encode_cursor
 from wakeful.server.faces.schemas import (
     ActionView,
@@ -66,7 +67,9 @@ from wakeful.server.tools.layer import Completion
 
 __all__ = ["router"]
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(current_user)])
+"""Every route here is the user's: the router itself asks for a user credential (an agent's is 403
+`user_credential_required`), so a route added without the `User` parameter is guarded all the same."""
 
 
 def _runtime(request: Request) -> Runtime:

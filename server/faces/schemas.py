@@ -53,7 +53,7 @@ CODES: dict[str, int] = {
     "unknown_timezone": 400, "invalid_quiet_hours": 400,
     "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
-    "forbidden": 403,
+    "forbidden": 403, "user_credential_required": 403,
     "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_steer": 404,
     "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404,
     "method_not_allowed": 405,
@@ -189,7 +189,8 @@ class TaskKey(_Answer):
 
     key: str
     bound_by: str
-    """`user:<id>` (given at delegation) or the agent (`agent:<id> via mcp`, `agent:<id> run <run>`)."""
+    """`user:<id>` (given at delegation) or the agent (`agent:<id> via mcp`, `agent:<id>/<name> via mcp` with the
+    agent credential `<name>`, `agent:<id> run <run>`)."""
     reason: str
     bound_at: str
     released_at: str | None

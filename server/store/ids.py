@@ -43,9 +43,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{_b32(ms << 80 | rand, 26)}"  # 10 digits of milliseconds, 16 of the random part
 
 
-def new_token() -> str:
-    """A bearer token for a user; only its digest is stored."""
-    return "wk_" + secrets.token_urlsafe(32)
+def new_token(prefix: str = "wk_") -> str:
+    """A bearer token (a user's: `wk_…`; an agent credential: `wka_…`); only its digest is stored."""
+    return prefix + secrets.token_urlsafe(32)
 
 
 def token_digest(token: str) -> str:

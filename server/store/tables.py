@@ -59,6 +59,7 @@ __all__ = [
     "VerdictKind",
     "WaitState",
     "actions",
+    "agent_credentials",
     "append_only_ddl",
     "approval_uses",
     "approvals",
@@ -340,6 +341,22 @@ users = Table(
     # The last `seq` given to one of the user's messages: taken under this row's lock, so seq order is commit order.
     Column("message_seq", BigInteger, nullable=False, server_default="0"),
 )
+
+agent_credentials = Table(
+    "agent_credentials",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("name", String(40), nullable=False),  # what the user calls the client: `claude-code`
+    Column("token_digest", String(64), nullable=False, unique=True),
+    _now_col("created_at", nullable=False),
+    _now_col("revoked_at"),  # set once (`store.agents.revoke`): the credential answers 401 from then on
+    # A name names one live credential of a user; revoked ones stay, so the records they wrote keep their author.
+    Index("uq_agent_credentials_user_id_name_live", "user_id", "name", unique=True,
+          sqlite_where=text("revoked_at IS NULL"), postgresql_where=text("revoked_at IS NULL")),
+)
+"""A user's agent credentials, one per MCP client: they reach the agent's tools (`/mcp`) and nothing else
+(`server.faces.auth`). Only a credential's SHA-256 digest is stored; the credential itself is shown once."""
 
 sessions = Table(
     "sessions",
