@@ -1,7 +1,7 @@
 """agent credentials
 
-Revision ID: 0017
-Revises: 0016
+Revision ID: 0019
+Revises: 0018
 
 An agent credential (`agent_credentials`) is one MCP client's: named by its user, listed, revocable. It reaches the
 agent's tools and nothing else; the user's own token (`users.token_digest`) stays the only way to control state.
@@ -13,8 +13,8 @@ from alembic import op
 
 import wakeful.server.store.tables
 
-revision = '0017'
-down_revision = '0016'
+revision = '0019'
+down_revision = '0018'
 branch_labels = None
 depends_on = None
 
