@@ -270,11 +270,12 @@ class WakefulMCP:
                       reason=args.reason, now=self.clock.now())
         return {"task_id": args.task_id, "key": args.key, "bound": True}
 
-    def _remember(self, user: str, args: Any) -> dict[str, Any]:
+    def _remember(self, caller: Principal, args: Any) -> dict[str, Any]:
         """The committer's door for an MCP client, acting for one of the user's tasks; a refusal is committed (it
         is history) and then raised."""
+        user = caller.user_id
         proposal = Proposal.model_validate(args.model_dump(exclude={"task_id"}))
-        actor = Actor(kind=ActorKind.AGENT, task_id=args.task_id, name="mcp")
+        actor = Actor(kind=ActorKind.AGENT, task_id=args.task_id, name=caller.actor)
         with write(self.engine) as conn:
             self._own_task(conn, user, args.task_id)
             outcome = committer.try_propose(conn, user_id=user, actor=actor, proposal=proposal, now=self.clock.now())
