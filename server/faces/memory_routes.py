@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from pydantic import AwareDatetime, BaseModel, Field
 
+from wakeful.server.errors import WakefulError
 from wakeful.server.faces import memory_views as views
 from wakeful.server.faces.auth import User
 from wakeful.server.faces.pages import Limit
@@ -33,7 +34,7 @@ __all__ = ["memory_router"]
 
 memory_router = APIRouter()
 
-_Text = Annotated[str, Field(min_length=1, max_length=2000)]
+_Text = Annotated[str, Field(min_length=1, max_length=1000)]
 _Name = Annotated[str, Field(min_length=1, max_length=80)]
 _Reason = Annotated[str, Field(min_length=1, max_length=2000, description="why, in your words, for the record")]
 _ID = r"^[A-Za-z0-9_.-]+$"
@@ -47,7 +48,7 @@ class MemoryIn(BaseModel):
     text: _Text = Field(description="in plain words, as the agent will read it")
     subject: _Name = Field(description="what it is about (`seat`): a lowercase identifier")
     relation: _Name = Field(description="how (`prefers`): a lowercase identifier")
-    value: Annotated[str, Field(min_length=1, max_length=500)] = Field(description="(`window`)")
+    value: Annotated[str, Field(min_length=1, max_length=200)] = Field(description="(`window`)")
     scope: MemoryScope | None = Field(default=None, description="run, task, project or always; default: always")
     scope_ref: Annotated[str, Field(min_length=1, max_length=200)] | None = Field(
         default=None, description="the task's ID for `task`, a project's name for `project`; none for `always`")
@@ -62,7 +63,7 @@ class EditIn(BaseModel):
 
     model_config = {"extra": "forbid"}
     text: _Text | None = None
-    value: Annotated[str, Field(min_length=1, max_length=500)] | None = None
+    value: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     scope: MemoryScope | None = None
     scope_ref: Annotated[str, Field(min_length=1, max_length=200)] | None = None
     valid_until: AwareDatetime | None = None
@@ -111,7 +112,10 @@ def show_memory(user: User, rt: Rt, memory_id: str) -> dict[str, Any]:
 def add_memory(user: User, rt: Rt, body: MemoryIn) -> dict[str, Any]:
     """You write a standing instruction, a preference or a fact: active at once, spoken by you."""
     with write(rt.engine) as conn:
-        return views.add(conn, user, body.model_dump(), now=rt.clock.now())
+        added = views.add(conn, user, body.model_dump(), now=rt.clock.now())
+    if isinstance(added, WakefulError):
+        raise added  # its refusal is recorded: committed above
+    return added
 
 
 @memory_router.post("/v1/memory/{memory_id}/confirm", response_model=MemoryChanged, response_model_exclude_unset=True,

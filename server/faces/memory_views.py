@@ -2,7 +2,7 @@
 (`server.faces.cli_memory`) call these, each in the caller's transaction, and answer what they return. They put the
 user's hand (`server.memory`) into the answer shapes `server.faces.schemas` declares (`MemoryRecord`, `MemoryPage`,
 `MemoryDetail`, `MemoryChanged`), so both faces say the same thing, and they fill in what the user's own writes
-mean: spoken by the user (by name), for `always` unless a scope is given.
+mean: spoken by the user (by name), active, confirmed by the change that wrote it.
 
     page / detail                      read
     add                                the user writes an instruction, a preference or a fact
@@ -19,8 +19,9 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from wakeful.server import memory
-from wakeful.server.errors import BadRequest
-from wakeful.server.store.tables import MemoryScope, users
+from wakeful.server.errors import BadRequest, WakefulError
+from wakeful.server.memory.committer import try_propose
+from wakeful.server.store.tables import users
 
 __all__ = ["USER_FORMS", "add", "confirm", "correct", "detail", "edit", "forget", "page", "record", "reject",
            "reviewed"]
@@ -86,16 +87,17 @@ def _user_name(conn: Connection, user_id: str) -> str:
     return str(conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar_one())
 
 
-def add(conn: Connection, user_id: str, body: Mapping[str, Any], *, now: datetime) -> dict[str, Any]:
-    """The user's own record: an instruction, a preference or a fact, through the committer like every other."""
+def add(conn: Connection, user_id: str, body: Mapping[str, Any], *, now: datetime) -> dict[str, Any] | WakefulError:
+    """The user's own record: an instruction, a preference or a fact (for `always` unless a scope is given),
+    through the committer like every other. A refusal is recorded and returned, not raised: the caller commits, so
+    that its record stays, then raises it."""
     if body.get("form") not in USER_FORMS:
         raise BadRequest("invalid_memory", f"you write an instruction, a preference or a fact; {body.get('form')!r} "
                                            "is what the agent learns (confirm or reject those)")
-    fields = {k: v for k, v in body.items() if v is not None and v != []}
-    fields.setdefault("scope", MemoryScope.ALWAYS.value)
-    proposal = memory.parse_proposal(fields)
+    proposal = memory.parse_proposal({k: v for k, v in body.items() if v is not None})
     actor = memory.Actor(kind=memory.ActorKind.USER, name=_user_name(conn, user_id))
-    return _changed(memory.propose(conn, user_id=user_id, actor=actor, proposal=proposal, now=now))
+    stored = try_propose(conn, user_id=user_id, actor=actor, proposal=proposal, now=now)
+    return stored if isinstance(stored, WakefulError) else _changed(stored)
 
 
 def confirm(conn: Connection, user_id: str, memory_id: str, *, now: datetime) -> dict[str, Any]:

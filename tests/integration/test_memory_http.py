@@ -17,6 +17,7 @@ from wakeful.proxy.clock import FakeClock
 from wakeful.server import memory
 from wakeful.server.errors import WakefulError
 from wakeful.server.faces.http import create_app
+from wakeful.server.memory.committer import try_propose
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import write
 from wakeful.server.store.users import ensure_user, issue_token
@@ -57,11 +58,14 @@ class Api:
         return task_id, event_id
 
     def agent_proposes(self, task_id: str, **fields: Any) -> memory.Stored:
-        """What the agent's `remember` tool does, through the same committer."""
+        """What the agent's `remember` tool does, through the same committer: a refusal is recorded, then raised."""
         actor = memory.Actor(kind=memory.ActorKind.AGENT, task_id=task_id, name="mcp")
         with write(self.engine) as conn:
-            return memory.propose(conn, user_id=self.owner, actor=actor, proposal=memory.parse_proposal(fields),
-                                  now=self.clock.now())
+            stored = try_propose(conn, user_id=self.owner, actor=actor, proposal=memory.parse_proposal(fields),
+                                 now=self.clock.now())
+        if isinstance(stored, WakefulError):
+            raise stored
+        return stored
 
     def ledger(self, task_id: str) -> list[dict[str, Any]]:
         return [e for e in self.get(f"/v1/tasks/{task_id}/ledger")["entries"] if e["type"] == "memory"]
