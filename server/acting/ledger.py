@@ -121,7 +121,8 @@ def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
     for r in conn.execute(select(refusals).where(refusals.c.task_id == task.id)):
         yield _row("refusal", r.created_at, r)
     yield from _agenda(conn, task)
-    for r in conn.execute(select(memory_changes).where(memory_changes.c.task_id == task.id)):
+    for r in conn.execute(select(memory_changes).where(and_(memory_changes.c.task_id == task.id,
+                                                            memory_changes.c.user_id == task.user_id))):
         yield {**_row("memory", r.at, r, skip=("detail",)), "detail": json.loads(r.detail)}
     intents = [outbox.c.id.like(f"dsp_{a}%") for a in action_ids]  # the first intent and any resends
     for r in conn.execute(select(outbox).where(or_(outbox.c.session_id == task.session_id, *intents))):
