@@ -6,7 +6,8 @@ and the user's answer, control decisions, actions with their content hashes, adm
 approvals with their approver, attempts with outcomes, evidence from responses and reconciliation, refusals, messages
 to the user, the timers and waits set for the task (each in plain words, `said`) with when and how each ended, and
 every change to memory made in the task (`memory`: a record committed, a proposal refused with its code, a record
-confirmed, edited, corrected, forgotten, expired or invalidated, and by whom). Enough to answer "why did this effect happen, and on whose authority".
+confirmed, edited, corrected, forgotten, expired or invalidated, and by whom). Enough to answer "why did this
+effect happen, and on whose authority".
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from wakeful.server.store.tables import (
     control,
     decisions,
     event_attachments,
-    memory_changes,
     events,
     evidence,
+    memory_changes,
     outbox,
     refusals,
     runs,
