@@ -270,3 +270,19 @@ def test_the_records_page_in_order_by_after(api: Api) -> None:
         if after is None:
             break
     assert seen == ids
+
+
+@BOTH
+def test_a_trip_only_preference_is_in_the_trips_ledger_and_another_users_task_is_not_a_scope(api: Api) -> None:
+    task_id, _ = api.task_with_the_users_words()
+    always = api.post("/v1/memory", WINDOW, status=201)
+    trip = api.post("/v1/memory", {**WINDOW, "text": "aisle seat for this trip only", "value": "aisle",
+                                   "scope": "task", "scope_ref": task_id}, status=201)
+    assert "retired" not in trip  # a narrower scope overrides the window seat in recall; it never retires it
+    assert api.get(f"/v1/memory/{always['memory_id']}")["record"]["state"] == "active"
+    assert [(e["change"], e["memory_id"]) for e in api.ledger(task_id)] == [("committed", trip["memory_id"])]
+    foreign = api.client.post("/v1/tasks", json={"title": "theirs"}, headers=api.stranger).json()["task_id"]
+    assert api.refused("POST", "/v1/memory", {**WINDOW, "scope": "task", "scope_ref": foreign}) == (
+        400, "invalid_scope")
+    theirs = api.client.get(f"/v1/tasks/{foreign}/ledger", headers=api.stranger).json()["entries"]
+    assert [e for e in theirs if e["type"] == "memory"] == []  # the refusal is yours, not in their task's ledger
