@@ -98,6 +98,11 @@ def test_valid_until_before_valid_from_is_refused() -> None:
     assert refused(check(p, USER, facts())) == "invalid_memory"
 
 
+@pytest.mark.parametrize("when", ["0001-01-01T00:00:00+05:00", "9999-12-31T23:00:00-05:00", "1900-01-01T00:00:00Z"])
+def test_a_time_with_no_sensible_utc_reading_is_refused_not_a_crash(when: str) -> None:
+    assert refused(check(proposal(valid_until=when), USER, facts())) == "invalid_memory"
+
+
 # 2. evidence
 
 def test_evidence_that_is_not_the_users_is_unknown_evidence() -> None:
