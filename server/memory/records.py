@@ -29,7 +29,7 @@ from sqlalchemy import Connection, and_, or_, select, update
 from wakeful.server.errors import BadRequest, Conflict, NotFound, Refused, WakefulError
 from wakeful.server.memory.committer import change, retire_contradicted, same_key, write_version
 from wakeful.server.memory.model import Actor, ActorKind, Proposal, Reach, Stored
-from wakeful.server.memory.rules import Facts, Refusal, check
+from wakeful.server.memory.rules import Facts, Refusal, check, storable
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
     MemoryForm,
@@ -124,7 +124,7 @@ def _error(refusal: Refusal) -> WakefulError:
 
 
 def _reason(reason: str) -> str:
-    if not isinstance(reason, str) or not reason.strip() or len(reason) > _MAX_REASON:
+    if not isinstance(reason, str) or not reason.strip() or len(reason) > _MAX_REASON or not storable(reason):
         raise BadRequest("invalid_memory", f"a reason of 1 to {_MAX_REASON} characters is needed")
     return reason.strip()
 
@@ -200,7 +200,7 @@ def reject(conn: Connection, user_id: str, memory_id: str, now: datetime, *, rea
     live = _live(conn, user_id, memory_id, (MemoryState.PENDING.value,))
     _retire(conn, live.id, sources=(MemoryState.PENDING.value,), reason="rejected", by="user", now=now)
     change_id = change(conn, user_id=user_id, memory_id=live.id, kind="rejected", actor=_user(user_id), now=now,
-                       detail={"reason": reason[:_MAX_REASON]}, task_id=live.task_id)
+                       detail={"reason": str(reason)[:_MAX_REASON]}, task_id=live.task_id)
     return Stored(memory_id=live.id, lineage_id=live.lineage_id, version=live.version,
                   state=MemoryState.RETIRED.value, form=live.form, change_id=change_id)
 

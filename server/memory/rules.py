@@ -24,7 +24,7 @@ from wakeful.server.memory.model import Actor, ActorKind, Proposal
 from wakeful.server.store.tables import SOURCE_PREFIX, MemoryForm, MemoryScope, MemoryState, Speaker
 
 __all__ = ["IDENTIFIER", "MAX_TEXT", "MAX_TOPICS", "MAX_VALUE", "USER_OWNED_FORMS", "Existing", "Facts", "Refusal",
-           "Resolved", "Verdict", "check", "directive", "user_owned"]
+           "Resolved", "Verdict", "check", "directive", "storable", "user_owned"]
 
 IDENTIFIER: Final = re.compile(r"[a-z][a-z0-9_.-]{0,79}")
 MAX_TEXT: Final = 1000
@@ -120,6 +120,14 @@ _RECIPIENT = re.compile(r"\b(to|cc|bcc|recipients?|forward\w*|send\w*|reply\w*|m
                         r"[^.@\n]{0,40}?[\w.+-]+@[\w-]+(\.[\w-]+)+", re.IGNORECASE)
 
 
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> bool:
+    """Whether every database can keep `text` as it is (PostgreSQL refuses NUL and half a surrogate pair)."""
+    return not _UNSTORABLE.search(text)
+
+
 def _in_range(when: datetime) -> bool:
     try:
         return MIN_YEAR <= when.astimezone(UTC).year <= MAX_YEAR
@@ -142,6 +150,8 @@ def _shape(p: Proposal, actor: Actor) -> Refusal | tuple[MemoryScope, str | None
     def bad(message: str) -> Refusal:
         return Refusal(code="invalid_memory", message=message)
 
+    if not all(storable(v) for v in (p.text, p.value, p.speaker_name or "", p.scope_ref or "", *p.topics)):
+        return bad("text, value, names and topics hold no NUL character and no lone surrogate")
     if not p.text.strip() or len(p.text) > MAX_TEXT:
         return bad(f"text must be 1 to {MAX_TEXT} characters")
     if not p.value.strip() or len(p.value) > MAX_VALUE:

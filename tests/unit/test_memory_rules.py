@@ -50,7 +50,8 @@ def existing(**kw: Any) -> Existing:
 @pytest.mark.parametrize("field,value", [("subject", "Seat"), ("subject", "1seat"), ("subject", "seat pref"),
                                          ("relation", ""), ("relation", "x" * 81), ("subject", "séat"),
                                          ("text", ""), ("text", "   "), ("text", "x" * 1001), ("value", ""),
-                                         ("value", "v" * 201), ("speaker_name", "n" * 121)])
+                                         ("value", "v" * 201), ("speaker_name", "n" * 121),
+                                         ("text", "nul\x00byte"), ("value", "half \ud800 pair")])
 def test_a_malformed_proposal_is_invalid_memory(field: str, value: str) -> None:
     outcome = check(proposal(**{field: value}), USER, facts())
     assert refused(outcome) == "invalid_memory"
