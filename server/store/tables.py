@@ -60,10 +60,12 @@ __all__ = [
     "WaitState",
     "actions",
     "append_only_ddl",
+    "approval_links",
     "approval_uses",
     "approvals",
     "attempts",
     "attempts_guard_ddl",
+    "console_sessions",
     "control",
     "decisions",
     "egress_audit",
@@ -975,6 +977,32 @@ egress_audit = Table(
     CheckConstraint("verdict IN ('allow', 'refuse')", name="verdict_valid"),
 )
 """One row per request the egress proxy saw, allowed or refused. Never headers, bodies, queries or secrets."""
+
+console_sessions = Table(
+    "console_sessions",
+    metadata,
+    Column("id_digest", String(64), primary_key=True),  # SHA-256 of the cookie's session ID; the ID is never stored
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("csrf_token", String(64), nullable=False),  # every form of the session carries it; every POST is checked
+    _now_col("created_at", nullable=False),
+    _now_col("expires_at", nullable=False),
+    Index(None, "user_id"),
+)
+"""The console's signed-in browsers (`server.faces.console.signin`): a row per sign-in, deleted at sign-out."""
+
+approval_links = Table(
+    "approval_links",
+    metadata,
+    Column("token_digest", String(64), primary_key=True),  # SHA-256 of the link's token; the token is never stored
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("action_id", String(40), ForeignKey("actions.id"), nullable=False),
+    Column("content_hash", String(64), nullable=False),  # the action's, when the link was made: a changed one refuses
+    _now_col("created_at", nullable=False),
+    _now_col("expires_at", nullable=False),
+    _now_col("used_at"),  # set once, when the signed-in user opened it: the link is good once
+    Index(None, "action_id"),
+)
+"""One-time links in approval requests that open the action's card in the console (`server.faces.console.links`)."""
 
 APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
                "approval_uses", "evidence", "refusals", "run_contexts", "tool_results", "egress_grants",
