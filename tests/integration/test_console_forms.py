@@ -1,0 +1,158 @@
+"""The console over plain HTTP: sessions, CSRF, approval links, refusals as pages and stable pages — on SQLite and
+PostgreSQL. (tests/integration/test_console.py drives the same pages in real Chromium.)"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import Engine
+
+from tests.support.acting import World, world
+from wakeful.proxy.clock import FakeClock
+from wakeful.server.core.worker import Binding
+from wakeful.server.faces.http import create_app
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store.db import write
+from wakeful.server.store.users import ensure_user, issue_token
+
+BOTH = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+
+
+@pytest.fixture
+def setup(engine: Engine, clock: FakeClock, owner: str, settings: Settings) -> Iterator[tuple[World, TestClient, str]]:
+    settings = settings.model_copy(update={"public_url": "https://agent.example.org"})
+    with world(engine, clock, owner) as w:
+        runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine, registry=w.tools.registry)
+        runtime.prepare()
+        with write(engine) as conn:
+            token = issue_token(conn, user_id=owner)
+        with TestClient(create_app(runtime, manage_runtime=False), base_url="https://testserver") as client:
+            yield w, client, token
+
+
+def sign_in(client: TestClient, token: str, next_: str = "/") -> str:
+    """Signs in through the form; returns the session's CSRF token (from the page it lands on)."""
+    form = client.get("/signin")
+    assert form.status_code == 200, form.text
+    landed = client.post("/signin", data={"csrf": CSRF.search(form.text).group(1), "token": token, "next": next_})
+    assert landed.status_code == 200, landed.text
+    return CSRF.search(landed.text).group(1)
+
+
+def raise_approval(w: World) -> tuple[Binding, str]:
+    task = w.task("cancel my subscription")
+    (sub,) = w.call(task, "merchant__list_subscriptions")["objects"]
+    return task, w.call(task, "merchant__cancel_renewal", subscription=sub["id"])["action_id"]
+
+
+@BOTH
+def test_signing_in_sets_a_strict_httponly_secure_cookie_and_signing_out_ends_the_session(
+        setup: tuple[World, TestClient, str]) -> None:
+    _, client, token = setup
+    assert client.get("/", follow_redirects=False).headers["location"] == "/signin?next=%2F"
+    form = client.get("/signin")
+    answer = client.post("/signin", data={"csrf": CSRF.search(form.text).group(1), "token": token, "next": "/tasks"},
+                         follow_redirects=False)
+    assert answer.status_code == 303 and answer.headers["location"] == "/tasks"
+    cookie = next(v for k, v in answer.headers.multi_items() if k == "set-cookie" and "wakeful_console=" in v)
+    assert {"httponly", "samesite=strict", "secure"} <= {p.strip().lower() for p in cookie.split(";")}
+    home = client.get("/")
+    assert home.status_code == 200 and "No approval is waiting." in home.text
+    client.post("/signout", data={"csrf": CSRF.search(home.text).group(1)})
+    assert client.get("/", follow_redirects=False).status_code == 303
+
+
+def test_a_wrong_token_or_a_foreign_next_does_not_sign_in_or_leave_the_server(
+        setup: tuple[World, TestClient, str]) -> None:
+    _, client, token = setup
+    form = client.get("/signin")
+    refused = client.post("/signin", data={"csrf": CSRF.search(form.text).group(1), "token": "wk_nope"})
+    assert refused.status_code == 401 and "That token is not valid" in refused.text
+    form = client.get("/signin")
+    away = client.post("/signin", data={"csrf": CSRF.search(form.text).group(1), "token": token,
+                                        "next": "//evil.example/x"}, follow_redirects=False)
+    assert away.headers["location"] == "/"
+    forged = TestClient(client.app, base_url="https://testserver").post("/signin", data={"csrf": "x", "token": token})
+    assert forged.status_code == 403 and 'id="code">bad_csrf_token<' in forged.text
+
+
+@BOTH
+def test_a_forged_form_without_the_csrf_token_is_refused_and_changes_nothing(
+        setup: tuple[World, TestClient, str]) -> None:
+    w, client, token = setup
+    _, action_id = raise_approval(w)
+    sign_in(client, token)
+    for path, data in ((f"/approvals/{action_id}/approve", {}), (f"/approvals/{action_id}/approve", {"csrf": "x"}),
+                       ("/stop", {"reason": "forged"})):
+        refused = client.post(path, data=data)
+        assert refused.status_code == 403 and 'id="code">bad_csrf_token<' in refused.text, refused.text
+    assert "Approve" in client.get(f"/approvals/{action_id}").text
+    assert client.get("/v1/control", headers={"Authorization": f"Bearer {token}"}).json()["stopped"] is False
+    w.dispatcher.drain()
+    assert w.merchant.effects == []
+
+
+@BOTH
+def test_the_approval_link_in_the_message_opens_the_card_once_under_the_public_url(
+        setup: tuple[World, TestClient, str]) -> None:
+    w, client, token = setup
+    _, action_id = raise_approval(w)
+    (message,) = client.get("/v1/messages", headers={"Authorization": f"Bearer {token}"}).json()["messages"]
+    link = message["body"]["link"]
+    assert message["body"]["kind"] == "approval_request" and link.startswith("https://agent.example.org/a/")
+    path = link.removeprefix("https://agent.example.org")
+    # Signed out, the link leads to the sign-in page first, and is not used up by that.
+    assert client.get(path, follow_redirects=False).headers["location"].startswith("/signin?next=%2Fa%2F")
+    sign_in(client, token, next_=path)
+    assert client.get(path, follow_redirects=False).status_code == 409  # used by the sign-in's redirect
+    card = client.get(f"/approvals/{action_id}")
+    assert 'id="approve"' in card.text and "sha256:" in card.text
+
+
+def test_a_link_for_an_action_the_task_moved_past_refuses(setup: tuple[World, TestClient, str]) -> None:
+    w, client, token = setup
+    task, _ = raise_approval(w)
+    auth = {"Authorization": f"Bearer {token}"}
+    link = client.get("/v1/messages", headers=auth).json()["messages"][0]["body"]["open"]
+    client.post(f"/v1/tasks/{task.task_id}/steer", json={"goal": "keep it after all"}, headers=auth)
+    sign_in(client, token)
+    refused = client.get(link)
+    assert refused.status_code == 409 and 'id="code">action_changed<' in refused.text
+    expired = client.get("/a/nosuchtoken")
+    assert expired.status_code == 404 and 'id="code">unknown_link<' in expired.text
+
+
+def test_another_users_approval_is_not_found_in_the_console(setup: tuple[World, TestClient, str]) -> None:
+    w, client, _ = setup
+    _, action_id = raise_approval(w)
+    with write(w.engine) as conn:
+        _, other = ensure_user(conn, name="mallory", now=w.clock.now())
+    assert other is not None
+    sign_in(client, other)
+    assert client.get(f"/approvals/{action_id}").status_code == 404
+    assert client.get("/approvals").status_code == 200
+
+
+@BOTH
+def test_every_page_renders_for_a_user_with_nothing_and_junk_parameters_are_a_400_page(
+        setup: tuple[World, TestClient, str]) -> None:
+    _, client, token = setup
+    sign_in(client, token)
+    for path in ("/", "/approvals", "/tasks", "/tasks?state=paused", "/activity", "/activity?view=runs",
+                 "/activity?view=timers", "/activity?view=outbox&status=sent", "/activity?source=hook&status=done",
+                 "/egress", "/egress?verdict=refuse", "/handoff"):
+        answer = client.get(path)
+        assert answer.status_code == 200, (path, answer.text)
+        assert '<meta name="viewport"' in answer.text
+    for path in ("/tasks?cursor=junk", "/tasks?cursor=WyJ4IiwieSJd", "/activity?view=nope", "/activity?cursor=%00",
+                 "/tasks?state=%00", "/egress?verdict=maybe", "/egress?cursor=WyJ4IiwieSJd", "/runs/nope",
+                 "/runs/x?cursor=WyJ4Il0", "/tasks/nope", "/approvals/nope", "/approvals/%00", "/tasks/" + "x" * 300,
+                 "/activity?view=runs&cursor=" + "A" * 600, "/a/%00"):
+        answer = client.get(path)
+        assert 400 <= answer.status_code < 500, (path, answer.status_code, answer.text)
