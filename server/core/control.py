@@ -38,7 +38,8 @@ from wakeful.server.store.tables import (
     waits,
 )
 
-__all__ = ["StopState", "create_task", "record", "set_stop", "set_task_state", "state_after", "steer", "stop_state"]
+__all__ = ["StopState", "create_task", "operations_from", "record", "set_stop", "set_task_state", "state_after",
+           "steer", "stop_state"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +117,11 @@ _TRANSITIONS: dict[ControlKind, tuple[frozenset[TaskState], TaskState]] = {
 }
 """Task states and the control operations that move between them; only the user's control channel calls these.
 A hold (`core.holds`) is lifted by any of them: the user's own word settles what their message left open."""
+
+
+def operations_from(state: str) -> list[ControlKind]:
+    """The control operations a task in `state` can take (the console shows only these buttons)."""
+    return [kind for kind, (sources, _) in _TRANSITIONS.items() if TaskState(state) in sources]
 
 
 def state_after(kind: str) -> TaskState | None:

@@ -17,6 +17,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import Connection, and_, select
 
 from wakeful.server.acting import ledger
+from wakeful.server.core import control
 from wakeful.server.errors import NotFound
 from wakeful.server.faces import routes
 from wakeful.server.faces.console import listing
@@ -67,7 +68,8 @@ def task(request: Request, me: Me, task_id: TaskId) -> HTMLResponse:
         status = ledger.task_status(conn, user_id=me.user_id, task_id=task_id)
         details = _details(conn, task_id, status["session_id"])
         waiting = listing.pending_approvals(conn, user_id=me.user_id, task_id=task_id)
-    return page(request, "task.html", me=me, task=status, waiting=waiting, buttons=BUTTONS, **details)
+    buttons = [kind.value for kind in control.operations_from(status["state"]) if kind.value in BUTTONS]
+    return page(request, "task.html", me=me, task=status, waiting=waiting, buttons=buttons, **details)
 
 
 @router.post("/tasks/{task_id}/{operation}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, quote
@@ -36,6 +37,17 @@ COOKIE = "wakeful_console"
 FORM_LIMIT = 16 * 1024
 """Bytes a console form may post: a reason and a few hidden fields."""
 TEMPLATES = Jinja2Templates(directory=Path(__file__).parent / "templates")
+
+
+def _when(value: datetime | str | None) -> str:
+    """A recorded time as people read it: to the second, in UTC (the records' own zone)."""
+    if value is None:
+        return ""
+    at = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+TEMPLATES.env.filters["when"] = _when
 
 
 class SignInFirst(Exception):
