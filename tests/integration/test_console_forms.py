@@ -4,14 +4,18 @@ PostgreSQL. (tests/integration/test_console.py drives the same pages in real Chr
 from __future__ import annotations
 
 import re
+import tomllib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from tests.support.acting import World, world
+from tests.support.docs import DOCS
 from wakeful.proxy.clock import FakeClock
+from wakeful.server.core.outbox import linked
 from wakeful.server.core.worker import Binding
 from wakeful.server.faces.http import create_app
 from wakeful.server.harness.handlers import EchoHandler
@@ -156,3 +160,14 @@ def test_every_page_renders_for_a_user_with_nothing_and_junk_parameters_are_a_40
                  "/activity?view=runs&cursor=" + "A" * 600, "/a/%00"):
         answer = client.get(path)
         assert 400 <= answer.status_code < 500, (path, answer.status_code, answer.text)
+
+
+def test_the_deploy_docs_setting_makes_links_in_messages_use_the_public_url(tmp_path: Path) -> None:
+    block = re.search(r"```toml\n(.*?)```", (DOCS / "deploy.md").read_text(), re.S)
+    assert block is not None
+    settings = Settings(data_dir=tmp_path, **tomllib.loads(block.group(1)))
+    assert settings.base_url == "https://agent.example.org"
+    assert linked({"kind": "approval_request", "open": "/a/tok"}, settings.base_url)["link"] == \
+        "https://agent.example.org/a/tok"
+    assert linked({"kind": "note", "open": "https://evil.example/"}, settings.base_url) == \
+        {"kind": "note", "open": "https://evil.example/"}
