@@ -365,6 +365,7 @@ tasks = Table(
     _now_col("created_at", nullable=False),
     _now_col("closed_at"),
     _check("state", TaskState),
+    Index(None, "user_id", "created_at"),  # the console's task list, newest first
 )
 
 task_versions = Table(
@@ -473,6 +474,7 @@ events = Table(
     Index(None, "session_id", "status"),
     Index(None, "status", "attempts"),  # pending events and poison ones, without reading the settled ones
     Index(None, "user_id", "corr_key"),
+    Index(None, "user_id", "received_at"),  # the console's activity, newest first
     _check("status", EventStatus),
     _check("kind", EventKind),
     _authority_check(Authority.USER, Authority.AGENT, Authority.SYSTEM),
@@ -503,6 +505,7 @@ runs = Table(
     _now_col("ended_at"),
     Index(None, "session_id", "outcome"),
     Index(None, "outcome"),  # the sweeper's look for runs still marked running
+    Index(None, "user_id", "started_at"),  # the console's runs, newest first
     _check("outcome", RunOutcome),
 )
 
@@ -552,6 +555,7 @@ timers = Table(
     _now_col("ended_at"),  # when it was cancelled or fired its last
     Column("end_reason", Text),
     Index(None, "state", "due_at"),
+    Index(None, "user_id", "created_at"),  # the console's timers, newest first
     _check("kind", TimerKind),
     _check("state", TimerState),
     CheckConstraint("misfire IN ('skip', 'catch_up_once')", name="misfire_valid"),
@@ -578,6 +582,8 @@ outbox = Table(
     Column("summary_id", String(40)),  # the summary a held message went out in
     Index(None, "state", "next_attempt_at"),
     Index(None, "user_id", "seq", unique=True),
+    Index(None, "user_id", "created_at"),  # the console's outbox, newest first
+    Index(None, "session_id", "created_at"),  # a task's messages
     _check("kind", OutboxKind),
     _check("state", OutboxState),
 )

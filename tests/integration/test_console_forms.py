@@ -3,6 +3,7 @@ PostgreSQL. (tests/integration/test_console.py drives the same pages in real Chr
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import write
+from wakeful.server.store.tables import decisions, runs
 from wakeful.server.store.users import ensure_user, issue_token
 
 BOTH = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
@@ -171,3 +173,24 @@ def test_the_deploy_docs_setting_makes_links_in_messages_use_the_public_url(tmp_
         "https://agent.example.org/a/tok"
     assert linked({"kind": "note", "open": "https://evil.example/"}, settings.base_url) == \
         {"kind": "note", "open": "https://evil.example/"}
+
+
+@BOTH
+def test_a_run_of_20000_steps_is_shown_a_page_at_a_time_in_step_order(setup: tuple[World, TestClient, str]) -> None:
+    w, client, token = setup
+    task = w.task("a long run")
+    with write(w.engine) as conn:
+        conn.execute(runs.insert().values(id="run_long", session_id=task.session_id, user_id=w.owner,
+                                          fencing_token=1, worker="test", outcome="running", started_at=w.clock.now()))
+        conn.execute(decisions.insert(), [
+            {"id": f"dec_{n:05d}", "run_id": "run_long", "session_id": task.session_id, "step": n,
+             "proposal": json.dumps({"n": n}), "created_at": w.clock.now()} for n in range(20_000)])
+    sign_in(client, token)
+    first = client.get("/runs/run_long")
+    assert first.status_code == 200 and len(first.content) < 200_000
+    steps = re.findall(r"<tr><td>(\d+)<div", first.text)
+    assert steps == [str(n) for n in range(50)]
+    following = re.search(r'id="next" href="([^"]+)"', first.text)
+    assert following is not None
+    second = client.get(following.group(1).replace("&amp;", "&"))
+    assert re.findall(r"<tr><td>(\d+)<div", second.text) == [str(n) for n in range(50, 100)]

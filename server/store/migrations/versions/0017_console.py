@@ -5,7 +5,8 @@ Revises: 0016
 
 The console (`server.faces.console`): signed-in browser sessions (a digest of the session ID, its CSRF token and
 expiry) and the one-time approval links sent in approval requests (a digest of the token, bound to the action's
-content hash).
+content hash). Indexes for the console's newest-first pages of a user's tasks, events, runs, timers and outbox rows,
+and a task's messages.
 """
 
 import sqlalchemy as sa
@@ -19,6 +20,9 @@ branch_labels = None
 depends_on = None
 
 _UTC = wakeful.server.store.tables.UTCDateTime
+_INDEXES = (('tasks', ('user_id', 'created_at')), ('events', ('user_id', 'received_at')),
+            ('runs', ('user_id', 'started_at')), ('timers', ('user_id', 'created_at')),
+            ('outbox', ('user_id', 'created_at')), ('outbox', ('session_id', 'created_at')))
 
 
 def upgrade() -> None:
@@ -45,9 +49,13 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('token_digest', name=op.f('pk_approval_links'))
     )
     op.create_index(op.f('ix_approval_links_action_id'), 'approval_links', ['action_id'], unique=False)
+    for table, columns in _INDEXES:
+        op.create_index(op.f(f"ix_{table}_{'_'.join(columns)}"), table, list(columns), unique=False)
 
 
 def downgrade() -> None:
+    for table, columns in _INDEXES:
+        op.drop_index(op.f(f"ix_{table}_{'_'.join(columns)}"), table_name=table)
     op.drop_index(op.f('ix_approval_links_action_id'), table_name='approval_links')
     op.drop_table('approval_links')
     op.drop_index(op.f('ix_console_sessions_user_id'), table_name='console_sessions')
