@@ -194,3 +194,24 @@ def test_a_run_of_20000_steps_is_shown_a_page_at_a_time_in_step_order(setup: tup
     assert following is not None
     second = client.get(following.group(1).replace("&amp;", "&"))
     assert re.findall(r"<tr><td>(\d+)<div", second.text) == [str(n) for n in range(50, 100)]
+
+
+def test_hostile_posts_are_refused_with_a_page_and_a_code_never_a_500(setup: tuple[World, TestClient, str]) -> None:
+    w, client, token = setup
+    task, action_id = raise_approval(w)
+    signed_out = client.post(f"/approvals/{action_id}/approve", data={"csrf": "x"})
+    assert signed_out.status_code == 401 and 'id="code">signed_out<' in signed_out.text
+    csrf = sign_in(client, token)
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    for path, body, status, code in (
+            (f"/approvals/{action_id}/approve", b"csrf=" + b"x" * 20_000, 413, "payload_too_large"),
+            (f"/approvals/{action_id}/approve", b"csrf=\xff\xfe", 400, "malformed_form"),
+            (f"/approvals/{action_id}/approve", b"csrf=%00", 400, "malformed_form"),
+            (f"/approvals/{action_id}/launch", f"csrf={csrf}".encode(), 404, "unknown_operation"),
+            (f"/tasks/{task.task_id}/explode", f"csrf={csrf}".encode(), 404, "unknown_operation"),
+            ("/tasks/nope/pause", f"csrf={csrf}".encode(), 404, "unknown_task"),
+            (f"/tasks/{task.task_id}/resume", f"csrf={csrf}".encode(), 409, "invalid_transition")):
+        answer = client.post(path, content=body, headers=form)
+        assert answer.status_code == status and f'id="code">{code}<' in answer.text, (path, answer.text)
+    w.dispatcher.drain()
+    assert w.merchant.effects == []
