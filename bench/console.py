@@ -38,6 +38,7 @@ from wakeful.server.store.tables import (
     task_versions,
     tasks,
     verdicts,
+    waits,
 )
 from wakeful.server.store.users import ensure_user
 
@@ -49,7 +50,7 @@ def fill(engine: Engine, user_id: str, *, n_tasks: int, n_rows: int, now: dateti
     per_task = max(1, n_rows // n_tasks // 5)  # five kinds of row per unit below
     with write(engine) as conn:
         batch: dict[Any, list[dict[str, Any]]] = {t: [] for t in (sessions, tasks, task_versions, events, runs,
-                                                                  decisions, actions, verdicts, outbox)}
+                                                                  decisions, actions, verdicts, waits, outbox)}
         for t in range(n_tasks):
             at = now - timedelta(seconds=n_tasks - t)
             sid, tid = f"ses_{t:06d}", f"tsk_{t:06d}"
@@ -74,6 +75,11 @@ def fill(engine: Engine, user_id: str, *, n_tasks: int, n_rows: int, now: dateti
                                        "tool": "merchant__cancel_renewal", "content": json.dumps({"n": n}),
                                        "content_hash": f"{t:064d}", "risk": "ask", "created_at": at})
                 pending = k == 0 and t % 1000 == 0  # ten waiting for approval, the rest long decided
+                if pending:
+                    batch[waits].append({"id": f"wai_{n}", "user_id": user_id, "session_id": sid, "task_id": tid,
+                                         "match_key": f"approval:act_{n}", "kind": "approval", "state": "pending",
+                                         "deadline": now + timedelta(days=1), "created_at": at,
+                                         "authority": "user"})
                 batch[verdicts].append({"id": f"vrd_{n}", "action_id": f"act_{n}",
                                         "verdict": "needs_approval" if pending else "refused",
                                         "code": "needs_approval" if pending else "task_paused", "reasons": "[]",

@@ -32,6 +32,8 @@ router = console_router()
 SIGNIN_COOKIE = "wakeful_signin"
 """The sign-in form's own CSRF token (double submit): a form another site posts cannot know it."""
 Next = Annotated[str, Query(max_length=2000)]
+ACTIVE_SHOWN = 999
+"""Active tasks the home page counts; past it, "999+" (a count of everything would read every task)."""
 
 
 def _safe_next(target: str) -> str:
@@ -47,9 +49,11 @@ def _secure(request: Request) -> bool:
 def home(request: Request, me: Me) -> HTMLResponse:
     with read(me.rt.engine) as conn:
         pending = listing.pending_approvals(conn, user_id=me.user_id, limit=20)
-        active = conn.execute(select(func.count()).select_from(tasks).where(
-            tasks.c.user_id == me.user_id, tasks.c.state == TaskState.ACTIVE.value)).scalar_one()
-    return page(request, "home.html", me=me, pending=pending, active=active)
+        active = conn.execute(select(func.count()).select_from(select(tasks.c.id).where(
+            tasks.c.user_id == me.user_id, tasks.c.state == TaskState.ACTIVE.value).limit(ACTIVE_SHOWN + 1)
+            .subquery())).scalar_one()
+    return page(request, "home.html", me=me, pending=pending,
+                active=f"{ACTIVE_SHOWN}+" if active > ACTIVE_SHOWN else str(active))
 
 
 @router.get("/signin")

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Select, and_, exists, or_, select
+from sqlalchemy import Connection, Select, and_, exists, func, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from wakeful.server.acting.verdicts import approval_key
 from wakeful.server.errors import BadRequest
 from wakeful.server.faces.pages import decode_cursor, encode_cursor
 from wakeful.server.store.tables import (
+    WaitState,
     actions,
     decisions,
     events,
@@ -27,6 +29,7 @@ from wakeful.server.store.tables import (
     timers,
     tool_results,
     verdicts,
+    waits,
 )
 
 __all__ = ["PAGE", "Page", "events_page", "outbox_page", "pending_approvals", "run_history", "runs_page",
@@ -72,11 +75,17 @@ def _latest_verdict_is_pending() -> ColumnElement[bool]:
 
 def pending_approvals(conn: Connection, *, user_id: str, limit: int = PAGE,
                       task_id: str | None = None) -> list[dict[str, Any]]:
-    """Actions whose latest verdict asks for the user's approval, oldest first (the longest waiting on top)."""
+    """Actions whose latest verdict asks for the user's approval, oldest first (the longest waiting on top). Found
+    from the open approval waits (a handful), not from every verdict the user ever had."""
+    prefix = len(approval_key(""))
     query = (select(actions.c.id, actions.c.tool, actions.c.task_id, actions.c.amount_cents, actions.c.currency,
                     actions.c.created_at, tasks.c.title, verdicts.c.code)
+             .select_from(waits)
+             .join(actions, actions.c.id == func.substr(waits.c.match_key, prefix + 1))
              .join(verdicts, verdicts.c.action_id == actions.c.id).join(tasks, tasks.c.id == actions.c.task_id)
-             .where(and_(actions.c.user_id == user_id, _latest_verdict_is_pending()))
+             .where(and_(waits.c.user_id == user_id, waits.c.kind == "approval",
+                         waits.c.state == WaitState.PENDING.value, actions.c.user_id == user_id,
+                         _latest_verdict_is_pending()))
              .order_by(actions.c.created_at, actions.c.id).limit(limit))
     if task_id is not None:
         query = query.where(actions.c.task_id == task_id)
