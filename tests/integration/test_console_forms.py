@@ -16,7 +16,9 @@ from sqlalchemy import Engine
 from tests.support.acting import World, world
 from tests.support.docs import DOCS
 from wakeful.proxy.clock import FakeClock
+from wakeful.server.core import outbox, sessions
 from wakeful.server.core.outbox import linked
+from wakeful.server.core.speaking import Level
 from wakeful.server.core.worker import Binding
 from wakeful.server.faces.http import create_app
 from wakeful.server.harness.handlers import EchoHandler
@@ -215,3 +217,23 @@ def test_hostile_posts_are_refused_with_a_page_and_a_code_never_a_500(setup: tup
         assert answer.status_code == status and f'id="code">{code}<' in answer.text, (path, answer.text)
     w.dispatcher.drain()
     assert w.merchant.effects == []
+
+
+def test_the_handoff_page_lists_the_links_sent_and_opens_a_view_only_live_view(
+        engine: Engine, clock: FakeClock, owner: str, settings: Settings) -> None:
+    settings = settings.model_copy(update={"computers": True, "public_url": "https://agent.example.org"})
+    runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine)
+    runtime.prepare()
+    assert runtime.live is not None
+    with write(engine) as conn:
+        token = issue_token(conn, user_id=owner)
+        session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+        outbox.enqueue(conn, user_id=owner, session_id=session_id, now=clock.now(), level=Level.ASK,
+                       body={"kind": "handoff", "task_id": "tsk_x", "link": "https://agent.example.org/v1/live/tok",
+                             "text": "Your tool computer needs you"})
+    with TestClient(create_app(runtime, manage_runtime=False), base_url="https://testserver") as client:
+        csrf = sign_in(client, token)
+        page = client.get("/handoff")
+        assert page.status_code == 200 and "https://agent.example.org/v1/live/tok" in page.text
+        watched = client.post("/handoff/view", data={"csrf": csrf})
+        assert watched.status_code == 200 and "view only" in watched.text
