@@ -156,6 +156,26 @@ def test_approve_deny_and_a_paused_tasks_refusal_in_a_real_browser(console: Cons
     c.shot("tasks")
 
 
+def test_the_approval_link_from_another_site_opens_the_card_in_the_signed_in_browser(console: Console,
+                                                                                      settings: Settings) -> None:
+    """The session cookie is SameSite=Strict, so the click in a mail (another site) does not carry it: the link's
+    page comes straight back to itself, which does."""
+    c = console
+    task = run_a_cancellation(c.w, settings)
+    sign_in(c)
+    auth = {"Authorization": f"Bearer {c.token}"}
+    (message,) = httpx.get(f"{c.url}/v1/messages", headers=auth).json()["messages"]
+    link = message["body"]["link"].replace("http://127.0.0.1:8787", c.url)  # public_url unset: the default address
+    c.page.goto("about:blank")
+    c.page.set_content(f'<p>From your mail: <a id="mail" href="{link}">approve?</a></p>')
+    c.page.click("#mail")
+    c.page.wait_for_selector("#card")
+    assert c.page.url.endswith(f"/approvals/{c.pending(task)}")
+    c.shot("card-from-link")
+    c.page.goto(link)  # the link is good once
+    assert "link_used" in c.page.inner_text("#code")
+
+
 def test_stop_and_start_and_a_forged_post_in_a_real_browser(console: Console, settings: Settings) -> None:
     c = console
     run_a_cancellation(c.w, settings)

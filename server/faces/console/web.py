@@ -30,7 +30,7 @@ from wakeful.server.store.db import read
 from wakeful.server.store.tables import users
 
 __all__ = ["COOKIE", "FORM_LIMIT", "TEMPLATES", "ConsoleRoute", "Form", "Me", "Posted", "SignInFirst", "Signed",
-           "console_router", "page", "runtime_of"]
+           "console_router", "page", "runtime_of", "signed_or_none"]
 
 COOKIE = "wakeful_console"
 """Holds the console session's ID: HttpOnly, SameSite=Strict, Secure when the public URL is https."""
@@ -70,13 +70,21 @@ def runtime_of(request: Request) -> Runtime:
 
 
 def _signed(request: Request) -> Signed:
+    me = signed_or_none(request)
+    if me is None:
+        raise SignInFirst
+    return me
+
+
+def signed_or_none(request: Request) -> Signed | None:
+    """Who is signed in, or None (no cookie, or a session that ended)."""
     rt = runtime_of(request)
     with read(rt.engine) as conn:
         session: ConsoleSession | None = session_of(conn, request.cookies.get(COOKIE), now=rt.clock.now())
         name = None if session is None else conn.execute(
             users.select().with_only_columns(users.c.name).where(users.c.id == session.user_id)).scalar()
     if session is None or name is None:
-        raise SignInFirst
+        return None
     return Signed(user_id=session.user_id, name=name, csrf_token=session.csrf_token, rt=rt)
 
 
