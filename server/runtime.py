@@ -129,7 +129,7 @@ class Runtime:
         ]
         self.messages = MessageDelivery(self.engine, self.clock, notify_url=settings.notify_url,
                                         max_attempts=settings.dispatch_max_attempts,
-                                        backoff=settings.dispatch_backoff)
+                                        backoff=settings.dispatch_backoff, base_url=settings.base_url)
         if computers is None and settings.computers:
             computers = LazyVmComputers(settings, self.clock, self._computer_credential)
             if missing := missing_vm_packages():
@@ -173,7 +173,7 @@ class Runtime:
 
     def _send_live_view(self, binding: Binding, token: str) -> None:
         """The user's one-time link to take the screen (served by `wakeful serve`)."""
-        link = f"http://{self.settings.host}:{self.settings.port}/v1/live/{token}"
+        link = f"{self.settings.base_url}/v1/live/{token}"
         assert self.live is not None
         self.live.offer(binding.user_id, token)
         with write(self.engine) as conn:

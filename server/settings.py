@@ -125,6 +125,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     """HTTP listen address. Loopback unless you mean it."""
     port: int = 8787
+    public_url: str | None = Field(default=None, pattern=r"^https?://[^/?#\s]+(/[^?#\s]*)?$")
+    """The address people reach this server at, e.g. `https://agent.example.org` behind a TLS reverse proxy
+    (docs/deploy.md): links in messages (approval cards, live views) start with it, and the console's cookie is
+    `Secure` when it is https. Unset: `http://<host>:<port>`, which works only on this machine."""
     sources: dict[str, SourceSettings] = Field(default_factory=dict)
     """Webhook sources by name: `POST /v1/hooks/<name>`."""
     policies_dir: Path | None = None
@@ -309,6 +313,11 @@ class Settings(BaseSettings):
         """Which tool computer holds which address on `computer_network`: written by the VM manager, read by the
         proxy (0600; it holds each VM's proxy credential)."""
         return self.proxy_dir / "address-book.json"
+
+    @property
+    def base_url(self) -> str:
+        """Where links in messages point: `public_url` without a trailing slash, else this machine's own address."""
+        return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
 
     @property
     def policies(self) -> Path:

@@ -158,7 +158,9 @@ def four_facts(conn: Connection, *, task_id: str) -> dict[str, str | None]:
         evidence.c.task_id == task_id, evidence.c.source == "completion", evidence.c.verdict == "accepted"))
         .order_by(evidence.c.checked_at).limit(1)).scalar()
     receipt = conn.execute(select(outbox.c.sent_at).where(and_(
-        outbox.c.id.like(f"rcpt_{task_id}%"), outbox.c.state == "sent")).limit(1)).scalar()
+        # A receipt's ID names its task version (`egress.dispatch`): looked up by key, not by a scan of the outbox.
+        outbox.c.id.in_([f"rcpt_{task_id}_v{v}" for v in range(1, task.current_version + 1)]),
+        outbox.c.state == "sent")).limit(1)).scalar()
     return {
         "request_received": task.created_at.isoformat(),
         "run_ended": ended.isoformat() if ended else None,

@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import Connection, and_, func, select
 
+from wakeful.server.acting import approval_links
 from wakeful.server.acting.actions import Action
 from wakeful.server.acting.admission import ApprovalFacts, Facts, Verdict, admit
 from wakeful.server.acting.leave import LeaveFacts
@@ -135,9 +136,11 @@ def admit_and_record(conn: Connection, action: Action, *, policy: Policy, now: d
             waits.register(conn, user_id=action.user_id, session_id=session_id, match_key=approval_key(action.id),
                            kind="approval", authority=Authority.USER, deadline=now + policy.approval_ttl, now=now,
                            task_id=action.task_id)
+            opens = approval_links.mint(conn, action, now=now, expires_at=now + policy.approval_ttl)
             outbox.enqueue(conn, user_id=action.user_id, session_id=session_id, run_id=action.run_id, now=now,
                            message_id=f"card_{action.id}", level=Level.ASK,
-                           body={"kind": "approval_request", "card": render_card(action, facts, policy=policy)})
+                           body={"kind": "approval_request", "card": render_card(action, facts, policy=policy),
+                                 "open": opens})
     return verdict
 
 

@@ -38,8 +38,8 @@ from wakeful.server.store.tables import (
     waits,
 )
 
-__all__ = ["StopState", "TaskEnd", "create_task", "on_task_end", "record", "set_stop", "set_task_state", "state_after",
-           "steer", "stop_state"]
+__all__ = ["StopState", "TaskEnd", "create_task", "on_task_end", "operations_from", "record", "set_stop",
+           "set_task_state", "state_after", "steer", "stop_state"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +130,11 @@ def on_task_end(hook: TaskEnd) -> None:
     must not inform authorization (memory) is wired in from above (`server.runtime`), never imported here."""
     if hook not in _TASK_END:
         _TASK_END.append(hook)
+
+
+def operations_from(state: str) -> list[ControlKind]:
+    """The control operations a task in `state` can take (the console shows only these buttons)."""
+    return [kind for kind, (sources, _) in _TRANSITIONS.items() if TaskState(state) in sources]
 
 
 def state_after(kind: str) -> TaskState | None:

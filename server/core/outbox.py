@@ -35,7 +35,7 @@ from wakeful.server.store.db import read, upsert, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OutboxKind, OutboxState, outbox
 
-__all__ = ["MessageDelivery", "OutboxDrain", "OutboxHandler", "enqueue"]
+__all__ = ["MessageDelivery", "OutboxDrain", "OutboxHandler", "enqueue", "linked"]
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,25 @@ class OutboxDrain:
         return [row for row in claimed if row is not None]
 
 
+def linked(body: Any, base_url: str) -> Any:
+    """A message body as it leaves: one that names a path on this server to open it (`open`, e.g. an approval
+    request's one-time link) gets the full `link` there, under the address people reach the server at
+    (`Settings.base_url`, so `public_url` behind a reverse proxy)."""
+    if isinstance(body, dict) and isinstance(body.get("open"), str) and body["open"].startswith("/"):
+        return {**body, "link": base_url.rstrip("/") + body["open"]}
+    return body
+
+
 class MessageDelivery:
     """The handler for messages to the user: to `notify_url`, or to the local feed when there is none."""
 
     kind = OutboxKind.USER_MESSAGE
 
     def __init__(self, engine: Engine, clock: Clock, *, notify_url: str | None, max_attempts: int,
-                 backoff: timedelta, transport: httpx.BaseTransport | None = None) -> None:
+                 backoff: timedelta, transport: httpx.BaseTransport | None = None,
+                 base_url: str = "http://127.0.0.1:8787") -> None:
         self._engine = engine
+        self._base_url = base_url
         self._clock = clock
         self._notify_url = notify_url
         self._max_attempts = max_attempts
@@ -176,7 +187,7 @@ class MessageDelivery:
     def _deliver(self, row: Any) -> str | None:
         assert self._notify_url is not None
         body = {"id": row.id, "seq": row.seq, "user_id": row.user_id, "kind": row.kind, "session_id": row.session_id,
-                "created_at": row.created_at.isoformat(), "body": json.loads(row.body)}
+                "created_at": row.created_at.isoformat(), "body": linked(json.loads(row.body), self._base_url)}
         try:
             response = self._http.post(self._notify_url, json=body, headers={"Idempotency-Key": row.id})
         except httpx.HTTPError as exc:

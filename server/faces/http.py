@@ -8,6 +8,7 @@ failure answers `{"error": {"code", "message", ...}}` with a stable code (docs/h
     /mcp                           the MCP server over streamable HTTP (an agent credential, or the user's token)
     GET  /openapi.json             the OpenAPI document of all of it (bearer token; `server.faces.openapi`)
     GET  /healthz
+    GET  /, /signin, /approvals, /tasks, …   the console: pages for people (`server.faces.console`)
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from wakeful.server.egress.proxyctl import serve_egress
 from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, WakefulError
 from wakeful.server.faces import bodies
 from wakeful.server.faces.auth import current_user, user_of
+from wakeful.server.faces.console import console_routers
 from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.liveview import live_router
 from wakeful.server.faces.mcpserver import TokenVerifier, WakefulMCP
@@ -421,6 +423,8 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
 
     app.include_router(router)
     app.include_router(memory_router)
+    for console in console_routers():  # the console's pages at `/` (`server.faces.console`)
+        app.include_router(console)
     # The MCP app answers only its own paths (`/mcp`, streamable HTTP with a bearer token, and the token's resource
     # metadata): mounted under everything, it would answer every unknown path, and every wrong method on a known
     # one, with its own plain-text 404.

@@ -91,7 +91,8 @@ def live_router(views: LiveViews) -> APIRouter:
                         ) -> dict[str, Any]:
         """A one-time link to watch the user's tool computer without taking control."""
         token, expires_at = views.offer_view(user, timedelta(minutes=minutes))
-        return {"link": f"{str(request.base_url).rstrip('/')}/v1/live/{token}", "view_only": True,
+        base = request.app.state.runtime.settings.public_url or str(request.base_url)
+        return {"link": f"{base.rstrip('/')}/v1/live/{token}", "view_only": True,
                 "expires_at": expires_at.isoformat()}
 
     @router.get("/v1/live/{token}", status_code=303, response_class=RedirectResponse, responses=refusals("gone"))

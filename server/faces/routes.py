@@ -37,6 +37,7 @@ from wakeful.server.acting.actions import load_action
 from wakeful.server.acting.connectors import Registry
 from wakeful.server.acting.verdicts import gather_facts, render_card
 from wakeful.server.core import control, holds, sessions, speaking, steers
+from wakeful.server.core import outbox as outbox_core
 from wakeful.server.core.keys import MAX_KEYS
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound
@@ -65,7 +66,7 @@ from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, events, outbox
 from wakeful.server.tools.layer import Completion
 
-__all__ = ["router"]
+__all__ = ["ControlIn", "decide", "router", "set_stop", "transition"]
 
 router = APIRouter(dependencies=[Depends(current_user)])
 """Every route here is the user's: the router itself asks for a user credential (an agent's is 403
@@ -126,15 +127,15 @@ def check_completion(registry: Registry, completion: list[Completion]) -> list[d
 
 @router.post("/v1/control/stop", response_model=StopRecorded, response_model_exclude_unset=True)
 def stop(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
-    return _set_stop(user, rt, stopped=True, reason=body.reason if body else "")
+    return set_stop(user, rt, stopped=True, reason=body.reason if body else "")
 
 
 @router.post("/v1/control/start", response_model=StopRecorded, response_model_exclude_unset=True)
 def start(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
-    return _set_stop(user, rt, stopped=False, reason=body.reason if body else "")
+    return set_stop(user, rt, stopped=False, reason=body.reason if body else "")
 
 
-def _set_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str, Any]:
+def set_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str, Any]:
     """Record the caller's STOP or START and answer what is true afterwards: a START does not lift a STOP over
     everything, which only the deployment's operator records (`wakeful start`)."""
     with write(rt.engine) as conn:
@@ -283,20 +284,22 @@ def messages(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None, afte
             raise BadRequest("invalid_parameter", "pass `after` or `cursor`, not both")
         with read(rt.engine) as conn:
             rows = conn.execute(query.where(outbox.c.seq > after).order_by(outbox.c.seq).limit(limit)).all()
-        return {"messages": [_message(r) for r in rows], "next": None, "after": rows[-1].seq if rows else after}
+        return {"messages": [_message(r, rt.settings.base_url) for r in rows], "next": None,
+                "after": rows[-1].seq if rows else after}
     before = decode_cursor(cursor, parts=1)
     if before is not None:
         query = query.where(outbox.c.id < before[0])
     with read(rt.engine) as conn:
         rows = conn.execute(query.order_by(outbox.c.id.desc()).limit(limit + 1)).all()
     page = rows[:limit]
-    return {"messages": [_message(r) for r in page],
+    return {"messages": [_message(r, rt.settings.base_url) for r in page],
             "next": encode_cursor([page[-1].id]) if len(rows) > limit else None}
 
 
-def _message(row: Any) -> dict[str, Any]:
+def _message(row: Any, base_url: str) -> dict[str, Any]:
     return {"id": row.id, "seq": row.seq, "state": row.state, "created_at": row.created_at.isoformat(),
-            "body": json.loads(row.body), "gate": row.gate, "summary_id": row.summary_id,
+            "body": outbox_core.linked(json.loads(row.body), base_url), "gate": row.gate,
+            "summary_id": row.summary_id,
             "held_until": row.held_until.isoformat() if row.held_until else None}
 
 

@@ -61,12 +61,14 @@ __all__ = [
     "actions",
     "agent_credentials",
     "append_only_ddl",
+    "approval_links",
     "approval_uses",
     "approvals",
     "attempts",
     "attempts_guard_ddl",
     "MEMORY_MUTABLE",
     "memory_guard_ddl",
+    "console_sessions",
     "control",
     "decisions",
     "egress_audit",
@@ -382,6 +384,7 @@ tasks = Table(
     _now_col("created_at", nullable=False),
     _now_col("closed_at"),
     _check("state", TaskState),
+    Index(None, "user_id", "created_at"),  # the console's task list, newest first
 )
 
 task_versions = Table(
@@ -490,6 +493,7 @@ events = Table(
     Index(None, "session_id", "status"),
     Index(None, "status", "attempts"),  # pending events and poison ones, without reading the settled ones
     Index(None, "user_id", "corr_key"),
+    Index(None, "user_id", "received_at"),  # the console's activity, newest first
     _check("status", EventStatus),
     _check("kind", EventKind),
     _authority_check(Authority.USER, Authority.AGENT, Authority.SYSTEM),
@@ -520,6 +524,7 @@ runs = Table(
     _now_col("ended_at"),
     Index(None, "session_id", "outcome"),
     Index(None, "outcome"),  # the sweeper's look for runs still marked running
+    Index(None, "user_id", "started_at"),  # the console's runs, newest first
     _check("outcome", RunOutcome),
 )
 
@@ -569,6 +574,7 @@ timers = Table(
     _now_col("ended_at"),  # when it was cancelled or fired its last
     Column("end_reason", Text),
     Index(None, "state", "due_at"),
+    Index(None, "user_id", "created_at"),  # the console's timers, newest first
     _check("kind", TimerKind),
     _check("state", TimerState),
     CheckConstraint("misfire IN ('skip', 'catch_up_once')", name="misfire_valid"),
@@ -595,6 +601,8 @@ outbox = Table(
     Column("summary_id", String(40)),  # the summary a held message went out in
     Index(None, "state", "next_attempt_at"),
     Index(None, "user_id", "seq", unique=True),
+    Index(None, "user_id", "created_at"),  # the console's outbox, newest first
+    Index(None, "session_id", "created_at"),  # a task's messages
     _check("kind", OutboxKind),
     _check("state", OutboxState),
 )
@@ -996,6 +1004,32 @@ egress_audit = Table(
     CheckConstraint("verdict IN ('allow', 'refuse')", name="verdict_valid"),
 )
 """One row per request the egress proxy saw, allowed or refused. Never headers, bodies, queries or secrets."""
+
+console_sessions = Table(
+    "console_sessions",
+    metadata,
+    Column("id_digest", String(64), primary_key=True),  # SHA-256 of the cookie's session ID; the ID is never stored
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("csrf_token", String(64), nullable=False),  # every form of the session carries it; every POST is checked
+    _now_col("created_at", nullable=False),
+    _now_col("expires_at", nullable=False),
+    Index(None, "user_id"),
+)
+"""The console's signed-in browsers (`server.faces.console.signin`): a row per sign-in, deleted at sign-out."""
+
+approval_links = Table(
+    "approval_links",
+    metadata,
+    Column("token_digest", String(64), primary_key=True),  # SHA-256 of the link's token; the token is never stored
+    Column("user_id", String(40), ForeignKey("users.id"), nullable=False),
+    Column("action_id", String(40), ForeignKey("actions.id"), nullable=False),
+    Column("content_hash", String(64), nullable=False),  # the action's, when the link was made: a changed one refuses
+    _now_col("created_at", nullable=False),
+    _now_col("expires_at", nullable=False),
+    _now_col("used_at"),  # set once, when the signed-in user opened it: the link is good once
+    Index(None, "action_id"),
+)
+"""One-time links in approval requests that open the action's card in the console (`server.faces.console.links`)."""
 
 APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "verdicts", "approvals",
                "approval_uses", "evidence", "refusals", "run_contexts", "tool_results", "egress_grants",

@@ -46,7 +46,9 @@ def schema(engine: Engine) -> dict[str, object]:
                     "uniques": sorted(re.findall(r"CONSTRAINT (\w+) UNIQUE \(([^)]*)\)", sql)),
                 }
             elif kind == "index":
-                out[name] = (table, conn.exec_driver_sql(f"PRAGMA index_info({name})").all(), sql)
+                # By column name, not position: a column a later migration added sits last in a migrated table.
+                out[name] = (table, [(seqno, column) for seqno, _cid, column in
+                                     conn.exec_driver_sql(f"PRAGMA index_info({name})").all()], sql)
             else:
                 out[name] = (kind, table, " ".join(sql.split()))
     return out

@@ -1,0 +1,211 @@
+"""The console in real headless Chromium (Playwright over Debian's chromium) against the real HTTP stack: sign in,
+approval cards raised by real runs of a scripted model, approve and watch the dispatch appear, deny, pause a task
+while its approval is open (approving then refuses, and says why), STOP and START, the activity pages. A screenshot
+of each page is saved under the test's tmp dir and copied to /work/scratch/shots/ when that folder's parent exists."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import Page, sync_playwright  # noqa: TID251 - a test drives the browser, not the server
+from sqlalchemy import Engine
+
+from tests.support.acting import CANCEL_VERIFIED, World, world
+from tests.support.chromium import CHROMIUM
+from tests.support.serve import serving
+from wakeful.proxy.clock import FakeClock
+from wakeful.server.core.worker import Binding, Worker
+from wakeful.server.faces.console import listing
+from wakeful.server.faces.http import create_app
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, calls
+from wakeful.server.harness.wake import Harness
+from wakeful.server.runtime import Runtime
+from wakeful.server.settings import Settings
+from wakeful.server.store.db import read, write
+from wakeful.server.store.users import issue_token
+
+pytestmark = pytest.mark.browser
+SHOTS = Path("/work/scratch/shots")
+
+
+@dataclass
+class Console:
+    w: World
+    url: str
+    token: str
+    page: Page
+    shots: Path
+
+    def shot(self, name: str) -> None:
+        path = self.shots / f"console-{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        if SHOTS.parent.is_dir():
+            SHOTS.mkdir(exist_ok=True)
+            shutil.copy(path, SHOTS / path.name)
+
+    def open(self, path: str) -> None:
+        self.page.goto(self.url + path)
+
+    def pending(self, task: Binding) -> str:
+        with read(self.w.engine) as conn:
+            (action,) = listing.pending_approvals(conn, user_id=self.w.owner, task_id=task.task_id)
+        return str(action["id"])
+
+
+@pytest.fixture
+def console(engine: Engine, clock: FakeClock, owner: str, settings: Settings, tmp_path: Path) -> Iterator[Console]:
+    with world(engine, clock, owner) as w:
+        runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine, registry=w.tools.registry)
+        runtime.prepare()
+        with write(engine) as conn:
+            token = issue_token(conn, user_id=owner)
+        shots = tmp_path / "shots"
+        shots.mkdir()
+        with serving(create_app(runtime, manage_runtime=False)) as url, sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                         args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            try:
+                page = browser.new_context(viewport={"width": 420, "height": 860}).new_page()  # a phone's width
+                page.set_default_timeout(15_000)
+                yield Console(w=w, url=url, token=token, page=page, shots=shots)
+            finally:
+                browser.close()
+
+
+def run_a_cancellation(w: World, settings: Settings) -> Binding:
+    """A new task, and one real run of a scripted model that lists the subscriptions and asks to cancel the first:
+    the run ends waiting for the user's approval."""
+    task = w.task(completion=CANCEL_VERIFIED)
+
+    def cancel_first(request: ModelRequest) -> ModelReply:
+        listed = json.loads(request.messages[-1]["content"][0]["content"])
+        return calls(("merchant__cancel_renewal", {"subscription": listed["objects"][0]["id"]}))
+
+    model = ScriptedModel([calls(("merchant__list_subscriptions", {})), cancel_first])
+    harness = Harness(model, registry=w.tools.registry, instructions=None, max_tokens_per_run=100_000)
+    assert Worker(w.engine, settings, w.clock, harness, tools=w.tools).run_once()
+    return task
+
+
+def sign_in(c: Console) -> None:
+    c.open("/")
+    c.page.wait_for_selector("#token")
+    assert "/signin" in c.page.url
+    c.shot("signin")
+    c.page.fill("#token", c.token)
+    c.page.click("button[type=submit]")
+    c.page.wait_for_selector("text=Hello, owner")
+
+
+def test_approve_deny_and_a_paused_tasks_refusal_in_a_real_browser(console: Console, settings: Settings) -> None:
+    c, w = console, console.w
+    approved, denied, paused = (run_a_cancellation(w, settings) for _ in range(3))
+    sign_in(c)
+    assert c.page.locator("main li").count() == 3
+    c.shot("home")
+    c.open("/approvals")
+    assert c.page.locator(".approval").count() == 3
+    c.shot("approvals")
+
+    # Approve: the card says what, to whom, how much and the content hash; the dispatch then shows on the task.
+    action_id = c.pending(approved)
+    c.open(f"/approvals/{action_id}")
+    card = c.page.inner_text("#card")
+    assert "merchant__cancel_renewal" in card and "sha256:" in card and "19.99 EUR" in card
+    c.shot("card")
+    c.page.click("#approve")
+    c.page.wait_for_selector("#result")
+    assert c.page.inner_text("#verdict") == "admitted"
+    c.shot("approved")
+    w.dispatcher.drain()
+    c.open(f"/tasks/{approved.task_id}")
+    assert c.page.inner_text("#actions .outcome") == "accepted"
+    assert len(w.merchant.effects) == 1
+    c.shot("task")
+
+    # Deny.
+    c.open(f"/approvals/{c.pending(denied)}")
+    c.page.click("#deny")
+    c.page.wait_for_selector("#result")
+    assert c.page.inner_text("h1") == "Denied"
+
+    # Pause a task while its approval is open: the card says approving would be refused, and approving refuses.
+    action_id = c.pending(paused)
+    c.open(f"/tasks/{paused.task_id}")
+    c.page.click("#pause")
+    c.page.wait_for_selector("#task-state:has-text('paused')")
+    c.open(f"/approvals/{action_id}")
+    assert "approving now would be refused" in c.page.inner_text("#verdict-now")
+    c.shot("card-paused")
+    c.page.click("#approve")
+    c.page.wait_for_selector("#result")
+    assert c.page.inner_text("#verdict") == "refused" and "paused" in c.page.inner_text("#reason")
+    c.shot("refused-paused")
+    w.dispatcher.drain()
+    assert len(w.merchant.effects) == 1
+
+    c.open("/tasks")
+    assert c.page.locator("#tasks a").count() == 3
+    c.shot("tasks")
+
+
+def test_the_approval_link_from_another_site_opens_the_card_in_the_signed_in_browser(console: Console,
+                                                                                      settings: Settings) -> None:
+    """The session cookie is SameSite=Strict, so the click in a mail (another site) does not carry it: the link's
+    page comes straight back to itself, which does."""
+    c = console
+    task = run_a_cancellation(c.w, settings)
+    sign_in(c)
+    auth = {"Authorization": f"Bearer {c.token}"}
+    (message,) = httpx.get(f"{c.url}/v1/messages", headers=auth).json()["messages"]
+    link = message["body"]["link"].replace("http://127.0.0.1:8787", c.url)  # public_url unset: the default address
+    c.page.goto("about:blank")
+    c.page.set_content(f'<p>From your mail: <a id="mail" href="{link}">approve?</a></p>')
+    c.page.click("#mail")
+    c.page.wait_for_selector("#card")
+    assert c.page.url.endswith(f"/approvals/{c.pending(task)}")
+    c.shot("card-from-link")
+    c.page.goto(link)  # the link is good once
+    assert "link_used" in c.page.inner_text("#code")
+
+
+def test_stop_and_start_and_a_forged_post_in_a_real_browser(console: Console, settings: Settings) -> None:
+    c = console
+    run_a_cancellation(c.w, settings)
+    sign_in(c)
+    c.page.fill("input[name=reason]", "going on holiday")
+    c.page.click("#stop")
+    c.page.wait_for_selector("#stop-banner")
+    c.shot("stopped")
+    auth = {"Authorization": f"Bearer {c.token}"}
+    assert httpx.get(f"{c.url}/v1/control", headers=auth).json()["stopped"] is True
+    c.open("/")
+    c.page.click("#start")
+    c.page.wait_for_selector("text=START recorded")
+    assert c.page.locator("#stop-banner").count() == 0
+    assert httpx.get(f"{c.url}/v1/control", headers=auth).json()["stopped"] is False
+
+    # A form posted with the browser's own cookie but without the CSRF token (what a forged form would send).
+    cookies = {k["name"]: k["value"] for k in c.page.context.cookies()}
+    forged = httpx.post(f"{c.url}/stop", data={"reason": "forged"}, cookies=cookies)
+    assert forged.status_code == 403 and "bad_csrf_token" in forged.text
+    assert httpx.get(f"{c.url}/v1/control", headers=auth).json()["stopped"] is False
+
+    for name, path in (("activity-events", "/activity"), ("activity-runs", "/activity?view=runs"),
+                       ("activity-timers", "/activity?view=timers"), ("activity-outbox", "/activity?view=outbox"),
+                       ("egress", "/egress"), ("handoff", "/handoff")):
+        c.open(path)
+        assert c.page.locator("main h1").count() == 1
+        c.shot(name)
+    c.open("/activity?view=runs")
+    c.page.click("#activity a")
+    c.page.wait_for_selector("#steps")
+    assert c.page.locator("#steps tr").count() >= 3  # the header, and the run's two steps
+    c.shot("run")
