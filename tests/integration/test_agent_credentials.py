@@ -59,6 +59,13 @@ AGENT_CHANNEL = {("POST", "/mcp"), ("GET", "/mcp"), ("DELETE", "/mcp"),
 """The agent's own channel: an agent credential is for this."""
 
 
+def console_route(route: tuple[str, str]) -> bool:
+    """A page of the console (`server.faces.console`): its credential is a signed-in session's cookie, which only a
+    user credential opens (`test_the_console_does_not_sign_in_an_agent_credential`); a bearer header is not read."""
+    path = route[1]
+    return not path.startswith(("/v1/", "/mcp", "/novnc/", "/.well-known/")) and path != "/healthz"
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
@@ -167,7 +174,7 @@ def test_an_agent_credential_is_refused_at_every_route_but_the_agents_own_and_th
     token = cli(tmp_path, db_url, "token").stdout.strip()
     routes = served_routes(app)
     assert ("POST", "/v1/actions/{action_id}/{decision}") in routes and ("POST", "/v1/live/view") in routes
-    guarded = sorted(r for r in routes if r not in OPEN and r not in AGENT_CHANNEL
+    guarded = sorted(r for r in routes if r not in OPEN and r not in AGENT_CHANNEL and not console_route(r)
                      and not r[1].startswith(WebhookInbox.PREFIX))  # a webhook's signature authenticates it
     assert len(guarded) >= 15, guarded  # the control routes are listed, not missed
 
@@ -194,6 +201,37 @@ def test_an_agent_credential_is_refused_at_every_route_but_the_agents_own_and_th
     for method, path in OPEN:
         if method != "WS" and (method, path) in routes:
             assert _code(call(method, path, credential)) not in (REFUSED, "missing_token", "bad_token"), path
+
+    # the console's pages ignore a bearer header: without a session a page sends the browser to sign in, and a
+    # form is refused (no session, no CSRF token), so an agent credential changes nothing there either
+    pages = sorted(r for r in routes if console_route(r))
+    assert ("POST", "/approvals/{action_id}/{decision}") in pages and ("POST", "/stop") in pages
+    for method, path in pages:
+        answer = httpx.request(method, f"{base}{_concrete(path)}", headers={"Authorization": f"Bearer {credential}"},
+                               data={"reason": "x"} if method == "POST" else None)
+        signed_out_pages = {("GET", "/signin"), ("GET", "/a/{token}")}  # the sign-in form; a link's bounce page
+        allowed = (200, 303, 400, 401, 403, 404) if (method, path) in signed_out_pages else (303, 400, 401, 403, 404)
+        assert answer.status_code in allowed, (method, path, answer.status_code)
+        if answer.status_code == 303:
+            assert answer.headers["location"].startswith("/signin"), (method, path)
+
+
+@BOTH
+def test_the_console_does_not_sign_in_an_agent_credential(tmp_path: Path, db_url: str, base: str) -> None:
+    credential = cli(tmp_path, db_url, "agent", "add", "claude-code").stdout.strip()
+    token = cli(tmp_path, db_url, "token").stdout.strip()
+    with httpx.Client(base_url=base) as browser:
+        form = browser.get("/signin")
+        csrf = re.search(r'name="csrf" value="([^"]+)"', form.text)
+        assert csrf, form.text
+        refused = browser.post("/signin", data={"csrf": csrf.group(1), "token": credential, "next": "/"})
+        assert refused.status_code == 403 and "agent credential" in refused.text
+        assert "wakeful_console" not in browser.cookies
+        csrf = re.search(r'name="csrf" value="([^"]+)"', browser.get("/signin").text)
+        assert csrf
+        signed_in = browser.post("/signin", data={"csrf": csrf.group(1), "token": token, "next": "/"})
+        assert signed_in.status_code == 303 and signed_in.headers["location"] == "/"
+        assert "wakeful_console" in browser.cookies
 
 
 @BOTH

@@ -388,7 +388,8 @@ async def test_an_mcp_client_remembers_for_its_own_task_only(w: World, settings:
         row = conn.execute(select(memories)).one()
         refused = conn.execute(select(memory_changes.c.code).where(memory_changes.c.change == "refused")
                                .order_by(memory_changes.c.at, memory_changes.c.id)).scalars().all()
-    assert (row.scope, row.scope_ref, row.speaker_name, row.state) == ("task", task_id, "mcp", "pending")
+    assert (row.scope, row.scope_ref, row.state) == ("task", task_id, "pending")
+    assert row.speaker_name == f"agent:{row.user_id} via mcp"  # the agent whose channel it came through
     assert refused == ["user_only", "invalid_memory"]
 
 

@@ -58,9 +58,13 @@ def home(request: Request, me: Me) -> HTMLResponse:
 
 @router.get("/signin")
 def signin_form(request: Request, next: Next = "/", error: str | None = None) -> HTMLResponse:
+    return _signin_page(request, next=next, error=error)
+
+
+def _signin_page(request: Request, *, next: str, error: str | None, status: int = 401) -> HTMLResponse:
     csrf = secrets.token_urlsafe(24)
     response = page(request, "signin.html", me=None, next=_safe_next(next), csrf=csrf, error=error,
-                    status_code=401 if error else 200)
+                    status_code=status if error else 200)
     response.set_cookie(SIGNIN_COOKIE, csrf, max_age=3600, httponly=True, samesite="strict", secure=_secure(request),
                         path="/signin")
     return response
@@ -80,6 +84,9 @@ def signin(request: Request, form: Form) -> Response:
     except Unauthorized:
         return signin_form(request, next=form.get("next", "/"), error="That token is not valid: paste the token "
                                                                       "`wakeful token` printed.")
+    except Refused as refused:  # an agent credential
+        return _signin_page(request, next=form.get("next", "/"), error=refused.message[:1].upper()
+                            + refused.message[1:] + ".", status=403)
     response = RedirectResponse(_safe_next(form.get("next", "/")), status_code=303)
     response.set_cookie(COOKIE, session_id, max_age=int(SESSION_TTL.total_seconds()), httponly=True,
                         samesite="strict", secure=_secure(request), path="/")
