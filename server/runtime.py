@@ -19,6 +19,8 @@ from sqlalchemy import Engine, and_, func, select
 from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
+from wakeful.server.audit.seal import seal
+from wakeful.server.audit.signing import LedgerKey, load_or_create_key
 from wakeful.server.computers.handoff import LiveViews
 from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm_packages
 from wakeful.server.core import control, faults, outbox, speaking, timers, waits
@@ -109,6 +111,7 @@ class Runtime:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.engine = engine or make_engine(settings.db_url)
+        self._ledger_key: LedgerKey | None = None  # loaded (or created) by the first seal
         self.signals = Signals()
         self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set,
                                         coalesce=timedelta(seconds=settings.coalesce_seconds))
@@ -291,6 +294,12 @@ class Runtime:
         # Never less than a poll: a read that failed before it left (and so left no evidence) is not retried hot.
         return max(self.settings.poll_interval, (following - self.clock.now()).total_seconds())
 
+    def seal_ledger(self) -> int:
+        """Chain the history rows written since the last seal and sign a checkpoint (`server.audit.seal`)."""
+        if self._ledger_key is None:
+            self._ledger_key = load_or_create_key(self.settings.ledger_key_path)
+        return seal(self.engine, self._ledger_key, now=self.clock.now())
+
     def _sweeper_loop(self) -> None:
         while not self.signals.stop.wait(self.settings.sweep_interval):
             self._guarded("sweeper", self.sweep_once)
@@ -305,4 +314,5 @@ class Runtime:
             suspended = self.computers.reap()  # idle tool computers go to disk: their RAM is freed
             if suspended:
                 log.info("suspended idle tool computers of %s", ", ".join(suspended))
+        self.seal_ledger()
         return 0.0
