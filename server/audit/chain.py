@@ -45,12 +45,15 @@ class Problem:
     pos: int | None  # None for a row the chain never had
     table: str | None
     key: str | None
+    part: str = "row"
     detail: str
 
     def describe(self) -> str:
         where = "" if self.pos is None else f"pos {self.pos}: "
-        row = "" if self.table is None else f"{self.table} {(self.key or '').replace(CHAIN_KEY_SEPARATOR, '/')}: "
-        return f"{where}{row}{self.kind.value}: {self.detail}"
+        row = "" if self.table is None else f"{self.table} {(self.key or '').replace(CHAIN_KEY_SEPARATOR, '/')}"
+        if row and self.part != "row":
+            row += f" ({self.part})"
+        return f"{where}{row}{': ' if row else ''}{self.kind.value}: {self.detail}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,5 +117,4 @@ def check(entries: Iterable[Entry], checkpoints: Sequence[Checkpoint], key: Publ
 
 
 def _problem(kind: ProblemKind, entry: Entry, detail: str) -> Problem:
-    return Problem(kind=kind, pos=entry.pos, table=entry.table, key=entry.key, detail=f"{entry.part}: {detail}"
-                   if entry.part != "row" else detail)
+    return Problem(kind=kind, pos=entry.pos, table=entry.table, key=entry.key, part=entry.part, detail=detail)

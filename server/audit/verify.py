@@ -71,8 +71,8 @@ def verify_database(engine: Engine, key: PublicKey) -> Verdict:
     """Every check of `chain.check`, and every chained row must have an entry."""
     seen = snapshot(engine)
     verdict = check((entry for entry, _ in seen.entries), seen.checkpoints, key)
-    stray = [Problem(kind=ProblemKind.INSERTED, pos=None, table=table, key=key_, detail=f"{part}: the row has no "
-                     "entry in the chain: written behind the ledger's triggers")
+    stray = [Problem(kind=ProblemKind.INSERTED, pos=None, table=table, key=key_, part=part,
+                     detail="the row has no entry in the chain: written behind the ledger's triggers")
              for table, key_, part in seen.outside]
     return Verdict(entries=verdict.entries, checkpoints=verdict.checkpoints, head_pos=verdict.head_pos,
                    head_hash=verdict.head_hash, pending=seen.pending, problems=verdict.problems + stray)

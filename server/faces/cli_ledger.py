@@ -81,7 +81,7 @@ def _report(verdict: Verdict, what: str, as_json: bool) -> None:
     if as_json:
         print_json({"ok": verdict.ok, "entries": verdict.entries, "checkpoints": verdict.checkpoints,
                     "head_pos": verdict.head_pos, "head_hash": verdict.head_hash, "pending": verdict.pending,
-                    "problems": [{"kind": p.kind.value, "pos": p.pos, "table": p.table, "key": p.key,
+                    "problems": [{"kind": p.kind.value, "pos": p.pos, "table": p.table, "key": p.key, "part": p.part,
                                   "detail": p.detail} for p in verdict.problems]})
     elif verdict.ok:
         typer.echo(f"{what} verifies: {verdict.entries} rows chained, {verdict.checkpoints} signed checkpoints, "
