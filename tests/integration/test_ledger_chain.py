@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Connection, Engine, insert, select, text, update
 
+from tests.support.docs import doc_commands
 from wakeful.proxy.audit import EgressRecord
 from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import RefusalCode
@@ -40,12 +41,14 @@ BOTH = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True
 WAKEFUL = str(Path(sys.executable).parent / "wakeful")
 
 
-def wakeful(engine: Engine, data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def wakeful(engine: Engine | None, data_dir: Path, *args: str, cwd: Path | None = None
+            ) -> subprocess.CompletedProcess[str]:
     """The command line as a user runs it, on this test's database."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_") and k != "ANTHROPIC_API_KEY"}
-    url = [] if engine.dialect.name == "sqlite" else ["--database-url", engine.url.render_as_string(False)]
+    url = [] if engine is None or engine.dialect.name == "sqlite" else [
+        "--database-url", engine.url.render_as_string(False)]
     return subprocess.run([WAKEFUL, "ledger", *args, "--data-dir", str(data_dir), *url], env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
 def history(engine: Engine, clock: FakeClock, owner: str) -> dict[str, str]:
@@ -284,3 +287,35 @@ def test_the_sweeper_seals_and_the_key_is_created_owner_only(runtime: Runtime, s
     verdict = verify_database(engine, load_or_create_key(settings.ledger_key_path).public)
     assert verdict.ok and verdict.entries >= 6 and verdict.pending == 0
     assert runtime.seal_ledger() == 0  # nothing new: nothing sealed, no new checkpoint
+
+
+def test_the_commands_in_the_audit_doc_verify_export_and_check_offline(engine: Engine, sealed: dict[str, str],
+                                                                       tmp_path: Path) -> None:
+    commands = doc_commands("audit.md", "ledger")
+    assert commands == [["verify"], ["key", ">", "ledger.pub"], ["export", "ledger-export.jsonl"],
+                        ["verify", "--export", "ledger-export.jsonl", "--key", "ledger.pub"]]
+    work = tmp_path / "work"
+    work.mkdir()
+    for args in commands:
+        target = args[args.index(">") + 1] if ">" in args else None
+        result = wakeful(engine, tmp_path, *(args[:args.index(">")] if target else args), cwd=work)
+        assert result.returncode == 0, (args, result.stdout, result.stderr)
+        if target:
+            (work / target).write_text(result.stdout)
+    assert "ledger-export.jsonl verifies: " in result.stdout
+
+
+def test_the_command_line_refuses_what_it_cannot_check_in_one_line(tmp_path: Path) -> None:
+    empty = wakeful(None, tmp_path / "nothing", "verify")
+    assert empty.returncode == 2 and "wakeful: no_data:" in empty.stderr
+    (tmp_path / "x.jsonl").write_text('{"format": "wakeful-ledger-export/1"}\n{"pos": "one"}\n')
+    no_key = wakeful(None, tmp_path, "verify", "--export", str(tmp_path / "x.jsonl"))
+    assert no_key.returncode == 2 and "wakeful: missing_key:" in no_key.stderr
+    bad_key = wakeful(None, tmp_path, "verify", "--export", str(tmp_path / "x.jsonl"), "--key", "ed25519:nope")
+    assert bad_key.returncode == 2 and "wakeful: invalid_key:" in bad_key.stderr
+    key = load_or_create_key(tmp_path / "k").public.text()
+    hostile = wakeful(None, tmp_path, "verify", "--export", str(tmp_path / "x.jsonl"), "--key", key)
+    assert hostile.returncode == 2 and "wakeful: invalid_export: line 2 " in hostile.stderr
+    missing = wakeful(None, tmp_path, "verify", "--export", str(tmp_path / "none.jsonl"), "--key", key)
+    assert missing.returncode == 2 and "wakeful: cannot_read:" in missing.stderr
+    assert "Traceback" not in empty.stderr + no_key.stderr + bad_key.stderr + hostile.stderr + missing.stderr
