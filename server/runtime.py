@@ -19,8 +19,6 @@ from sqlalchemy import Engine, and_, func, select
 from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
-from wakeful.server.audit.seal import seal
-from wakeful.server.audit.signing import LedgerKey, load_or_create_key
 from wakeful.server.computers.handoff import LiveViews
 from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm_packages
 from wakeful.server.core import control, faults, outbox, speaking, timers, waits
@@ -44,6 +42,7 @@ from wakeful.server.store.tables import waits as waits_table
 from wakeful.server.tools.layer import ToolLayer
 
 if TYPE_CHECKING:
+    from wakeful.server.audit.signing import LedgerKey
     from wakeful.vm.hypervisor import ProxyCredential
 
 __all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
@@ -296,6 +295,9 @@ class Runtime:
 
     def seal_ledger(self) -> int:
         """Chain the history rows written since the last seal and sign a checkpoint (`server.audit.seal`)."""
+        from wakeful.server.audit.seal import seal  # here: every `wakeful` command imports this module
+        from wakeful.server.audit.signing import load_or_create_key
+
         if self._ledger_key is None:
             self._ledger_key = load_or_create_key(self.settings.ledger_key_path)
         return seal(self.engine, self._ledger_key, now=self.clock.now())
