@@ -9,6 +9,7 @@ hash's 32 bytes, from `GENESIS`. An attempt is chained twice: `row` over what ne
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -45,13 +46,16 @@ def columns_of(table: Table, part: Part) -> list[str]:
 
 
 def _value(value: Any) -> Any:
-    if isinstance(value, datetime):
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    if kind is datetime:
         if value.tzinfo is None:
             raise ValueError("a naive datetime in a chained row")
-        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    raise TypeError(f"a chained row holds a {type(value).__name__}, which has no canonical form")
+        if value.utcoffset():
+            value = value.astimezone(UTC)
+        return value.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+    raise TypeError(f"a chained row holds a {kind.__name__}, which has no canonical form")
 
 
 def canonical_row(row: Mapping[str, Any], columns: list[str]) -> dict[str, Any]:
@@ -59,12 +63,14 @@ def canonical_row(row: Mapping[str, Any], columns: list[str]) -> dict[str, Any]:
     return {name: _value(row[name]) for name in columns}
 
 
+_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def row_hash(table: str, part: Part | str, row: Mapping[str, Any]) -> str:
     """SHA-256 (hex) over the canonical form of a row already in canonical values (`canonical_row`, or an export's
     row as read back)."""
     document = {"table": table, "part": str(part), "row": dict(row)}
-    data = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(data.encode()).hexdigest()
+    return hashlib.sha256(_JSON.encode(document).encode()).hexdigest()
 
 
 def chain_link(previous: str, row: str) -> str:
@@ -74,4 +80,9 @@ def chain_link(previous: str, row: str) -> str:
 
 def row_key(table: Table, row: Mapping[str, Any]) -> str:
     """The row's key as the insert triggers write it: its primary key's values joined by CHAIN_KEY_SEPARATOR."""
-    return CHAIN_KEY_SEPARATOR.join(str(row[column.name]) for column in table.primary_key)
+    return CHAIN_KEY_SEPARATOR.join(str(row[name]) for name in _key_columns(table))
+
+
+@functools.cache
+def _key_columns(table: Table) -> tuple[str, ...]:
+    return tuple(column.name for column in table.primary_key)
