@@ -58,7 +58,7 @@ def _value(value: Any) -> Any:
     raise TypeError(f"a chained row holds a {kind.__name__}, which has no canonical form")
 
 
-def canonical_row(row: Mapping[str, Any], columns: list[str]) -> dict[str, Any]:
+def canonical_row(row: Mapping[Any, Any], columns: list[str]) -> dict[str, Any]:
     """The row's values for `columns`, each in its canonical JSON form."""
     return {name: _value(row[name]) for name in columns}
 
@@ -78,7 +78,7 @@ def chain_link(previous: str, row: str) -> str:
     return hashlib.sha256(bytes.fromhex(previous) + bytes.fromhex(row)).hexdigest()
 
 
-def row_key(table: Table, row: Mapping[str, Any]) -> str:
+def row_key(table: Table, row: Mapping[Any, Any]) -> str:
     """The row's key as the insert triggers write it: its primary key's values joined by CHAIN_KEY_SEPARATOR."""
     return CHAIN_KEY_SEPARATOR.join(str(row[name]) for name in _key_columns(table))
 

@@ -19,23 +19,23 @@ def chained_tables() -> list[Table]:
     return [metadata.tables[name] for name in CHAINED]
 
 
-def parts(table: Table, row: Mapping[str, Any]) -> Iterator[tuple[Part, dict[str, Any]]]:
+def parts(table: Table, row: Mapping[Any, Any]) -> Iterator[tuple[Part, dict[str, Any]]]:
     """The row's chained parts, each in canonical values: its `row`, and an attempt's `outcome` once written."""
     yield Part.ROW, canonical_row(row, columns_of(table, Part.ROW))
     if table.name == "attempts" and row["outcome"] is not None:
         yield Part.OUTCOME, canonical_row(row, columns_of(table, Part.OUTCOME))
 
 
-def rows_of(conn: Connection, table: Table) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def rows_of(conn: Connection, table: Table) -> Iterator[tuple[str, Mapping[Any, Any]]]:
     """Every row of `table`, with its chain key."""
     for row in conn.execute(select(table)).mappings():
         yield row_key(table, row), row
 
 
-def rows_with_keys(conn: Connection, table: Table, keys: Sequence[str]) -> dict[str, Mapping[str, Any]]:
+def rows_with_keys(conn: Connection, table: Table, keys: Sequence[str]) -> dict[str, Mapping[Any, Any]]:
     """The rows of `table` with these chain keys (a key whose row is gone is left out)."""
     pk = list(table.primary_key)
-    found: dict[str, Mapping[str, Any]] = {}
+    found: dict[str, Mapping[Any, Any]] = {}
     for first in range(0, len(keys), _CHUNK):
         chunk = keys[first:first + _CHUNK]
         if len(pk) == 1:

@@ -51,16 +51,17 @@ def snapshot(engine: Engine) -> Snapshot:
                     current[(table.name, key, part.value)] = values
         listed = conn.execute(select(ledger_chain).order_by(ledger_chain.c.pos)).mappings().all()
         signed = conn.execute(select(ledger_checkpoints).order_by(ledger_checkpoints.c.pos)).mappings().all()
-    entries, unsealed = [], set()
+    entries: list[tuple[Entry, dict[str, Any] | None]] = []
+    unsealed = set()
     for e in listed:
         ident = (e["tbl"], e["row_key"], e["part"])
         if e["pos"] is None:
             unsealed.add(ident)
             continue
-        values = current.pop(ident, None)
-        computed = None if values is None else row_hash(e["tbl"], e["part"], values)
+        found = current.pop(ident, None)
+        computed = None if found is None else row_hash(e["tbl"], e["part"], found)
         entries.append((Entry(pos=e["pos"], table=e["tbl"], key=e["row_key"], part=e["part"], row_hash=e["row_hash"],
-                              chain_hash=e["chain_hash"], computed=computed), values))
+                              chain_hash=e["chain_hash"], computed=computed), found))
     checkpoints = [Checkpoint(pos=c["pos"], chain_hash=c["chain_hash"], signed_at=c["signed_at"], key_id=c["key_id"],
                               signature=c["signature"]) for c in signed]
     return Snapshot(entries=entries, checkpoints=checkpoints, outside=[i for i in current if i not in unsealed],
