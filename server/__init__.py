@@ -1,6 +1,7 @@
 """wakeful's server (`wakeful.server`), in rooms that follow one wake from the outside in:
 
     store      tables, database, migrations, IDs, users                         imports: errors
+    audit      the verifiable ledger: chain, seal, signed checkpoints, verify     + store
     core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, settings
     acting     objects, actions, admission, approvals, policy, connectors, ledger  + core, wakeful.proxy.contract
     computers  the tool-computer pool and the handoff state                      + store, wakeful.vm

@@ -23,15 +23,16 @@ ALLOWED: dict[str, set[str]] = {
     "settings": set(),
     "sims": set(),
     "store": set(),
+    "audit": {"store"},
     "core": {"store"},
     "acting": {"store", "core", "proxy"},  # the proxy's contract only: a connector request is an `EgressRequest`
     "computers": {"store", "vm"},
     "egress": {"store", "core", "acting", "computers", "vm", "proxy"},
     "tools": {"store", "core", "acting", "computers", "egress", "vm"},
     "harness": {"store", "core", "acting", "computers", "egress", "tools", "vm"},
-    "runtime": {"store", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
-    "evals": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy", "sims"},
-    "faces": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm", "proxy",
+    "runtime": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
+    "evals": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy", "sims"},
+    "faces": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm", "proxy",
               "sims"},
 }
 
