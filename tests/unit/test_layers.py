@@ -31,9 +31,10 @@ ALLOWED: dict[str, set[str]] = {
     "tools": {"store", "core", "acting", "computers", "egress", "vm"},
     "harness": {"store", "core", "acting", "computers", "egress", "tools", "vm"},
     "runtime": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
-    "evals": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy", "sims"},
-    "faces": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm", "proxy",
+    "evals": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy",
               "sims"},
+    "faces": {"store", "audit", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm",
+              "proxy", "sims"},
 }
 
 
