@@ -106,7 +106,9 @@ def check(entries: Iterable[Entry], checkpoints: Sequence[Checkpoint], key: Publ
     problems.extend(  # checkpoints past the chain's end: entries were taken off the end
         Problem(kind=ProblemKind.DELETED, pos=pos, table=None, key=None,
                 detail="a checkpoint covers this position, but the chain ends before it") for pos in sorted(signed))
-    explained = any(p.kind is ProblemKind.CHECKPOINT and (p.pos or 0) > last_signed for p in problems)
+    # An unsigned tail is what a forged checkpoint, or one past the end (entries taken off), already explains.
+    explained = bool(signed) or any(p.kind is ProblemKind.CHECKPOINT and (p.pos or 0) > last_signed
+                                    for p in problems)
     if last is not None and last.pos > last_signed and not explained:
         problems.append(Problem(kind=ProblemKind.INSERTED, pos=last_signed + 1, table=None, key=None,
                                 detail=f"entries {last_signed + 1}..{last.pos} come after the last valid signed "
