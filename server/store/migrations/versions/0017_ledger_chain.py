@@ -75,5 +75,9 @@ def downgrade() -> None:
                 op.execute(f"DROP TRIGGER IF EXISTS {table}_{trigger}")
             else:
                 op.execute(f"DROP TRIGGER IF EXISTS {table}_{trigger} ON {table}")
+        if dialect != 'sqlite':
+            op.execute(f"DROP FUNCTION IF EXISTS wakeful_chain_{table}()")
     op.drop_table('ledger_checkpoints')
     op.drop_table('ledger_chain')
+    if dialect != 'sqlite':
+        op.execute("DROP FUNCTION IF EXISTS wakeful_chain_sealed_once()")
