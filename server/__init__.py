@@ -1,6 +1,7 @@
 """wakeful's server (`wakeful.server`), in rooms that follow one wake from the outside in:
 
     store      tables, database, migrations, IDs, users                         imports: errors
+    audit      the verifiable ledger: chain, seal, signed checkpoints, verify     + store
     core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, settings
     memory     what the agent learnt about its user: records, rules, recall      + store (never read to authorize)
     acting     objects, actions, admission, approvals, policy, connectors, ledger  + core, wakeful.proxy.contract

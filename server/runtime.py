@@ -43,6 +43,7 @@ from wakeful.server.store.tables import waits as waits_table
 from wakeful.server.tools.layer import ToolLayer
 
 if TYPE_CHECKING:
+    from wakeful.server.audit.signing import LedgerKey
     from wakeful.vm.hypervisor import ProxyCredential
 
 __all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
@@ -112,6 +113,7 @@ class Runtime:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.engine = engine or make_engine(settings.db_url)
+        self._ledger_key: LedgerKey | None = None  # loaded (or created) by the first seal
         self.signals = Signals()
         self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set,
                                         coalesce=timedelta(seconds=settings.coalesce_seconds))
@@ -294,6 +296,15 @@ class Runtime:
         # Never less than a poll: a read that failed before it left (and so left no evidence) is not retried hot.
         return max(self.settings.poll_interval, (following - self.clock.now()).total_seconds())
 
+    def seal_ledger(self) -> int:
+        """Chain the history rows written since the last seal and sign a checkpoint (`server.audit.seal`)."""
+        from wakeful.server.audit.seal import seal  # here: every `wakeful` command imports this module
+        from wakeful.server.audit.signing import load_or_create_key
+
+        if self._ledger_key is None:
+            self._ledger_key = load_or_create_key(self.settings.ledger_key_path)
+        return seal(self.engine, self._ledger_key, now=self.clock.now())
+
     def _sweeper_loop(self) -> None:
         while not self.signals.stop.wait(self.settings.sweep_interval):
             self._guarded("sweeper", self.sweep_once)
@@ -308,4 +319,5 @@ class Runtime:
             suspended = self.computers.reap()  # idle tool computers go to disk: their RAM is freed
             if suspended:
                 log.info("suspended idle tool computers of %s", ", ".join(suspended))
+        self.seal_ledger()
         return 0.0

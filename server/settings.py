@@ -332,6 +332,11 @@ class Settings(BaseSettings):
         return self.vault_key_file or self.data_dir / "vault.key"
 
     @property
+    def ledger_key_path(self) -> Path:
+        """The Ed25519 key that signs the ledger's checkpoints (`server.audit`), created 0600 on first use."""
+        return self.data_dir / "ledger.key"
+
+    @property
     def proxy_dir(self) -> Path:
         """The deployment CA (`ca.pem`, `ca.key.enc`)."""
         return self.data_dir / "proxy"

@@ -436,11 +436,38 @@ def _budget(text: str) -> int:
 
 
 @app.command("ledger")
-def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID, or `export` for every task as JSON Lines.")],
+def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID; `export` for every task as JSON Lines (or, with "
+                                                        "FILE, the verifiable ledger); `verify`; `key`.")],
+               file: Annotated[Path | None, typer.Argument(help="For `export FILE`: the verifiable ledger, every "
+                                                                "row with its hashes and signed checkpoints.")] = None,
                output: Annotated[Path | None, typer.Option("--output", "-o", help="For export: a file.")] = None,
+               export: Annotated[Path | None, typer.Option("--export", help="For verify: check this export offline, "
+                                                                            "without the database.")] = None,
+               key: Annotated[str | None, typer.Option("--key", help="For verify: the ledger's public key "
+                                                                     "(ed25519:…, or a file holding it).")] = None,
                as_json: Json = False, user: UserOpt = "owner", data_dir: DataDir = None,
                database_url: DbUrl = None) -> None:
-    """A task's whole history in order; `wakeful ledger export` writes every task's as JSON Lines."""
+    """A task's whole history in order; `wakeful ledger export` writes every task's as JSON Lines.
+
+    The verifiable ledger: `wakeful ledger verify` checks every history row against its hash chain and signed
+    checkpoints and names the first bad row (exit 1); `wakeful ledger export FILE` writes the rows with their
+    hashes and checkpoints; `wakeful ledger verify --export FILE --key KEY` checks such a file offline;
+    `wakeful ledger key` prints the public key."""
+    if task in ("verify", "key") or (task == "export" and file is not None):
+        from wakeful.server.faces import cli_ledger
+
+        try:
+            if task == "verify":
+                cli_ledger.verify_ledger(export=export, key=key, as_json=as_json, data_dir=data_dir,
+                                         database_url=database_url)
+            elif task == "key":
+                cli_ledger.print_key(data_dir=data_dir, database_url=database_url)
+            else:
+                assert file is not None
+                cli_ledger.export_ledger(file, data_dir=data_dir, database_url=database_url)
+        except WakefulError as exc:
+            _fail(exc)
+        return
     try:
         _, engine, user_id = _as_user(data_dir, database_url, user)
         with read(engine) as conn:

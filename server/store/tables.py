@@ -34,6 +34,8 @@ from sqlalchemy import (
 
 __all__ = [
     "APPEND_ONLY",
+    "CHAINED",
+    "CHAIN_KEY_SEPARATOR",
     "SOURCE_PREFIX",
     "ApprovalDecision",
     "Authority",
@@ -69,6 +71,8 @@ __all__ = [
     "MEMORY_MUTABLE",
     "memory_guard_ddl",
     "console_sessions",
+    "chain_ddl",
+    "chain_guard_ddl",
     "control",
     "decisions",
     "egress_audit",
@@ -79,6 +83,8 @@ __all__ = [
     "events",
     "evidence",
     "helpers",
+    "ledger_chain",
+    "ledger_checkpoints",
     "memories",
     "memory_changes",
     "memory_disowned",
@@ -1038,6 +1044,97 @@ APPEND_ONLY = ("control", "task_versions", "decisions", "objects", "actions", "v
 """History tables: the schema refuses UPDATE and DELETE on them."""
 
 
+ledger_chain = Table(
+    "ledger_chain",
+    metadata,
+    Column("seq", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True),
+    Column("tbl", String(40), nullable=False),
+    Column("row_key", String(400), nullable=False),  # the row's primary key, columns joined by CHAIN_KEY_SEPARATOR
+    Column("part", String(16), nullable=False),      # `row`; an attempt's written outcome is a second entry
+    Column("pos", BigInteger),                        # its place in the chain, given when sealed (`server.audit`)
+    Column("row_hash", String(64)),
+    Column("chain_hash", String(64)),
+    Index(None, "pos", unique=True),
+    CheckConstraint("part IN ('row', 'outcome')", name="part_valid"),
+)
+"""Every row of a chained table, in insertion order (filled by triggers on insert): the sealer hashes each, in `seq`
+order, into one chain (`server.audit.seal`). Sealed entries never change."""
+
+ledger_checkpoints = Table(
+    "ledger_checkpoints",
+    metadata,
+    Column("pos", BigInteger, primary_key=True, autoincrement=False),  # the last entry it covers
+    Column("chain_hash", String(64), nullable=False),
+    _now_col("signed_at", nullable=False),
+    Column("key_id", String(32), nullable=False),      # which Ed25519 key signed it (`server.audit.signing`)
+    Column("signature", String(128), nullable=False),  # hex
+)
+"""Signed checkpoints of the ledger chain: the chain hash at `pos`, signed with the deployment's ledger key."""
+
+CHAINED = (*APPEND_ONLY, "attempts")
+"""Every table whose rows are chained into the verifiable ledger (`server.audit`): the history tables and attempts
+(whose outcome, written once, is chained as a second entry)."""
+
+CHAIN_KEY_SEPARATOR = "\x1f"
+
+
+def _chain_key_sql(table: str, dialect: str) -> str:
+    """The row's key as the triggers write it: its primary key's columns joined by CHAIN_KEY_SEPARATOR."""
+    separator = "char(31)" if dialect == "sqlite" else "chr(31)"
+    return f" || {separator} || ".join(f"NEW.{column.name}" for column in metadata.tables[table].primary_key)
+
+
+def chain_ddl(table: str, dialect: str) -> list[str]:
+    """Triggers that give every row inserted into `table` an entry in `ledger_chain` (and an attempt's outcome,
+    when written, a second one), for SQLite or PostgreSQL."""
+    key = _chain_key_sql(table, dialect)
+    entry = f"INSERT INTO ledger_chain (tbl, row_key, part) VALUES ('{table}', {key}, "
+    if dialect == "sqlite":
+        statements = [f"CREATE TRIGGER {table}_chain AFTER INSERT ON {table} BEGIN {entry}'row'); END"]
+        if table == "attempts":
+            statements += [
+                f"CREATE TRIGGER {table}_chain_outcome AFTER INSERT ON {table} WHEN NEW.outcome IS NOT NULL "
+                f"BEGIN {entry}'outcome'); END",
+                f"CREATE TRIGGER {table}_chain_outcome_set AFTER UPDATE OF outcome ON {table} "
+                f"WHEN OLD.outcome IS NULL AND NEW.outcome IS NOT NULL BEGIN {entry}'outcome'); END",
+            ]
+        return statements
+    function = f"wakeful_chain_{table}"
+    if table != "attempts":
+        body = f"{entry}'row'); RETURN NULL;"
+    else:
+        body = (f"IF TG_OP = 'INSERT' THEN {entry}'row'); END IF; "
+                f"IF NEW.outcome IS NOT NULL AND (TG_OP = 'INSERT' OR OLD.outcome IS NULL) THEN {entry}'outcome'); "
+                "END IF; RETURN NULL;")
+    return [
+        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN {body} END $$",
+        f"CREATE TRIGGER {table}_chain AFTER INSERT{' OR UPDATE' if table == 'attempts' else ''} ON {table} "
+        f"FOR EACH ROW EXECUTE FUNCTION {function}()",
+    ]
+
+
+def chain_guard_ddl(dialect: str) -> list[str]:
+    """A chain entry is sealed once (pos, row_hash, chain_hash) and never changes again; none is deleted. (The
+    checkpoints get the append-only triggers.)"""
+    if dialect == "sqlite":
+        return [
+            "CREATE TRIGGER ledger_chain_sealed_once BEFORE UPDATE ON ledger_chain WHEN OLD.pos IS NOT NULL "
+            "OR NEW.seq IS NOT OLD.seq OR NEW.tbl IS NOT OLD.tbl OR NEW.row_key IS NOT OLD.row_key "
+            "OR NEW.part IS NOT OLD.part BEGIN SELECT RAISE(ABORT, 'ledger_chain entries are sealed once'); END",
+            "CREATE TRIGGER ledger_chain_no_delete BEFORE DELETE ON ledger_chain "
+            "BEGIN SELECT RAISE(ABORT, 'ledger_chain entries are sealed once'); END",
+        ]
+    return [
+        "CREATE OR REPLACE FUNCTION wakeful_chain_sealed_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "IF TG_OP = 'DELETE' OR OLD.pos IS NOT NULL OR NEW.seq IS DISTINCT FROM OLD.seq "
+        "OR NEW.tbl IS DISTINCT FROM OLD.tbl OR NEW.row_key IS DISTINCT FROM OLD.row_key "
+        "OR NEW.part IS DISTINCT FROM OLD.part "
+        "THEN RAISE EXCEPTION 'ledger_chain entries are sealed once'; END IF; RETURN NEW; END $$",
+        "CREATE TRIGGER ledger_chain_sealed_once BEFORE UPDATE OR DELETE ON ledger_chain "
+        "FOR EACH ROW EXECUTE FUNCTION wakeful_chain_sealed_once()",
+    ]
+
+
 def append_only_ddl(table: str, dialect: str) -> list[str]:
     """Triggers that make `table` append-only, for SQLite or PostgreSQL."""
     if dialect == "sqlite":
@@ -1113,5 +1210,16 @@ for _dialect in ("sqlite", "postgresql"):
 for _name in APPEND_ONLY:
     for _dialect in ("sqlite", "postgresql"):
         for _stmt in append_only_ddl(_name, _dialect):
+            event.listen(metadata.tables[_name], "after_create",
+                         DDL(_stmt).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]
+
+for _dialect in ("sqlite", "postgresql"):
+    for _stmt in chain_guard_ddl(_dialect):
+        event.listen(ledger_chain, "after_create", DDL(_stmt).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]
+    for _stmt in append_only_ddl("ledger_checkpoints", _dialect):
+        event.listen(ledger_checkpoints, "after_create",
+                     DDL(_stmt).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]
+    for _name in CHAINED:
+        for _stmt in chain_ddl(_name, _dialect):
             event.listen(metadata.tables[_name], "after_create",
                          DDL(_stmt).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]

@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "settings": set(),
     "sims": set(),
     "store": set(),
+    "audit": {"store"},
     "core": {"store"},
     "memory": {"store"},  # knowledge: informs plans, never authorizes (no room of an authorization path imports it)
     "acting": {"store", "core", "proxy"},  # the proxy's contract only: a connector request is an `EgressRequest`
@@ -30,11 +31,11 @@ ALLOWED: dict[str, set[str]] = {
     "egress": {"store", "core", "acting", "computers", "vm", "proxy"},
     "tools": {"store", "memory", "core", "acting", "computers", "egress", "vm"},
     "harness": {"store", "memory", "core", "acting", "computers", "egress", "tools", "vm"},
-    "runtime": {"store", "memory", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
-    "evals": {"store", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy",
-              "sims"},
-    "faces": {"store", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm",
+    "runtime": {"store", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
+    "evals": {"store", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm",
               "proxy", "sims"},
+    "faces": {"store", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime",
+              "evals", "vm", "proxy", "sims"},
 }
 
 

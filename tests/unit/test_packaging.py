@@ -100,7 +100,8 @@ def test_the_only_top_level_import_name_is_wakeful() -> None:
 def test_the_command_line_leaves_the_web_stack_and_the_simulators_to_the_commands_that_use_them() -> None:
     """Every `wakeful` process imports the command line (the egress proxy child too, on every `wakeful serve`):
     what only `serve`, `sim` or `eval` need is imported when they run, not on each start."""
-    heavy = ("fastapi", "mcp", "wakeful.server.evals", "wakeful.server.sims", "wakeful.server.faces.http")
+    heavy = ("fastapi", "mcp", "wakeful.server.evals", "wakeful.server.sims", "wakeful.server.faces.http",
+             "wakeful.server.audit", "wakeful.server.faces.cli_ledger")
     probe = f"import sys, wakeful.server.faces.cli; print(sorted(m for m in sys.modules if m.startswith({heavy!r})))"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
     assert loaded == "[]"
