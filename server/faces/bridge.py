@@ -117,8 +117,9 @@ async def preflight(url: str, token: str) -> None:
         try:
             response = await http.post(url, json=body, headers=headers, timeout=PROBE_TIMEOUT)
         except httpx2.HTTPError as exc:
-            raise WakefulError("server_unreachable", f"no wakeful server answers at {url} ({exc or type(exc).__name__}): "
-                                                      "is `wakeful serve` running, and is --url right?") from None
+            why = str(exc) or type(exc).__name__
+            raise WakefulError("server_unreachable", f"no wakeful server answers at {url} ({why}): is `wakeful serve` "
+                                                     "running, and is --url right?") from None
     if response.status_code == 401:
         raise WakefulError("bad_token", f"the server at {url} refused the credential (401): it is not one it "
                                          "issued, or it was revoked or re-issued")
