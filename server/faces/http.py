@@ -399,7 +399,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
 
     @app.post("/v1/wake", status_code=204)
     async def wake() -> Response:
-        """Another process on this machine (the CLI, `wakeful mcp`) wrote work: look now instead of at the next
+        """Another process on this machine (the CLI) wrote work: look now instead of at the next
         idle poll. It only shortens a wait; it carries nothing and changes nothing."""
         runtime.signals.wake_all()
         return Response(status_code=204)
