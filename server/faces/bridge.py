@@ -17,6 +17,7 @@ instead of an MCP client that cannot tell why its tools are missing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -24,7 +25,7 @@ import anyio
 import httpx2
 from mcp.client.streamable_http import streamable_http_client
 from mcp.server.stdio import stdio_server
-from mcp.shared._context_streams import ContextReceiveStream, ContextSendStream
+from mcp.shared._stream_protocols import ReadStream, WriteStream
 from mcp.shared.inbound import (
     MCP_METHOD_HEADER,
     MCP_NAME_HEADER,
@@ -157,8 +158,8 @@ async def run_bridge(url: str, token: str) -> None:
         tg.start_soon(down)
 
 
-async def _pump(source: ContextReceiveStream[SessionMessage | Exception],
-                sink: ContextSendStream[SessionMessage], adapt: Any, side: str) -> None:
+async def _pump(source: ReadStream[SessionMessage | Exception], sink: WriteStream[SessionMessage],
+                adapt: Callable[[SessionMessage], SessionMessage], side: str) -> None:
     async with sink:
         async for item in source:
             if isinstance(item, Exception):  # a line or an event that is not JSON-RPC: said, then dropped
