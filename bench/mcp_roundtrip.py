@@ -40,19 +40,29 @@ from mcp.client.streamable_http import streamable_http_client
 HERE = Path(__file__).resolve().parent
 
 
-async def timed(client_factory: Callable[[], AbstractAsyncContextManager[Client]], n: int,
-                setup: Callable[[Client], Awaitable[tuple[str, dict[str, Any]]]]) -> list[float]:
-    async with client_factory() as client:
-        tool, args = await setup(client)
-        for _ in range(5):  # warm up outside the measurement
-            await client.call_tool(tool, args)
-        samples = []
+Factory = Callable[[], AbstractAsyncContextManager[Client]]
+Setup = Callable[[Client], Awaitable[tuple[str, dict[str, Any]]]]
+
+
+async def interleaved(series: dict[str, tuple[Factory, Setup]], n: int) -> dict[str, list[float]]:
+    """Every series' client open at once, one call of each in turn, n rounds: on a shared machine whose load comes
+    and goes, each series meets the same load, so their ratios mean something even when the milliseconds move."""
+    async with contextlib.AsyncExitStack() as stack:
+        calls = {}
+        for name, (factory, setup) in series.items():
+            client = await stack.enter_async_context(factory())
+            tool, args = await setup(client)
+            for _ in range(5):  # warm up outside the measurement
+                await client.call_tool(tool, args)
+            calls[name] = (client, tool, args)
+        samples: dict[str, list[float]] = {name: [] for name in series}
         for _ in range(n):
-            start = time.perf_counter()
-            result = await client.call_tool(tool, args)
-            samples.append(time.perf_counter() - start)
-            if result.is_error:
-                raise RuntimeError(f"{tool} failed: {result.content}")
+            for name, (client, tool, args) in calls.items():
+                start = time.perf_counter()
+                result = await client.call_tool(tool, args)
+                samples[name].append(time.perf_counter() - start)
+                if result.is_error:
+                    raise RuntimeError(f"{tool} failed: {result.content}")
         return samples
 
 
@@ -69,7 +79,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}, **extra}
 
 
-def http_client(url: str, token: str) -> Callable[[], AbstractAsyncContextManager[Client]]:
+def http_client(url: str, token: str) -> Factory:
     def client() -> AbstractAsyncContextManager[Client]:
         http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"})
         return Client(streamable_http_client(url, http_client=http))
@@ -77,7 +87,7 @@ def http_client(url: str, token: str) -> Callable[[], AbstractAsyncContextManage
     return client
 
 
-def bridged(url: str, token: str) -> Callable[[], AbstractAsyncContextManager[Client]]:
+def bridged(url: str, token: str) -> Factory:
     """A client that starts `wakeful mcp` (the stdio bridge) to `url`, as Claude Code does."""
     params = StdioServerParameters(command=str(WAKEFUL), args=["mcp", "--url", url],
                                    env=clean_env(WAKEFUL_AGENT_TOKEN=token))
@@ -110,19 +120,19 @@ Samples = dict[str, list[float]]
 
 
 def figures(n: int) -> Samples:
-    """Every series, measured one after the other against one server and one echo server."""
+    """Every series against one server and one echo server, interleaved."""
     echo_stdio = StdioServerParameters(command=sys.executable, args=[str(HERE / "_echo_mcp.py"), "stdio"],
                                        env=clean_env())
     with serve() as server, echo_http() as echo_url:
         token = subprocess.run([str(WAKEFUL), "token"], env=clean_env(WAKEFUL_DATA_DIR=str(server.data_dir)),
                                capture_output=True, text=True, check=True).stdout.strip()
-        return {
-            "stdio task_status": asyncio.run(timed(bridged(server.url, token), n, wakeful_task)),
-            "stdio echo": asyncio.run(timed(lambda: Client(echo_stdio), n, echo_call)),
-            "stdio echo bridged": asyncio.run(timed(bridged(echo_url, "unused"), n, echo_call)),
-            "http task_status": asyncio.run(timed(http_client(f"{server.url}/mcp", token), n, wakeful_task)),
-            "http echo": asyncio.run(timed(lambda: Client(echo_url), n, echo_call)),
-        }
+        return asyncio.run(interleaved({
+            "stdio task_status": (bridged(server.url, token), wakeful_task),
+            "stdio echo": (lambda: Client(echo_stdio), echo_call),
+            "stdio echo bridged": (bridged(echo_url, "unused"), echo_call),
+            "http task_status": (http_client(f"{server.url}/mcp", token), wakeful_task),
+            "http echo": (lambda: Client(echo_url), echo_call),
+        }, n))
 
 
 def run(quick: bool) -> list[Table]:
@@ -144,7 +154,8 @@ def run(quick: bool) -> list[Table]:
                   rows=rows, reproduce=reproduce("mcp_roundtrip.py", quick),
                   notes=["task_status reads a task's records from SQLite; echo does no work at all",
                          "stdio is `wakeful mcp`, the bridge to the server's /mcp; its baselines are the echo server "
-                         "over plain stdio and the same echo server over HTTP through the same bridge"])]
+                         "over plain stdio and the same echo server over HTTP through the same bridge",
+                         "the five series are interleaved call by call, so each meets the same machine load"])]
 
 
 if __name__ == "__main__":
