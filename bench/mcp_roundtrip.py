@@ -1,44 +1,68 @@
 """MCP tool-call round trip for a read-only tool (`task_status`), over stdio and streamable HTTP, p50/p99,
 beside a bare `MCPServer` echo tool on the same transport in the same run — so wakeful's own overhead shows.
 
-The client is the real `mcp` SDK client. stdio launches `wakeful mcp` (and `bench/_echo_mcp.py stdio`);
-HTTP talks to `/mcp` on a running `wakeful serve` with a bearer token (and to the echo server under uvicorn).
+The client is the real `mcp` SDK client. stdio launches `wakeful mcp`, the bridge to a running `wakeful serve`'s
+`/mcp` (beside `bench/_echo_mcp.py stdio`, and the same bridge in front of the echo server over HTTP, which shows the
+bridge's own cost); HTTP talks to `/mcp` with a bearer token (and to the echo server under uvicorn).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx2
-from _common import WAKEFUL, Row, Table, bench_args, fmt_ms, free_port, percentile, print_and_save, reproduce, serve
+from _common import (
+    WAKEFUL,
+    Row,
+    Table,
+    bench_args,
+    fmt_ms,
+    fmt_ratio,
+    free_port,
+    percentile,
+    print_and_save,
+    reproduce,
+    serve,
+    verdict,
+)
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 HERE = Path(__file__).resolve().parent
 
 
-async def timed(client_factory: Callable[[], AbstractAsyncContextManager[Client]], n: int,
-                setup: Callable[[Client], Awaitable[tuple[str, dict[str, Any]]]]) -> list[float]:
-    async with client_factory() as client:
-        tool, args = await setup(client)
-        for _ in range(5):  # warm up outside the measurement
-            await client.call_tool(tool, args)
-        samples = []
+Factory = Callable[[], AbstractAsyncContextManager[Client]]
+Setup = Callable[[Client], Awaitable[tuple[str, dict[str, Any]]]]
+
+
+async def interleaved(series: dict[str, tuple[Factory, Setup]], n: int) -> dict[str, list[float]]:
+    """Every series' client open at once, one call of each in turn, n rounds: on a shared machine whose load comes
+    and goes, each series meets the same load, so their ratios mean something even when the milliseconds move."""
+    async with contextlib.AsyncExitStack() as stack:
+        calls = {}
+        for name, (factory, setup) in series.items():
+            client = await stack.enter_async_context(factory())
+            tool, args = await setup(client)
+            for _ in range(5):  # warm up outside the measurement
+                await client.call_tool(tool, args)
+            calls[name] = (client, tool, args)
+        samples: dict[str, list[float]] = {name: [] for name in series}
         for _ in range(n):
-            start = time.perf_counter()
-            result = await client.call_tool(tool, args)
-            samples.append(time.perf_counter() - start)
-            if result.is_error:
-                raise RuntimeError(f"{tool} failed: {result.content}")
+            for name, (client, tool, args) in calls.items():
+                start = time.perf_counter()
+                result = await client.call_tool(tool, args)
+                samples[name].append(time.perf_counter() - start)
+                if result.is_error:
+                    raise RuntimeError(f"{tool} failed: {result.content}")
         return samples
 
 
@@ -55,25 +79,24 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}, **extra}
 
 
-def stdio_figures(n: int) -> tuple[list[float], list[float]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        ours = StdioServerParameters(command=str(WAKEFUL), args=["mcp"], env=clean_env(WAKEFUL_DATA_DIR=tmp))
-        echo = StdioServerParameters(command=sys.executable, args=[str(HERE / "_echo_mcp.py"), "stdio"],
-                                     env=clean_env())
-        return (asyncio.run(timed(lambda: Client(ours), n, wakeful_task)),
-                asyncio.run(timed(lambda: Client(echo), n, echo_call)))
+def http_client(url: str, token: str) -> Factory:
+    def client() -> AbstractAsyncContextManager[Client]:
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"})
+        return Client(streamable_http_client(url, http_client=http))
+
+    return client
 
 
-def http_figures(n: int) -> tuple[list[float], list[float]]:
-    with serve() as server:
-        token = subprocess.run([str(WAKEFUL), "token"], env=clean_env(WAKEFUL_DATA_DIR=str(server.data_dir)),
-                               capture_output=True, text=True, check=True).stdout.strip()
+def bridged(url: str, token: str) -> Factory:
+    """A client that starts `wakeful mcp` (the stdio bridge) to `url`, as Claude Code does."""
+    params = StdioServerParameters(command=str(WAKEFUL), args=["mcp", "--url", url],
+                                   env=clean_env(WAKEFUL_AGENT_TOKEN=token))
+    return lambda: Client(params)
 
-        def ours() -> AbstractAsyncContextManager[Client]:
-            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"})
-            return Client(streamable_http_client(f"{server.url}/mcp", http_client=http))
 
-        wakeful_samples = asyncio.run(timed(ours, n, wakeful_task))
+@contextlib.contextmanager
+def echo_http() -> Iterator[str]:
+    """The bare echo server over streamable HTTP; yields its endpoint."""
     port = free_port()
     echo_proc = subprocess.Popen([sys.executable, str(HERE / "_echo_mcp.py"), "http", str(port)], env=clean_env(),
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -87,23 +110,52 @@ def http_figures(n: int) -> tuple[list[float], list[float]]:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the echo MCP server did not start") from None
                 time.sleep(0.05)
-        echo_samples = asyncio.run(timed(lambda: Client(f"http://127.0.0.1:{port}/mcp"), n, echo_call))
+        yield f"http://127.0.0.1:{port}/mcp"
     finally:
         echo_proc.terminate()
         echo_proc.wait(timeout=10)
-    return wakeful_samples, echo_samples
+
+
+Samples = dict[str, list[float]]
+
+
+def figures(n: int) -> Samples:
+    """Every series against one server and one echo server, interleaved."""
+    echo_stdio = StdioServerParameters(command=sys.executable, args=[str(HERE / "_echo_mcp.py"), "stdio"],
+                                       env=clean_env())
+    with serve() as server, echo_http() as echo_url:
+        token = subprocess.run([str(WAKEFUL), "token"], env=clean_env(WAKEFUL_DATA_DIR=str(server.data_dir)),
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return asyncio.run(interleaved({
+            "stdio task_status": (bridged(server.url, token), wakeful_task),
+            "stdio echo": (lambda: Client(echo_stdio), echo_call),
+            "stdio echo bridged": (bridged(echo_url, "unused"), echo_call),
+            "http task_status": (http_client(f"{server.url}/mcp", token), wakeful_task),
+            "http echo": (lambda: Client(echo_url), echo_call),
+        }, n))
 
 
 def run(quick: bool) -> list[Table]:
     n = 60 if quick else 400
+    got = figures(n)
     rows = []
-    for transport, figures in (("stdio", stdio_figures), ("streamable HTTP", http_figures)):
-        ours, echo = figures(n)
-        rows += [Row(f"{transport}: task_status round trip p{p}", fmt_ms(percentile(ours, p)),
-                     fmt_ms(percentile(echo, p)) + " (echo)") for p in (50, 99)]
+    for transport, ours, baselines in (
+            ("stdio (through the bridge)", "stdio task_status", ("stdio echo", "stdio echo bridged")),
+            ("streamable HTTP", "http task_status", ("http echo",))):
+        for p in (50, 99):
+            mine = percentile(got[ours], p)
+            for baseline in baselines:
+                theirs = percentile(got[baseline], p)
+                label = "echo" if baseline.endswith("echo") else "echo through the bridge"
+                rows.append(Row(f"{transport}: task_status p{p} vs {label}", fmt_ms(mine),
+                                f"{fmt_ms(theirs)} ({fmt_ratio(mine / theirs)})",
+                                "≤ 2x" if p == 50 else "-", verdict(mine <= 2 * theirs) if p == 50 else "-"))
     return [Table(title=f"MCP tool-call round trip, {n} calls each (baseline: a bare MCPServer echo tool)",
                   rows=rows, reproduce=reproduce("mcp_roundtrip.py", quick),
-                  notes=["task_status reads a task's records from SQLite; echo does no work at all"])]
+                  notes=["task_status reads a task's records from SQLite; echo does no work at all",
+                         "stdio is `wakeful mcp`, the bridge to the server's /mcp; its baselines are the echo server "
+                         "over plain stdio and the same echo server over HTTP through the same bridge",
+                         "the five series are interleaved call by call, so each meets the same machine load"])]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Connection, and_, or_, select
+from sqlalchemy import Connection, and_, bindparam, or_, select
 
 from wakeful.server.core import agenda, keys
 from wakeful.server.core.holds import current_hold
@@ -150,17 +150,12 @@ def _agenda(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
 
 def four_facts(conn: Connection, *, task_id: str) -> dict[str, str | None]:
     """The four separate facts of a task, each with its own time (None: not yet)."""
-    task = conn.execute(select(tasks).where(tasks.c.id == task_id)).one()
-    ended = conn.execute(select(runs.c.ended_at).where(and_(runs.c.session_id == task.session_id,
-                                                            runs.c.ended_at.is_not(None)))
-                         .order_by(runs.c.ended_at.desc()).limit(1)).scalar()
-    verified = conn.execute(select(evidence.c.checked_at).where(and_(
-        evidence.c.task_id == task_id, evidence.c.source == "completion", evidence.c.verdict == "accepted"))
-        .order_by(evidence.c.checked_at).limit(1)).scalar()
-    receipt = conn.execute(select(outbox.c.sent_at).where(and_(
-        # A receipt's ID names its task version (`egress.dispatch`): looked up by key, not by a scan of the outbox.
-        outbox.c.id.in_([f"rcpt_{task_id}_v{v}" for v in range(1, task.current_version + 1)]),
-        outbox.c.state == "sent")).limit(1)).scalar()
+    task = conn.execute(_TASK_BY_ID, {"task_id": task_id}).one()
+    ended = conn.execute(_RUN_ENDED, {"session_id": task.session_id}).scalar()
+    verified = conn.execute(_VERIFIED, {"task_id": task_id}).scalar()
+    # A receipt's ID names its task version (`egress.dispatch`): looked up by key, not by a scan of the outbox.
+    receipt = conn.execute(_RECEIPT, {"receipt_ids": [f"rcpt_{task_id}_v{v}"
+                                                      for v in range(1, task.current_version + 1)]}).scalar()
     return {
         "request_received": task.created_at.isoformat(),
         "run_ended": ended.isoformat() if ended else None,
@@ -211,19 +206,39 @@ def describe(entry: dict[str, Any]) -> str:
     return f"{entry['at']}  {kind:<15} {detail(entry) if detail else ''}"
 
 
+# A status is read often (every `task_status` call, every poll of `GET /v1/tasks/{id}`): its statements are built once,
+# with bound parameters, since building a statement cost SQLAlchemy five times what running it did.
+_TASK = select(tasks).where(and_(tasks.c.id == bindparam("task_id"), tasks.c.user_id == bindparam("user_id")))
+_ACTIONS = select(actions).where(actions.c.task_id == bindparam("task_id")).order_by(actions.c.created_at)
+_LATEST_VERDICT = (select(verdicts.c.verdict, verdicts.c.code).where(verdicts.c.action_id == bindparam("action_id"))
+                   .order_by(verdicts.c.created_at.desc(), verdicts.c.id.desc()).limit(1))
+_LATEST_OUTCOME = (select(attempts.c.outcome).where(attempts.c.action_id == bindparam("action_id"))
+                   .order_by(attempts.c.seq.desc()).limit(1))
+_TASK_BY_ID = select(tasks).where(tasks.c.id == bindparam("task_id"))
+_RUN_ENDED = (select(runs.c.ended_at).where(and_(runs.c.session_id == bindparam("session_id"),
+                                                 runs.c.ended_at.is_not(None)))
+              .order_by(runs.c.ended_at.desc()).limit(1))
+_VERIFIED = (select(evidence.c.checked_at).where(and_(evidence.c.task_id == bindparam("task_id"),
+                                                      evidence.c.source == "completion",
+                                                      evidence.c.verdict == "accepted"))
+             .order_by(evidence.c.checked_at).limit(1))
+_RECEIPT = select(outbox.c.sent_at).where(and_(outbox.c.id.in_(bindparam("receipt_ids", expanding=True)),
+                                               outbox.c.state == "sent")).limit(1)
+_STEERS = (select(steer_proposals).where(steer_proposals.c.task_id == bindparam("task_id"))
+           .order_by(steer_proposals.c.created_at, steer_proposals.c.id))
+
+
 def task_status(conn: Connection, *, user_id: str, task_id: str) -> dict[str, Any]:
     """A task's state from its records: the four facts, open timers and pending waits (each in plain words),
     actions with verdicts and outcomes, the agent's proposed steers, and the hold of the user's message while there
     is one."""
-    row = conn.execute(select(tasks).where(and_(tasks.c.id == task_id, tasks.c.user_id == user_id))).first()
+    row = conn.execute(_TASK, {"task_id": task_id, "user_id": user_id}).first()
     if row is None:
         raise NotFound("unknown_task", f"no task {task_id} for this user", task_id=task_id)
     action_rows = []
-    for a in conn.execute(select(actions).where(actions.c.task_id == task_id).order_by(actions.c.created_at)):
-        verdict = conn.execute(select(verdicts.c.verdict, verdicts.c.code).where(verdicts.c.action_id == a.id)
-                               .order_by(verdicts.c.created_at.desc(), verdicts.c.id.desc()).limit(1)).first()
-        outcome = conn.execute(select(attempts.c.outcome).where(attempts.c.action_id == a.id)
-                               .order_by(attempts.c.seq.desc()).limit(1)).scalar()
+    for a in conn.execute(_ACTIONS, {"task_id": task_id}).all():
+        verdict = conn.execute(_LATEST_VERDICT, {"action_id": a.id}).first()
+        outcome = conn.execute(_LATEST_OUTCOME, {"action_id": a.id}).scalar()
         action_rows.append({"action_id": a.id, "tool": a.tool, "version": a.task_version,
                             "content_hash": a.content_hash, "verdict": verdict.verdict if verdict else None,
                             "code": verdict.code if verdict else None, "outcome": outcome})
@@ -243,7 +258,6 @@ def _hold(conn: Connection, task_id: str) -> dict[str, Any] | None:
 def _proposed_steers(conn: Connection, task_id: str) -> list[dict[str, Any]]:
     """The agent's steers that asked for more than the task had, each with its state (awaiting_user until the user
     answers)."""
-    rows = conn.execute(select(steer_proposals).where(steer_proposals.c.task_id == task_id)
-                        .order_by(steer_proposals.c.created_at, steer_proposals.c.id)).all()
+    rows = conn.execute(_STEERS, {"task_id": task_id}).all()
     return [{"steer_id": r.id, "state": r.state, "against_version": r.base_version, "widens": json.loads(r.widens)}
             for r in rows]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, select, update
+from sqlalchemy import Connection, and_, bindparam, func, select, update
 
 from wakeful.server.core import control, timers, waits
 from wakeful.server.core.authority import of_source
@@ -107,9 +107,16 @@ def _active_task(conn: Connection, *, user_id: str, task_id: str) -> Any:
     return row
 
 
+_OPEN_CHECKS = select(timers_table).where(and_(timers_table.c.task_id == bindparam("task_id"),
+                                               timers_table.c.state == TimerState.ACTIVE.value))
+_PENDING_WAITS = (select(waits_table).where(and_(waits_table.c.task_id == bindparam("task_id"),
+                                                 waits_table.c.state == WaitState.PENDING.value))
+                  .order_by(waits_table.c.created_at, waits_table.c.id))
+"""Built once: `listing` runs on every status read, and building a statement cost more than running it."""
+
+
 def _open_checks(conn: Connection, task_id: str) -> Sequence[Any]:
-    return conn.execute(select(timers_table).where(and_(timers_table.c.task_id == task_id,
-                                                        timers_table.c.state == TimerState.ACTIVE.value))).all()
+    return conn.execute(_OPEN_CHECKS, {"task_id": task_id}).all()
 
 
 def admit_timer(conn: Connection, *, user_id: str, task_id: str, limits: Limits, now: datetime,
@@ -272,9 +279,7 @@ def listing(conn: Connection, *, user_id: str, task_id: str) -> dict[str, list[d
     open_timers = [{"timer_id": t.id, "kind": t.kind, "note": t.note, "next_at": t.due_at.isoformat(),
                     "said": said_of_timer(t, zone)}
                    for t in sorted(_open_checks(conn, task_id), key=lambda t: (t.due_at, t.id))]
-    pending = conn.execute(select(waits_table).where(and_(waits_table.c.task_id == task_id,
-                                                          waits_table.c.state == WaitState.PENDING.value))
-                           .order_by(waits_table.c.created_at, waits_table.c.id)).all()
+    pending = conn.execute(_PENDING_WAITS, {"task_id": task_id}).all()
     open_waits = [{"wait_id": w.id, "kind": w.kind, "match_key": w.match_key, "authority": w.authority,
                    "deadline": w.deadline.isoformat() if w.deadline else None, "on_timeout": w.on_timeout,
                    "note": w.note, "said": said_of_wait(w, zone)} for w in pending]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
 
-from sqlalchemy import Connection, and_, select, update
+from sqlalchemy import Connection, and_, bindparam, select, update
 
 from wakeful.server.core import control, inbox
 from wakeful.server.errors import Conflict, NotFound, Refused
@@ -86,9 +86,12 @@ _LATEST_HOLD = (select(control_table.c.id, control_table.c.event_id, control_tab
                 .limit(1))
 
 
+_STATE = select(tasks.c.state).where(tasks.c.id == bindparam("task_id"))
+
+
 def current_hold(conn: Connection, *, task_id: str) -> Held | None:
     """The hold the task is under now (its latest message's); None unless the task is held."""
-    state = conn.execute(select(tasks.c.state).where(tasks.c.id == task_id)).scalar_one_or_none()
+    state = conn.execute(_STATE, {"task_id": task_id}).scalar_one_or_none()
     if state != TaskState.HELD.value:
         return None
     row = conn.execute(_LATEST_HOLD.where(control_table.c.task_id == task_id)).one()

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Connection, and_, select, update
+from sqlalchemy import Connection, and_, bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
 from wakeful.server.errors import BadRequest, Conflict, NotFound
@@ -98,8 +98,11 @@ def session_of(conn: Connection, *, user_id: str, key: str) -> str | None:
     return found
 
 
+_OF_TASK = (select(task_keys).where(task_keys.c.task_id == bindparam("task_id"))
+            .order_by(task_keys.c.bound_at, task_keys.c.id))
+
+
 def of_task(conn: Connection, task_id: str) -> list[dict[str, Any]]:
-    rows = conn.execute(select(task_keys).where(task_keys.c.task_id == task_id)
-                        .order_by(task_keys.c.bound_at, task_keys.c.id)).all()
+    rows = conn.execute(_OF_TASK, {"task_id": task_id}).all()
     return [{"key": r.key, "bound_by": r.bound_by, "reason": r.reason, "bound_at": r.bound_at.isoformat(),
              "released_at": r.released_at.isoformat() if r.released_at else None} for r in rows]

@@ -10,23 +10,36 @@ Every `/v1` route takes its user from `current_user` (the `User` parameter, and 
 route that forgets the parameter is guarded all the same); the control gate in front of them asks `user_of`, the same
 check, before a byte of a body is read. The MCP server asks `principal_of` and records whatever reaches it as the
 agent's (principle 9): over `/mcp` the channel, not the credential, decides whose word it is.
+
+`/mcp` takes the same `Authorization: Bearer <token>` and nothing else: no OAuth. `BearerGate` checks it once in
+front of the MCP app; its `401` says so in the plain RFC 6750 challenge (`WWW-Authenticate: Bearer realm="wakeful"`),
+naming no resource metadata and no authorization server, so an MCP client is not sent to discover OAuth endpoints
+that do not exist; docs/claude-code.md shows the header to configure instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any, Final
 
+import anyio
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Connection, Engine
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from wakeful.server.errors import Refused
+from wakeful.server.errors import Refused, Unauthorized, WakefulError
 from wakeful.server.store import agents, users
 from wakeful.server.store.db import read
 
-__all__ = ["Kind", "Principal", "User", "authenticate", "bearer", "current_user", "principal_of", "user_of"]
+__all__ = ["MCP_CALLER", "BearerGate", "Kind", "Principal", "User", "authenticate", "bearer", "challenge",
+           "current_user", "principal_of", "user_of"]
+
+MCP_CALLER: Final = "wakeful.caller"
+"""The scope key under which `BearerGate` hands the MCP app the principal it authenticated, heard as the agent."""
 
 
 class Kind(StrEnum):
@@ -93,3 +106,35 @@ def current_user(request: Request, _scheme: Annotated[HTTPAuthorizationCredentia
 
 
 User = Annotated[str, Depends(current_user)]
+
+
+def challenge(exc: Unauthorized) -> str:
+    """The `WWW-Authenticate` value of a refused bearer token (RFC 6750 §3): the scheme and realm, and for a token
+    that was sent but is not valid, `error="invalid_token"`. Nothing points to OAuth: there is none to discover."""
+    return 'Bearer realm="wakeful"' + (', error="invalid_token"' if exc.code == "bad_token" else "")
+
+
+class BearerGate:
+    """In front of the MCP app: a request without a valid bearer token (a user's or an agent credential) is answered
+    `401` here (through `respond`, the app's one error mapping, with `challenge` as its `WWW-Authenticate`); one with
+    a valid token reaches the app with its principal, as the agent, in `scope[MCP_CALLER]`, so the MCP handlers never
+    look the token up again."""
+
+    def __init__(self, app: ASGIApp, *, engine: Engine, respond: Callable[[WakefulError], Any]) -> None:
+        self.app = app
+        self.engine = engine
+        self.respond = respond
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            caller = await anyio.to_thread.run_sync(principal_of, self.engine,
+                                                    Headers(scope=scope).get("authorization"))
+        except Unauthorized as exc:
+            response = self.respond(exc)
+            response.headers["WWW-Authenticate"] = challenge(exc)
+            await response(scope, receive, send)
+            return
+        await self.app({**scope, MCP_CALLER: caller.as_agent()}, receive, send)

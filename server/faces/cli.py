@@ -510,29 +510,33 @@ def demo(data_dir: DataDir = None) -> None:
 
 
 @app.command()
-def mcp(user: Annotated[str, typer.Option(help="The local user the tools act for.")] = "owner",
-        data_dir: DataDir = None, database_url: DbUrl = None) -> None:
-    """The MCP server over stdio (for `claude mcp add wakeful -- wakeful mcp`). Logs go to stderr."""
+def mcp(url: Annotated[str | None, typer.Option(
+            "--url", envvar="WAKEFUL_URL", show_envvar=False,
+            help="The running server, e.g. http://127.0.0.1:8787 (its /mcp) [env WAKEFUL_URL].")] = None,
+        token_file: Annotated[Path | None, typer.Option(
+            "--token-file", envvar="WAKEFUL_AGENT_TOKEN_FILE", show_envvar=False,
+            help="A file holding the credential [env WAKEFUL_AGENT_TOKEN_FILE; or the credential itself in "
+                 "WAKEFUL_AGENT_TOKEN].")] = None) -> None:
+    """MCP over stdio for a client that starts wakeful (`claude mcp add wakeful -- wakeful mcp --url …`): a bridge
+    to a running `wakeful serve`'s /mcp. It opens no database; logs go to stderr."""
     import anyio
-    from mcp.server.stdio import stdio_server
 
-    from wakeful.server.faces.mcpserver import WakefulMCP
-    from wakeful.server.harness.handlers import NoModelHandler
-    from wakeful.server.runtime import Runtime
+    from wakeful.server.faces.bridge import endpoint, run_bridge
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    settings = _settings(data_dir, database_url)
-    runtime = Runtime(settings, handler=NoModelHandler())  # it starts no workers: the handler is never called
-    if runtime.prepare():
-        err.print("Created user 'owner'; `wakeful token` issues its API token.")
-    server = WakefulMCP(engine=runtime.engine, clock=runtime.clock, settings=settings, tools=runtime.tools,
-                        local_user=user, on_write=lambda: nudge(settings)).server
-
-    async def serve_stdio() -> None:
-        async with stdio_server() as (reader, writer):
-            await server.run(reader, writer, server.create_initialization_options())
-
-    anyio.run(serve_stdio)
+    if not url:
+        raise WakefulError("missing_url", "no server URL: pass --url http://127.0.0.1:8787 or set WAKEFUL_URL")
+    token = os.environ.get("WAKEFUL_AGENT_TOKEN", "").strip()
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise WakefulError("unreadable_token_file", f"cannot read {token_file}: {exc.strerror}") from None
+        if not token:
+            raise WakefulError("missing_token", f"{token_file} is empty: it should hold the credential")
+    if not token:
+        raise WakefulError("missing_token", "no credential: pass --token-file FILE, or set WAKEFUL_AGENT_TOKEN")
+    anyio.run(run_bridge, endpoint(url), token)
 
 
 @app.command()

@@ -33,8 +33,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from mcp.server.auth.settings import AuthSettings
-from pydantic import AnyHttpUrl
 from sqlalchemy import Column, String
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -48,11 +46,11 @@ from wakeful.server.core.signatures import SignatureError, Signed, verify_signat
 from wakeful.server.egress.proxyctl import serve_egress
 from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, WakefulError
 from wakeful.server.faces import bodies
-from wakeful.server.faces.auth import current_user, user_of
+from wakeful.server.faces.auth import BearerGate, current_user, user_of
 from wakeful.server.faces.console import console_routers
 from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.liveview import live_router
-from wakeful.server.faces.mcpserver import TokenVerifier, WakefulMCP
+from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.faces.memory_routes import memory_router
 from wakeful.server.faces.openapi import MCP, NOVNC, WEBHOOKS, openapi_document
 from wakeful.server.faces.routes import router
@@ -178,8 +176,8 @@ def error_response(exc: BaseException) -> JSONResponse:
 
 
 class JsonErrors:
-    """Around a mounted app that answers its own HTTP errors (the MCP server's bearer check, its host and origin
-    checks, its router's 404): an error answered as plain text or in another JSON shape is answered through
+    """Around a mounted app that answers its own HTTP errors (the MCP server's host and origin checks, its router's
+    404): an error answered as plain text or in another JSON shape is answered through
     `error_response` instead, keeping its status and its `Allow` / `WWW-Authenticate` headers. JSON-RPC error
     objects pass untouched (they are the MCP protocol's own answers, which clients parse), and so does every
     answer below 400 (streams included)."""
@@ -220,14 +218,8 @@ class JsonErrors:
         kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])
                 if k.lower() in self.KEPT_HEADERS}
         said = parsed.get("error_description") if isinstance(parsed, dict) else body.decode(errors="replace")
-        exc: BaseException = HTTPException(start["status"], detail=said or None, headers=kept or None)
-        if start["status"] == 401:  # the MCP server's bearer check: coded as the rest of the API codes it
-            exc = Unauthorized("bad_token" if Headers(scope=scope).get("authorization") else "missing_token",
-                               said or "send `Authorization: Bearer <token>`; `wakeful token` issues one")
-        response = error_response(exc)
-        if isinstance(exc, Unauthorized):
-            response.headers.update(kept)
-        await response(scope, receive, send)
+        exc = HTTPException(start["status"], detail=said or None, headers=kept or None)
+        await error_response(exc)(scope, receive, send)
 
 
 def _locate(locator: str, headers: Mapping[str, str], body: Any, *, column: Column[str], code: str) -> str | None:
@@ -361,11 +353,9 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
 
     mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None,
                      on_write=runtime.signals.wake_all)
-    base = f"http://{settings.host}:{settings.port}"
-    mcp_app = mcp.server.streamable_http_app(
-        streamable_http_path="/mcp", host=settings.host, token_verifier=TokenVerifier(runtime.engine),
-        auth=AuthSettings(issuer_url=AnyHttpUrl(base), resource_server_url=AnyHttpUrl(f"{base}/mcp"),
-                          validate_token_resource=False))  # wakeful tokens are per user, not per resource
+    # No SDK auth: its resource metadata would send clients to an OAuth server wakeful does not run. `BearerGate`
+    # checks the token once per request, and the handlers read the user it found (`server.faces.auth`).
+    mcp_app = mcp.server.streamable_http_app(streamable_http_path="/mcp", host=settings.host)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -412,7 +402,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
 
     @app.post("/v1/wake", status_code=204)
     async def wake() -> Response:
-        """Another process on this machine (the CLI, `wakeful mcp`) wrote work: look now instead of at the next
+        """Another process on this machine (the CLI) wrote work: look now instead of at the next
         idle poll. It only shortens a wait; it carries nothing and changes nothing."""
         runtime.signals.wake_all()
         return Response(status_code=204)
@@ -425,10 +415,9 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
     app.include_router(memory_router)
     for console in console_routers():  # the console's pages at `/` (`server.faces.console`)
         app.include_router(console)
-    # The MCP app answers only its own paths (`/mcp`, streamable HTTP with a bearer token, and the token's resource
-    # metadata): mounted under everything, it would answer every unknown path, and every wrong method on a known
-    # one, with its own plain-text 404.
-    mcp_errors_as_ours = JsonErrors(mcp_app)
+    # The MCP app answers only its own path (`/mcp`, streamable HTTP with a bearer token): mounted under everything,
+    # it would answer every unknown path, and every wrong method on a known one, with its own plain-text 404.
+    mcp_errors_as_ours = BearerGate(JsonErrors(mcp_app), engine=runtime.engine, respond=error_response)
     for route in mcp_app.routes:
         assert isinstance(route, Route), route
         app.router.add_route(route.path, mcp_errors_as_ours, methods=route.methods)  # type: ignore[arg-type]

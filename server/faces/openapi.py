@@ -20,7 +20,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
-from mcp.shared.auth import ProtectedResourceMetadata
 
 from wakeful.server.faces.auth import bearer
 from wakeful.server.faces.gate import guards
@@ -113,13 +112,9 @@ _MCP_ANSWERS = refusals("forbidden", "misdirected_request") | {
 def mcp_transport() -> None:
     """The Model Context Protocol's streamable HTTP transport (the MCP specification describes its messages; a broken
     one is answered with a JSON-RPC error object, which MCP clients read). A request from a web page of another
-    origin is `403 forbidden`, one whose `Host` is not this machine's loopback name `421 misdirected_request`."""
-
-
-@MCP.get("/.well-known/oauth-protected-resource/mcp", response_model=ProtectedResourceMetadata,
-         response_model_exclude_none=True)
-def mcp_resource_metadata() -> None:
-    """The MCP server's OAuth protected-resource metadata (RFC 9728), which MCP clients read after a `401`."""
+    origin is `403 forbidden`, one whose `Host` is not this machine's loopback name `421 misdirected_request`. The token
+goes in `Authorization: Bearer`; there is no OAuth, and a `401` points to none (`WWW-Authenticate: Bearer
+realm="wakeful"`)."""
 
 
 NOVNC = APIRouter(tags=["live view"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, bindparam, select, update
 
 from wakeful.server.errors import BadRequest, NotFound, Unauthorized
 from wakeful.server.store.ids import new_id, new_token, token_digest
@@ -39,10 +39,15 @@ def user_id_by_name(conn: Connection, name: str) -> str:
     return str(user_id)
 
 
+_BY_DIGEST = select(users.c.id).where(users.c.token_digest == bindparam("digest"))
+_ZONE = select(users.c.timezone).where(users.c.id == bindparam("user_id"))
+"""Built once: every authenticated request and every status read runs them."""
+
+
 def authenticate(conn: Connection, token: str | None) -> str:
     if not token:
         raise Unauthorized("missing_token", "send `Authorization: Bearer <token>`; `wakeful token` issues one")
-    user_id = conn.execute(select(users.c.id).where(users.c.token_digest == token_digest(token))).scalar_one_or_none()
+    user_id = conn.execute(_BY_DIGEST, {"digest": token_digest(token)}).scalar_one_or_none()
     if user_id is None:
         raise Unauthorized("bad_token", "that token is not valid (it may have been re-issued)")
     return str(user_id)
@@ -50,7 +55,7 @@ def authenticate(conn: Connection, token: str | None) -> str:
 
 def zone(conn: Connection, user_id: str) -> ZoneInfo:
     """The user's time zone: cron checks, quiet hours and the daily attention budget are read in it."""
-    name = conn.execute(select(users.c.timezone).where(users.c.id == user_id)).scalar_one_or_none()
+    name = conn.execute(_ZONE, {"user_id": user_id}).scalar_one_or_none()
     if name is None:
         raise NotFound("unknown_user", f"no user {user_id}")
     return ZoneInfo(name)

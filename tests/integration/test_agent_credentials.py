@@ -54,8 +54,7 @@ OPEN: dict[tuple[str, str], str] = {
 }
 """Routes that ask for no bearer token at all, and why. Nothing else is open."""
 
-AGENT_CHANNEL = {("POST", "/mcp"), ("GET", "/mcp"), ("DELETE", "/mcp"),
-                 ("GET", "/.well-known/oauth-protected-resource/mcp")}
+AGENT_CHANNEL = {("POST", "/mcp"), ("GET", "/mcp"), ("DELETE", "/mcp")}
 """The agent's own channel: an agent credential is for this."""
 
 

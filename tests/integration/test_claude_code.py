@@ -8,6 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support.serve import ServeProcess
@@ -41,10 +42,37 @@ def home(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_claude_code_connects_over_stdio_with_the_documented_command(home: Path) -> None:
-    add, listing = doc_commands("stdio (the client starts wakeful)")
-    shell(add, home)
-    assert re.search(r"wakeful: .*wakeful mcp - ✔ Connected", shell(listing, home))
+def test_claude_code_connects_over_stdio_through_the_bridge_with_the_documented_commands(home: Path) -> None:
+    credential, add, listing = doc_commands("stdio (the client starts wakeful)")
+    data_dir = home / ".local" / "share" / "wakeful"
+    with ServeProcess({"WAKEFUL_DATA_DIR": str(data_dir)}, log_path=home / "serve.log") as server:
+        shell(credential, home)
+        assert (home / ".wakeful-agent-token").stat().st_mode & 0o077 == 0  # the credential is the user's alone
+        shell(add, home, port=server.port)
+        listed = shell(listing, home)
+    assert re.search(rf"wakeful: .*wakeful mcp --url http://127\.0\.0\.1:{server.port} .*- ✔ Connected", listed), listed
+
+
+def test_claude_code_shows_the_bridge_failed_when_the_server_refuses_its_credential(home: Path) -> None:
+    _, add, listing = doc_commands("stdio (the client starts wakeful)")
+    (home / ".wakeful-agent-token").write_text("wk_revoked\n")
+    data_dir = home / ".local" / "share" / "wakeful"
+    with ServeProcess({"WAKEFUL_DATA_DIR": str(data_dir)}, log_path=home / "serve.log") as server:
+        shell(add, home, port=server.port)
+        listed = shell(listing, home)
+    assert re.search(r"wakeful: .*wakeful mcp .* - ✘ Failed to connect", listed), listed
+
+
+def test_claude_code_without_a_token_is_not_sent_to_an_oauth_server_that_is_not_there(home: Path) -> None:
+    """The 401 names no resource metadata, so no authorization server: whatever Claude Code then tries on its own,
+    wakeful never pointed it there (it used to: the metadata named this server as its own, 404 OAuth server)."""
+    data_dir = home / ".local" / "share" / "wakeful"
+    with ServeProcess({"WAKEFUL_DATA_DIR": str(data_dir)}, log_path=home / "serve.log") as server:
+        shell(f"claude mcp add --transport http wakeful {server.url}/mcp", home)
+        listed = shell("claude mcp list", home)
+        refused = httpx.post(f"{server.url}/mcp", json={})
+    assert re.search(rf"wakeful: {re.escape(server.url)}/mcp \(HTTP\) - ✘ Failed to connect", listed), listed
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == 'Bearer realm="wakeful"'
 
 
 def test_claude_code_connects_over_http_with_the_documented_command(home: Path) -> None:

@@ -102,7 +102,7 @@ def test_serve_with_a_config_file_in_its_data_dir_binds_its_ports_and_so_does_it
 
 @pytest.mark.parametrize("command", [
     ["status"], ["serve"], ["token"], ["user-add", "alice"], ["migrate"], ["stop"], ["ledger", "export"],
-    ["egress", "log"], ["secret", "list"], ["proxy", "ca"], ["proxy"], ["mcp"], ["demo"], ["image", "build"],
+    ["egress", "log"], ["secret", "list"], ["proxy", "ca"], ["proxy"], ["demo"], ["image", "build"],
     ["replay", "run_x"],
 ], ids=" ".join)
 def test_a_config_error_stops_every_command_with_the_field_the_file_and_the_line(tmp_path: Path,

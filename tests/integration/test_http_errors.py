@@ -70,8 +70,8 @@ CASES = [
     ("an unknown path that only resembles MCP's", "POST", "/mcp/extra", True, {}, 404, "not_found"),
     ("the wrong method on a route", "DELETE", "/v1/control", True, {}, 405, "method_not_allowed"),
     ("the wrong method on the inbox", "GET", "/v1/hooks/github", False, {}, 405, "method_not_allowed"),
-    ("the wrong method on MCP's resource metadata", "POST", "/.well-known/oauth-protected-resource/mcp", False,
-     {}, 405, "method_not_allowed"),
+    ("OAuth resource metadata, which MCP does not advertise", "GET", "/.well-known/oauth-protected-resource/mcp",
+     False, {}, 404, "not_found"),
     ("a body that is not JSON", "POST", "/v1/tasks", True,
      {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "malformed_body"),
     ("a body that is not the schema", "POST", "/v1/tasks", True, {"json": {"title": "", "colour": 1}}, 400,
@@ -117,10 +117,16 @@ def test_a_schema_invalid_body_names_each_field_that_is_wrong(server: Server) ->
     assert {tuple(p["loc"]) for p in error["details"]} == {("body", "title"), ("body", "colour")}
 
 
-def test_mcp_s_refusal_of_a_missing_token_keeps_the_header_mcp_clients_read(server: Server) -> None:
-    response = server.request("POST", "/mcp", json={})
-    assert response.headers["www-authenticate"].startswith("Bearer ")
-    assert "resource_metadata=" in response.headers["www-authenticate"]
+def test_mcp_s_401_is_a_plain_bearer_challenge_pointing_to_no_oauth_server(server: Server) -> None:
+    """Regression: the 401 named resource metadata whose authorization server answered 404 to every MCP client that
+    followed it (Claude Code went on to `/.well-known/oauth-authorization-server`, then `POST /register`)."""
+    missing = server.request("POST", "/mcp", json={})
+    forged = server.request("POST", "/mcp", token="wk_forged", json={})
+    assert missing.headers["www-authenticate"] == 'Bearer realm="wakeful"'
+    assert forged.headers["www-authenticate"] == 'Bearer realm="wakeful", error="invalid_token"'
+    for path in ("/.well-known/oauth-protected-resource/mcp", "/.well-known/oauth-protected-resource",
+                 "/.well-known/oauth-authorization-server"):
+        assert server.request("GET", path).status_code == 404, path
 
 
 def test_mcp_s_own_protocol_errors_stay_json_rpc_for_its_clients(server: Server) -> None:

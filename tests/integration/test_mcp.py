@@ -1,4 +1,5 @@
-"""The MCP server through the real `mcp` client: in-process, over stdio (the docs' command) and streamable HTTP."""
+"""The MCP server through the real `mcp` client: in-process and over streamable HTTP (stdio goes through the bridge:
+test_mcp_bridge.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import Engine, select
 
@@ -238,19 +239,6 @@ async def test_a_paused_or_stopped_task_takes_no_new_timers_or_waits(w: World, s
     assert paused.is_error and paused.content[0].text.startswith("paused: ")
     assert stopped.is_error and stopped.content[0].text.startswith("stopped: ")
     assert listed.structured_content == {"timers": [], "waits": []}
-
-
-async def test_the_stdio_command_from_the_docs_lists_tools_and_calls_one(tmp_path: Path) -> None:
-    wakeful = str(Path(sys.executable).parent / "wakeful")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")},
-           "WAKEFUL_DATA_DIR": str(tmp_path)}
-    async with Client(StdioServerParameters(command=wakeful, args=["mcp"], env=env)) as client:
-        names = [t.name for t in (await client.list_tools()).tools]
-        created = await client.call_tool("create_responsibility", {"title": "over stdio"})
-    assert "create_responsibility" in names
-    assert created.structured_content["task_id"].startswith("task_")
-
-
 
 
 async def test_streamable_http_on_wakeful_serve_needs_the_users_token(tmp_path: Path) -> None:
