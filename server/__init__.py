@@ -2,6 +2,7 @@
 
     store      tables, database, migrations, IDs, users                         imports: errors
     core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, settings
+    memory     what the agent learnt about its user: records, rules, recall      + store (never read to authorize)
     acting     objects, actions, admission, approvals, policy, connectors, ledger  + core, wakeful.proxy.contract
     computers  the tool-computer pool and the handoff state                      + store, wakeful.vm
     egress     dispatch, connector requests through the proxy, grants, the proxy + acting, computers, wakeful.proxy

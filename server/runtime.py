@@ -32,6 +32,7 @@ from wakeful.server.egress.grants import issue_client_token
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.egress.pacing import Pacing
 from wakeful.server.harness.handlers import EchoHandler, NoModelHandler
+from wakeful.server.memory import expire_task
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.db import make_engine, migrate, read, write
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 __all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
 
 log = logging.getLogger(__name__)
+
+control.on_task_end(expire_task)  # a task's task-scoped memory expires with it (control never imports memory)
 
 
 @dataclass

@@ -4,8 +4,9 @@ Events (each delivery its keys or an attachment brought, with its source, key an
 whom and why, and when released), attachments from triage, runs, decisions, task versions, steers the agent proposed
 and the user's answer, control decisions, actions with their content hashes, admission verdicts with reasons,
 approvals with their approver, attempts with outcomes, evidence from responses and reconciliation, refusals, messages
-to the user, and the timers and waits set for the task (each in plain words, `said`) with when and how each ended.
-Enough to answer "why did this effect happen, and on whose authority".
+to the user, the timers and waits set for the task (each in plain words, `said`) with when and how each ended, and
+every change to memory made in the task (`memory`: a record committed, a proposal refused with its code, a record
+confirmed, edited, corrected, forgotten, expired or invalidated, and by whom). Enough to answer "why did this effect happen, and on whose authority".
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from wakeful.server.store.tables import (
     control,
     decisions,
     event_attachments,
+    memory_changes,
     events,
     evidence,
     outbox,
@@ -47,7 +49,7 @@ __all__ = ["EntryType", "describe", "entries", "four_facts", "task_status"]
 EntryType = Literal["task", "task_version", "control", "steer_proposal", "steer_decision", "event", "run", "decision",
                     "action", "verdict", "approval", "attempt", "outcome", "evidence", "refusal", "message",
                     "dispatch_intent", "timer", "timer_ended", "wait", "wait_ended", "task_key", "task_key_release",
-                    "attachment"]
+                    "attachment", "memory"]
 """Every kind of ledger entry (the HTTP API documents them: a kind missing here fails the type check where it is
 written)."""
 
@@ -119,6 +121,8 @@ def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
     for r in conn.execute(select(refusals).where(refusals.c.task_id == task.id)):
         yield _row("refusal", r.created_at, r)
     yield from _agenda(conn, task)
+    for r in conn.execute(select(memory_changes).where(memory_changes.c.task_id == task.id)):
+        yield {**_row("memory", r.at, r, skip=("detail",)), "detail": json.loads(r.detail)}
     intents = [outbox.c.id.like(f"dsp_{a}%") for a in action_ids]  # the first intent and any resends
     for r in conn.execute(select(outbox).where(or_(outbox.c.session_id == task.session_id, *intents))):
         yield _row("message" if r.kind == "user_message" else "dispatch_intent", r.created_at, r)
@@ -196,6 +200,8 @@ def describe(entry: dict[str, Any]) -> str:
         "task_key": lambda e: f"{e['key']!r} bound by {e['bound_by']}: {e.get('reason', '')}".rstrip(": "),
         "task_key_release": lambda e: f"{e['key']!r} released",
         "attachment": lambda e: f"{e['event_id']} attached as {e['attached_event_id']} by {e['actor']}: {e['reason']}",
+        "memory": lambda e: f"{e['change']} {e.get('memory_id') or '(nothing stored)'} by {e['actor']}"
+                            + (f" ({e['code']})" if "code" in e else ""),
     }
     detail = formats.get(kind)
     return f"{entry['at']}  {kind:<15} {detail(entry) if detail else ''}"

@@ -12,7 +12,7 @@ the same way (`core.helper_tasks`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -38,7 +38,8 @@ from wakeful.server.store.tables import (
     waits,
 )
 
-__all__ = ["StopState", "create_task", "record", "set_stop", "set_task_state", "state_after", "steer", "stop_state"]
+__all__ = ["StopState", "TaskEnd", "create_task", "on_task_end", "record", "set_stop", "set_task_state", "state_after",
+           "steer", "stop_state"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +119,19 @@ _TRANSITIONS: dict[ControlKind, tuple[frozenset[TaskState], TaskState]] = {
 A hold (`core.holds`) is lifted by any of them: the user's own word settles what their message left open."""
 
 
+TaskEnd = Callable[[Connection, str, datetime], object]
+"""What else ends with a task: called in the close or revoke transaction with (conn, task_id, now)."""
+
+_TASK_END: list[TaskEnd] = []
+
+
+def on_task_end(hook: TaskEnd) -> None:
+    """Register `hook` to run when a task closes or is revoked. Control imports nothing above it: a room that
+    must not inform authorization (memory) is wired in from above (`server.runtime`), never imported here."""
+    if hook not in _TASK_END:
+        _TASK_END.append(hook)
+
+
 def state_after(kind: str) -> TaskState | None:
     """The state a control record of `kind` left its task in (None: that kind does not move a task)."""
     move = _TRANSITIONS.get(ControlKind(kind))
@@ -147,6 +161,8 @@ def set_task_state(conn: Connection, *, user_id: str, task_id: str, kind: Contro
     if target in (TaskState.CLOSED, TaskState.REVOKED):
         # Proactivity closes with its task: timers and pending waits end here, and its keys route to triage again.
         keys.release(conn, task_id=task_id, now=now)
+        for hook in _TASK_END:  # memory's task-scoped records expire (`memory.expire_task`, wired by the runtime)
+            hook(conn, task_id, now)
         conn.execute(update(timers).where(and_(timers.c.task_id == task_id, timers.c.state == TimerState.ACTIVE.value))
                      .values(state=TimerState.CANCELLED.value, ended_at=now,
                              end_reason=f"the task was {target.value} by {actor}"))

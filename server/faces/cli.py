@@ -33,6 +33,7 @@ from wakeful.server.faces.cli_common import settings_or_exit as _settings
 from wakeful.server.faces.cli_egress import egress_app, proxy_app, secret_app
 from wakeful.server.faces.cli_eval import eval_cmd
 from wakeful.server.faces.cli_image import image_app
+from wakeful.server.faces.cli_memory import memory_app
 from wakeful.server.faces.cli_sim import sim
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
@@ -62,6 +63,7 @@ app.add_typer(proxy_app, name="proxy")
 app.add_typer(secret_app, name="secret")
 app.add_typer(egress_app, name="egress")
 app.add_typer(image_app, name="image")
+app.add_typer(memory_app, name="memory")
 app.command("sim")(sim)
 app.command("eval")(eval_cmd)
 

@@ -26,7 +26,7 @@ CONTROL_BODY_LIMIT = 64 * 1024
 """Bytes a control request's body may have: a task with its constraints and completion conditions fits many times."""
 
 GUARDED_PREFIXES = ("/v1/control", "/v1/tasks", "/v1/actions", "/v1/events", "/v1/messages", "/v1/egress",
-                    "/v1/live/view", "/v1/preferences")
+                    "/v1/live/view", "/v1/preferences", "/v1/memory")
 
 
 def guards(path: str) -> bool:

@@ -51,6 +51,7 @@ from wakeful.server.faces.auth import current_user, user_of
 from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.liveview import live_router
 from wakeful.server.faces.mcpserver import TokenVerifier, WakefulMCP
+from wakeful.server.faces.memory_routes import memory_router
 from wakeful.server.faces.openapi import MCP, NOVNC, WEBHOOKS, openapi_document
 from wakeful.server.faces.routes import router
 from wakeful.server.faces.schemas import Done, Health
@@ -419,6 +420,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
         return {"ok": True}
 
     app.include_router(router)
+    app.include_router(memory_router)
     # The MCP app answers only its own paths (`/mcp`, streamable HTTP with a bearer token, and the token's resource
     # metadata): mounted under everything, it would answer every unknown path, and every wrong method on a known
     # one, with its own plain-text 404.

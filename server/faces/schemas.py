@@ -13,12 +13,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from wakeful.server.acting.ledger import EntryType
-from wakeful.server.store.tables import EventStatus, OutboxState, SteerState, TaskState
+from wakeful.server.store.tables import (
+    EventStatus,
+    MemoryForm,
+    MemoryScope,
+    MemoryState,
+    OutboxState,
+    Speaker,
+    SteerState,
+    TaskState,
+)
 
 __all__ = [
     "CODES", "ActionView", "ApprovalCard", "Decision", "Done", "EgressPage", "ErrorEnvelope", "EventView", "Health",
     "HookReceipt",
-    "Ledger", "MessagePage", "PreferencesView",
+    "Ledger", "MemoryChanged", "MemoryDetail", "MemoryPage", "MemoryRecord", "MessagePage", "PreferencesView",
     "MessageRecorded", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
     "TaskStateAnswer", "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
 ]
@@ -50,12 +59,12 @@ CODES: dict[str, int] = {
     "malformed_body": 400, "invalid_parameter": 400, "invalid_completion": 400, "bad_cursor": 400,
     "json_too_deep": 400, "number_too_long": 400, "number_out_of_range": 400, "duplicate_key": 400,
     "missing_delivery_id": 400, "invalid_delivery_id": 400, "invalid_session_key": 400, "invalid_task_key": 400,
-    "unknown_timezone": 400, "invalid_quiet_hours": 400,
+    "unknown_timezone": 400, "invalid_quiet_hours": 400, "invalid_memory": 400, "invalid_scope": 400,
     "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
     "forbidden": 403,
     "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_steer": 404,
-    "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404,
+    "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404, "unknown_memory": 404,
     "method_not_allowed": 405,
     "invalid_transition": 409, "not_awaiting_approval": 409, "not_awaiting_user": 409, "task_key_taken": 409,
     "gone": 410,
@@ -355,6 +364,112 @@ class Health(_Answer):
 
 class Done(_Answer):
     ok: Literal[True]
+
+
+# -- memory ----------------------------------------------------------------------------------------------------------
+
+
+class MemoryRecord(_Answer):
+    """One version of a memory record (`server.memory`): what it says, who said it, where and when it holds, and
+    when the system learnt and retired it. Times are ISO 8601; null: not set (not confirmed, not retired, no end)."""
+
+    memory_id: str
+    """This version's ID: what the routes below take."""
+    lineage_id: str
+    """The record's: its first version's ID, the same in every version."""
+    version: int
+    supersedes: str | None
+    form: MemoryForm
+    state: MemoryState
+    subject: str
+    relation: str
+    value: str
+    text: str
+    scope: MemoryScope
+    scope_ref: str | None
+    """The run, task or project it holds for; null for `always`."""
+    speaker: Speaker
+    speaker_name: str
+    """The user's name, the run that inferred it, or the third party that said it."""
+    confidence: float | None
+    review: bool
+    """Retired by someone other than you: shown to you until you mark it reviewed."""
+    run_id: str | None
+    task_id: str | None
+    confirmed_by: str | None
+    confirmed_at: str | None
+    valid_from: str
+    valid_until: str | None
+    recorded_at: str
+    retired_at: str | None
+    retire_reason: str | None
+    retired_by: str | None
+
+
+class MemoryPage(_Answer):
+    records: list[MemoryRecord]
+    next: str | None = Field(description="the `after` of the following page; null on the last")
+
+
+class MemoryRef(_Answer):
+    type: str
+    """event, decision, approval, action, steer, message, run or memory (what it was derived from)."""
+    id: str
+
+
+class MemoryChange(_Answer):
+    """One change to the record, as the ledger shows it."""
+
+    change_id: str
+    memory_id: str | None
+    change: str
+    actor: Literal["user", "agent", "system"]
+    run_id: str | None
+    task_id: str | None
+    code: str | None
+    detail: dict[str, Any]
+    at: str
+
+
+class MemoryDetail(_Answer):
+    """A record with its whole lineage: every version, the evidence it was produced from, what was derived from it,
+    the runs that recalled it, and every change."""
+
+    record: MemoryRecord
+    """The version asked for."""
+    versions: list[MemoryRecord]
+    """Every version of the record, oldest first."""
+    evidence: list[MemoryRef]
+    derived: list[str]
+    """The IDs of the records derived from this one (a correction or a deletion invalidates them)."""
+    recalled_by: list[str]
+    """The runs whose context recalled a version of it."""
+    topics: list[str]
+    changes: list[MemoryChange]
+
+
+class MemoryReach(_Answer):
+    """What a correction or a deletion reached."""
+
+    invalidated: list[str]
+    """The records derived from it, retired `invalidated` and shown to you for review."""
+    runs: list[str]
+    """The runs that had recalled it (their history is not rewritten)."""
+    tasks: list[str]
+    """The open tasks whose next wake is told which recalled record was corrected."""
+
+
+class MemoryChanged(_Answer):
+    """The record after the change: the version the change wrote (or retired) and its state."""
+
+    memory_id: str
+    version: int
+    state: MemoryState
+    form: MemoryForm
+    retired: list[str] | None = None
+    """The versions this one retired as `contradicted` (same subject, relation and scope; another value)."""
+    reach: MemoryReach | None = None
+    """A correction or a deletion: what it reached."""
 
 
 # -- the webhook inbox -----------------------------------------------------------------------------------------------

@@ -64,6 +64,8 @@ __all__ = [
     "approvals",
     "attempts",
     "attempts_guard_ddl",
+    "MEMORY_MUTABLE",
+    "memory_guard_ddl",
     "control",
     "decisions",
     "egress_audit",
@@ -1018,6 +1020,37 @@ def attempts_guard_ddl(dialect: str) -> list[str]:
         "FOR EACH ROW EXECUTE FUNCTION wakeful_attempt_once()",
     ]
 
+
+MEMORY_MUTABLE = ("state", "review", "retired_at", "retire_reason", "retired_by")
+"""What may change on a `memories` row after its insert: its state and retirement, and the review flag."""
+
+
+def memory_guard_ddl(dialect: str) -> list[str]:
+    """A memory version's content never changes (a change is a new version) and no version is ever deleted."""
+    fixed = [c.name for c in memories.columns if c.name not in MEMORY_MUTABLE]
+    if dialect == "sqlite":
+        changed = " OR ".join(f"NEW.{c} IS NOT OLD.{c}" for c in fixed)
+        return [
+            f"CREATE TRIGGER memories_content_fixed BEFORE UPDATE ON memories WHEN {changed} "
+            "BEGIN SELECT RAISE(ABORT, 'memory content is written once'); END",
+            "CREATE TRIGGER memories_no_delete BEFORE DELETE ON memories "
+            "BEGIN SELECT RAISE(ABORT, 'memory versions are never deleted'); END",
+        ]
+    changed = " OR ".join(f"NEW.{c} IS DISTINCT FROM OLD.{c}" for c in fixed)
+    return [
+        "CREATE OR REPLACE FUNCTION wakeful_memory_fixed() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        f"IF TG_OP = 'DELETE' OR {changed} "
+        "THEN RAISE EXCEPTION 'memory content is written once; versions are never deleted'; END IF; "
+        "RETURN NEW; END $$",
+        "CREATE TRIGGER memories_content_fixed BEFORE UPDATE OR DELETE ON memories "
+        "FOR EACH ROW EXECUTE FUNCTION wakeful_memory_fixed()",
+    ]
+
+
+for _dialect in ("sqlite", "postgresql"):
+    for _stmt in memory_guard_ddl(_dialect):
+        event.listen(metadata.tables["memories"], "after_create",
+                     DDL(_stmt).execute_if(dialect=_dialect))  # type: ignore[no-untyped-call]
 
 for _dialect in ("sqlite", "postgresql"):
     for _stmt in attempts_guard_ddl(_dialect):

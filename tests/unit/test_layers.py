@@ -24,15 +24,17 @@ ALLOWED: dict[str, set[str]] = {
     "sims": set(),
     "store": set(),
     "core": {"store"},
+    "memory": {"store"},  # knowledge: informs plans, never authorizes (no room of an authorization path imports it)
     "acting": {"store", "core", "proxy"},  # the proxy's contract only: a connector request is an `EgressRequest`
     "computers": {"store", "vm"},
     "egress": {"store", "core", "acting", "computers", "vm", "proxy"},
-    "tools": {"store", "core", "acting", "computers", "egress", "vm"},
-    "harness": {"store", "core", "acting", "computers", "egress", "tools", "vm"},
-    "runtime": {"store", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
-    "evals": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy", "sims"},
-    "faces": {"store", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm", "proxy",
+    "tools": {"store", "memory", "core", "acting", "computers", "egress", "vm"},
+    "harness": {"store", "memory", "core", "acting", "computers", "egress", "tools", "vm"},
+    "runtime": {"store", "memory", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
+    "evals": {"store", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm", "proxy",
               "sims"},
+    "faces": {"store", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "evals", "vm",
+              "proxy", "sims"},
 }
 
 

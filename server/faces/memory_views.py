@@ -1,0 +1,128 @@
+"""Memory as the user's faces show it: the HTTP routes (`server.faces.memory_routes`) and the CLI
+(`server.faces.cli_memory`) call these, each in the caller's transaction, and answer what they return. They put the
+user's hand (`server.memory`) into the answer shapes `server.faces.schemas` declares (`MemoryRecord`, `MemoryPage`,
+`MemoryDetail`, `MemoryChanged`), so both faces say the same thing, and they fill in what the user's own writes
+mean: spoken by the user (by name), active, confirmed by the change that wrote it.
+
+    page / detail                      read
+    add                                the user writes an instruction, a preference or a fact
+    confirm / reject / edit / correct / forget / reviewed   the user's hand on a record
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from wakeful.server import memory
+from wakeful.server.errors import BadRequest, WakefulError
+from wakeful.server.memory.committer import try_propose
+from wakeful.server.store.tables import users
+
+__all__ = ["USER_FORMS", "add", "confirm", "correct", "detail", "edit", "forget", "page", "record", "reject",
+           "reviewed"]
+
+USER_FORMS = ("instruction", "preference", "fact")
+"""What the user writes by hand; the other forms are what the agent learns (and the user confirms or rejects)."""
+
+RECORD_FIELDS = ("memory_id", "lineage_id", "version", "supersedes", "form", "state", "subject", "relation", "value",
+                 "text", "scope", "scope_ref", "speaker", "speaker_name", "confidence", "review", "run_id", "task_id",
+                 "confirmed_by", "confirmed_at", "valid_from", "valid_until", "recorded_at", "retired_at",
+                 "retire_reason", "retired_by")
+
+
+def _plain(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+def record(row: Mapping[str, Any]) -> dict[str, Any]:
+    """One version as `MemoryRecord`: a `memories` row (or a read model's dict of one)."""
+    data = {"memory_id": row.get("memory_id", row.get("id")), **{k: row.get(k) for k in RECORD_FIELDS[1:]}}
+    data["review"] = bool(data["review"])
+    return {k: _plain(v) for k, v in data.items()}
+
+
+def page(conn: Connection, user_id: str, *, form: str | None, state: str | None, review: bool | None,
+         task_id: str | None, after: str | None, limit: int) -> dict[str, Any]:
+    listed = memory.list_records(conn, user_id, form=form, state=state, review=review, task_id=task_id, limit=limit,
+                                 after=after)
+    return {"records": [record(r) for r in listed["records"]], "next": listed.get("next")}
+
+
+def detail(conn: Connection, user_id: str, memory_id: str) -> dict[str, Any]:
+    shown = memory.show(conn, user_id, memory_id)
+    versions = [record(v) for v in shown["versions"]]
+    asked = next((v for v in versions if v["memory_id"] == memory_id), versions[-1])
+    return {"record": asked, "versions": versions,
+            "evidence": [{"type": e["type"], "id": e["id"]} for e in shown.get("evidence", [])],
+            "derived": [_id_of(d) for d in shown.get("derived", [])],
+            "recalled_by": [_id_of(r, "run_id") for r in shown.get("recalled_by", shown.get("runs", []))],
+            "topics": sorted(shown.get("topics", [])),
+            "changes": [_change(c) for c in shown.get("changes", [])]}
+
+
+def _id_of(item: Any, key: str = "memory_id") -> str:
+    if isinstance(item, Mapping):
+        return str(item.get(key, item.get("id")))
+    return str(item)
+
+
+def _change(row: Mapping[str, Any]) -> dict[str, Any]:
+    detail_ = row.get("detail") or {}
+    return {"change_id": row.get("change_id", row.get("id")), "memory_id": row.get("memory_id"),
+            "change": row["change"], "actor": row["actor"], "run_id": row.get("run_id"),
+            "task_id": row.get("task_id"), "code": row.get("code"),
+            "detail": json.loads(detail_) if isinstance(detail_, str) else detail_, "at": _plain(row["at"])}
+
+
+def _changed(stored: memory.Stored) -> dict[str, Any]:
+    return stored.to_json()
+
+
+def _user_name(conn: Connection, user_id: str) -> str:
+    return str(conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar_one())
+
+
+def add(conn: Connection, user_id: str, body: Mapping[str, Any], *, now: datetime) -> dict[str, Any] | WakefulError:
+    """The user's own record: an instruction, a preference or a fact (for `always` unless a scope is given),
+    through the committer like every other. A refusal is recorded and returned, not raised: the caller commits, so
+    that its record stays, then raises it."""
+    if body.get("form") not in USER_FORMS:
+        raise BadRequest("invalid_memory", f"you write an instruction, a preference or a fact; {body.get('form')!r} "
+                                           "is what the agent learns (confirm or reject those)")
+    proposal = memory.parse_proposal({k: v for k, v in body.items() if v is not None})
+    actor = memory.Actor(kind=memory.ActorKind.USER, name=_user_name(conn, user_id))
+    stored = try_propose(conn, user_id=user_id, actor=actor, proposal=proposal, now=now)
+    return stored if isinstance(stored, WakefulError) else _changed(stored)
+
+
+def confirm(conn: Connection, user_id: str, memory_id: str, *, now: datetime) -> dict[str, Any]:
+    return _changed(memory.confirm(conn, user_id, memory_id, now))
+
+
+def reject(conn: Connection, user_id: str, memory_id: str, *, now: datetime) -> dict[str, Any]:
+    return _changed(memory.reject(conn, user_id, memory_id, now))
+
+
+def edit(conn: Connection, user_id: str, memory_id: str, changes: Mapping[str, Any], *,
+         now: datetime) -> dict[str, Any]:
+    if not changes:
+        raise BadRequest("invalid_memory", "an edit changes something: text, value, scope, scope_ref or valid_until")
+    return _changed(memory.edit(conn, user_id, memory_id, now=now, **changes))
+
+
+def correct(conn: Connection, user_id: str, memory_id: str, *, reason: str, text: str | None,
+            now: datetime) -> dict[str, Any]:
+    return _changed(memory.correct(conn, user_id, memory_id, reason=reason, text=text, now=now))
+
+
+def forget(conn: Connection, user_id: str, memory_id: str, *, reason: str, now: datetime) -> dict[str, Any]:
+    return _changed(memory.forget(conn, user_id, memory_id, reason=reason, now=now))
+
+
+def reviewed(conn: Connection, user_id: str, memory_id: str, *, now: datetime) -> dict[str, Any]:
+    return _changed(memory.mark_reviewed(conn, user_id, memory_id, now))
