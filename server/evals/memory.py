@@ -80,7 +80,7 @@ def seating(turn: Turn) -> ModelReply:
 
 
 def _tickets(w: EvalWorld, count: int) -> list[dict[str, Any]]:
-    return w.until(f"{count} ticket(s)", lambda: (t := w.effects("airline", "ticket")) if len(t) >= count else None)
+    return w.until(f"{count} ticket(s)", lambda: t if len(t := w.effects("airline", "ticket")) >= count else None)
 
 
 def _cancel(w: EvalWorld, flight: str) -> None:

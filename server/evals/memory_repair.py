@@ -1,7 +1,7 @@
 """Memory's repair: a correction traced back to its evidence and propagated.
 
-- mem-correction-propagates: three times an advisory asks to re-confirm PNR123's flight; each time the agent orders
-  the cheapest flight (AB100, 07:10) and the user approves. From the three approvals the updater infers "prefers
+- mem-correction-propagates: an advisory asks to re-confirm the flight of each of three bookings; each time the agent
+  orders the cheapest flight that day (AB100, 07:10) and the user approves. From the three approvals the updater infers "prefers
   early flights" (a hypothesis, pending) and a Skill revision derived from it ("rebook onto the earliest flight",
   pending). The user corrects the hypothesis: "I don't prefer early flights; those times had no alternatives". The
   hypothesis is retired `corrected`, the user's words kept as their statement, the Skill revision invalidated and
@@ -17,13 +17,15 @@ from wakeful.server.evals.agents import Turn, end
 from wakeful.server.evals.memory_play import changes, correct, memories, mentioned, remember, runs_calling, show
 from wakeful.server.evals.paired import POLICY
 from wakeful.server.evals.scenario import Check, Scenario, check
-from wakeful.server.evals.trip import ORDER, PNR, quiet, rebooking
+from wakeful.server.evals.trip import ORDER, PNR, quiet
 from wakeful.server.evals.world import EvalWorld
 from wakeful.server.harness.model import ModelReply, calls
 
 __all__ = ["SCENARIOS"]
 
 RECONFIRM = "Schedule update: please re-confirm the flight on your booking."
+BOOKINGS = [PNR, "PNR124", "PNR125", "PNR126"]
+"""PNR123 (seeded) and three more on AB100, the same day: each advisory re-orders one."""
 CORRECTION = "I don't prefer early flights; those times had no alternatives."
 EARLY = {"subject": "flight.departure", "value": "early", "topics": ["flight", "airline", "travel.advisory"]}
 SKILL = {"form": "skill", "text": "When rebooking, choose the earliest flight of the day.",
@@ -40,15 +42,21 @@ def inferring(turn: Turn) -> ModelReply:
             return remember(**SKILL, derived_from=[stored["memory_id"]],
                             evidence=turn.args_of("remember")["evidence"])
         return quiet("learnt what these approvals suggest; it waits for the user")
-    step = rebooking(turn)
-    if step is not None:
-        return step
+    advised = [e["pnr"] for e in turn.events("airline") if e.get("type") == "travel.advisory"]
+    if turn.after("airline__search_flights"):
+        cheapest = turn.result_of("airline__search_flights")["objects"][0]
+        booked = turn.result_of("airline__get_booking")["objects"][0]
+        return calls((ORDER, {"pnr": booked["id"], "flight": cheapest["id"]}))
+    if turn.after("airline__get_booking"):
+        booked = turn.result_of("airline__get_booking")["objects"][0]
+        return calls(("airline__search_flights", {"from": booked["from"], "to": booked["to"], "date": booked["date"]}),
+                     ("airline__get_booking", {"pnr": advised[0]}))
     if turn.after(ORDER):
         return quiet("asked the user to approve the order")
     if turn.called:
         return end()
-    if any(e.get("type") == "travel.advisory" for e in turn.events("airline")):
-        return calls(("airline__get_booking", {"pnr": PNR}))
+    if advised:
+        return calls(("airline__get_booking", {"pnr": advised[0]}))
     approvals = mentioned(turn, "apr")
     if turn.events("dispatch") and len(approvals) >= 3:
         return remember(form="hypothesis", text="The user seems to prefer early flights: they approved the 07:10 "
@@ -58,8 +66,8 @@ def inferring(turn: Turn) -> ModelReply:
 
 
 def _approve_an_order(w: EvalWorld, task_id: str, done: set[str]) -> str:
-    """Send the advisory, approve the order it leads to (a new one), and wait for its ticket."""
-    w.sim("airline", "POST", "/_sim/advisory", {"pnr": PNR, "text": RECONFIRM})
+    """Send the next booking's advisory, approve the order it leads to, and wait for its ticket."""
+    w.sim("airline", "POST", "/_sim/advisory", {"pnr": BOOKINGS[len(done)], "text": RECONFIRM})
     w.deliver("airline")
     action = w.until("a new order waiting for approval", lambda: next(
         (a for a in w.status(task_id)["actions"] if a["tool"] == ORDER and a["action_id"] not in done
@@ -75,7 +83,11 @@ def _pending(w: EvalWorld, form: str) -> dict[str, Any] | None:
 
 
 def correction_propagates(w: EvalWorld) -> list[Check]:
-    trip = w.delegate("Keep PNR123 on the cheapest flight of its day; each change needs my approval", keys=[PNR])
+    day = w.sim("airline", "GET", f"/v1/bookings/{PNR}")["date"]
+    for pnr in BOOKINGS[1:]:
+        w.sim("airline", "POST", "/_sim/bookings", {"pnr": pnr, "flight": "AB100", "date": day})
+    trip = w.delegate("Keep my team's bookings on the cheapest flight of their day; each change needs my approval",
+                      keys=BOOKINGS)
     w.until("the delegation's run", lambda: runs_calling(w, trip, "stay_quiet"))
     done: set[str] = set()
     for _ in range(3):

@@ -200,7 +200,7 @@ def d12_closure(w: EvalWorld) -> list[Check]:
     verified = w.until("the goal verified", lambda: (s := w.status(task_id))["facts"]["goal_verified"] and s)
     w.until("the agent's question", lambda: _asked(w))
     checking = w.status(task_id)["timers"]
-    distilled = w.until("the closure run's distillation", lambda: (d := _distilled(w, task_id)) if len(d) >= 2
+    distilled = w.until("the closure run's distillation", lambda: d if len(d := _distilled(w, task_id)) >= 2
                         else None)
     w.control(task_id, "close", "all done, thanks")
     asked = _asked(w)

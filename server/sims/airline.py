@@ -23,6 +23,8 @@ Sim-only:
     POST /_sim/cancel_flight {"flight", "notices"?} -> {"flight", "pnrs": [...]}: confirmed bookings on it become
                                      cancelled; `notices` (1) signed {"type": "flight.cancelled", "pnr", "flight",
                                      "notice"} webhooks queued each (airlines repeat a cancellation notice)
+    POST /_sim/bookings {"pnr", "flight", "date"} -> {"pnr"}: another confirmed, ticketed booking (404
+                                     {"error": "unknown_flight"})
     POST /_sim/advisory {"pnr", "text"} -> {"pnr"}: one signed {"type": "travel.advisory", "pnr", "text"} webhook
                                      queued (a typhoon warning for the booking's trip); 404 {"error": "not_found"}
 
@@ -189,6 +191,14 @@ def create_airline(*, clock: SimClock | None = None) -> tuple[FastAPI, Airline]:
     @app.post("/_sim/cancel_flight")
     def cancel_flight(flight: Annotated[str, Body()], notices: Annotated[int, Body(ge=1, le=10)] = 1) -> dict[str, Any]:
         return {"flight": flight, "pnrs": sim.cancel_flight(flight, notices=notices)}
+
+    @app.post("/_sim/bookings", response_model=None)
+    def add_booking(pnr: Annotated[str, Body(max_length=8)], flight: Annotated[str, Body()],
+                    date: Annotated[Date, Body()]) -> dict[str, Any] | JSONResponse:
+        if flight not in FLIGHTS:
+            return error(404, "unknown_flight")
+        sim.add_booking(pnr, flight, date)
+        return {"pnr": pnr}
 
     @app.post("/_sim/advisory", response_model=None)
     def advisory(pnr: Annotated[str, Body()],

@@ -366,6 +366,16 @@ def test_an_order_records_the_seat_chosen_on_the_booking_and_its_ticket_and_none
     assert refused.status_code == 422 and len(sim.effects) == 2
 
 
+def test_a_booking_added_through_the_sim_controls_is_read_and_rebooked_like_the_seeded_one() -> None:
+    app, sim = create_airline()
+    client = TestClient(app)
+    added = client.post("/_sim/bookings", json={"pnr": "PNR124", "flight": "AB100", "date": "2027-01-05"})
+    assert added.json() == {"pnr": "PNR124"}
+    assert {k: client.get("/v1/bookings/PNR124").json()[k] for k in ("flight", "date", "status")} == {
+        "flight": "AB100", "date": "2027-01-05", "status": "confirmed"}
+    assert client.post("/_sim/bookings", json={"pnr": "PNR125", "flight": "XX1", "date": "2027-01-05"}).status_code == 404
+
+
 # --- hotel ---------------------------------------------------------------------------------------------------------
 
 
