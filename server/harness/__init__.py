@@ -4,6 +4,6 @@ ends in exactly one outcome, and replay from the records. It implements `server.
 Modules: `context`, `model` (and `model_anthropic`, the only module that imports `anthropic`), `wake`
 (`ModelHarness`), `handlers` (the echo and scripted handlers), `replay`, `helper_run` (a helper
 task's context and run).
-May import: `server.store`, `server.core`, `server.acting`, `server.computers`, `server.tools`, `server.errors`,
-`server.settings`.
+May import: `server.store`, `server.memory` (recall, into the tail), `server.core`, `server.acting`,
+`server.computers`, `server.tools`, `server.errors`, `server.settings`.
 """

@@ -29,6 +29,7 @@ from wakeful.server.harness import history
 from wakeful.server.harness.context import Context, assemble, render_tail
 from wakeful.server.harness.helper_run import HelperRun
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
+from wakeful.server.memory.recall import record_uses
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import OnTimeout, RunOutcome, run_contexts, tool_results
@@ -56,10 +57,15 @@ class Harness:
             context = assemble(conn, registry=self.registry, instructions=self.instructions, user_id=ctx.user_id,
                                session_id=ctx.session_id, run_id=ctx.run_id, events=ctx.events,
                                computers=self.computers)
-        ctx.persist(lambda conn: conn.execute(run_contexts.insert().values(
-            run_id=ctx.run_id, prefix_sha256=context.prefix_sha256, prefix=context.prefix,
-            tail=json.dumps(context.tail, sort_keys=True, default=str), model=self.model.name,
-            harness_version=HARNESS_VERSION, created_at=ctx.now())))
+
+        def record(conn: Connection) -> None:  # the context, and which memory versions it recalled
+            conn.execute(run_contexts.insert().values(
+                run_id=ctx.run_id, prefix_sha256=context.prefix_sha256, prefix=context.prefix,
+                tail=json.dumps(context.tail, sort_keys=True, default=str), model=self.model.name,
+                harness_version=HARNESS_VERSION, created_at=ctx.now()))
+            record_uses(conn, run_id=ctx.run_id, memory_ids=context.memory_ids)
+
+        ctx.persist(record)
         helper = HelperRun.of(ctx)
         if helper is not None and not helper.running:
             ctx.silence(f"helper {helper.helper.id} is {helper.helper.state.value}: nothing more to do")

@@ -41,7 +41,8 @@ from wakeful.server.store.tables import (
     task_keys,
 )
 
-__all__ = ["CORRECTED_CAP", "FOCUS_CAP", "LIMIT", "Corrected", "Overridden", "Recall", "Recalled", "focus", "recall"]
+__all__ = ["CORRECTED_CAP", "FOCUS_CAP", "LIMIT", "Corrected", "Overridden", "Recall", "Recalled", "focus", "recall",
+           "record_uses"]
 
 LIMIT: Final = 12
 """Records one wake recalls at most."""
@@ -146,7 +147,8 @@ class Recall:
                 "corrected_since": [c.to_json() for c in self.corrected_since], "left_out": self.left_out}
 
 
-def focus(conn: Connection, *, task_id: str | None, goal: str, sources: Iterable[str], now: datetime) -> tuple[str, ...]:
+def focus(conn: Connection, *, task_id: str | None, goal: str, sources: Iterable[str],
+          now: datetime) -> tuple[str, ...]:
     """The topics a wake is about: its events' sources, the goal's words, the prefixes of the keys the task held at
     `now`; lowercased, each once, in that order, at most FOCUS_CAP."""
     prefixes: list[str] = []
@@ -241,3 +243,9 @@ def _corrected_since(conn: Connection, *, run_id: str, now: datetime) -> tuple[C
         .order_by(m.retired_at, m.id).limit(CORRECTED_CAP)).all()
     return tuple(Corrected(id=r.id, subject=r.subject, relation=r.relation, reason=r.retire_reason, at=r.retired_at)
                  for r in found)
+
+
+def record_uses(conn: Connection, *, run_id: str, memory_ids: Sequence[str]) -> None:
+    """Which record versions run `run_id`'s context recalled (`memory_uses`): what a correction's reach names."""
+    if memory_ids:
+        conn.execute(memory_uses.insert(), [{"run_id": run_id, "memory_id": m} for m in dict.fromkeys(memory_ids)])
