@@ -1,7 +1,7 @@
 """The user's hand on memory over HTTP (bearer token): read what the agent learnt, write standing instructions,
 preferences and facts, confirm or reject what waits for you, edit, correct, forget (docs/memory.md).
 
-    GET  /v1/memory                       the records, newest first (?form=&state=&review=&task_id=&after=&limit=)
+    GET  /v1/memory                       the records, oldest first (?form=&state=&review=&task_id=&after=&limit=)
     GET  /v1/memory/{id}                  one record: every version, its evidence, what was derived from it, uses
     POST /v1/memory                       you write: an instruction, a preference or a fact (active at once)
     POST /v1/memory/{id}/confirm|reject   answer a pending record (a hypothesis confirmed becomes a preference)
@@ -24,7 +24,6 @@ from pydantic import AwareDatetime, BaseModel, Field
 from wakeful.server.errors import WakefulError
 from wakeful.server.faces import memory_views as views
 from wakeful.server.faces.auth import User
-from wakeful.server.faces.pages import Limit
 from wakeful.server.faces.routes import Rt
 from wakeful.server.faces.schemas import MemoryChanged, MemoryDetail, MemoryPage, refusals
 from wakeful.server.store.db import read, write
@@ -36,7 +35,7 @@ memory_router = APIRouter()
 
 _Text = Annotated[str, Field(min_length=1, max_length=1000)]
 _Name = Annotated[str, Field(min_length=1, max_length=80)]
-_Reason = Annotated[str, Field(min_length=1, max_length=2000, description="why, in your words, for the record")]
+_Reason = Annotated[str, Field(min_length=1, max_length=1000, description="why, in your words, for the record")]
 _ID = r"^[A-Za-z0-9_.-]+$"
 
 
@@ -85,7 +84,7 @@ _MOVED = ("unknown_memory", "invalid_transition")
 
 
 @memory_router.get("/v1/memory", response_model=MemoryPage)
-def list_memory(user: User, rt: Rt, limit: Limit = 100,
+def list_memory(user: User, rt: Rt, limit: Annotated[int, Query(ge=1, le=200, description="rows per page, 1..200")] = 50,
                 form: Annotated[MemoryForm | None, Query()] = None,
                 state: Annotated[MemoryState | None, Query()] = None,
                 review: Annotated[bool | None, Query(description="only records retired by someone else, awaiting "
@@ -95,7 +94,8 @@ def list_memory(user: User, rt: Rt, limit: Limit = 100,
                 after: Annotated[str | None, Query(max_length=40, pattern=_ID,
                                                    description="the `next` of the previous page")] = None,
                 ) -> dict[str, Any]:
-    """Your records, newest first, every version (retired ones too, unless `state` says otherwise)."""
+    """Your records, the latest version of each, in the order they were recorded (retired ones too, unless `state`
+    says otherwise)."""
     with read(rt.engine) as conn:
         return views.page(conn, user, form=form, state=state, review=review, task_id=task_id, after=after,
                           limit=limit)
@@ -119,7 +119,7 @@ def add_memory(user: User, rt: Rt, body: MemoryIn) -> dict[str, Any]:
 
 
 @memory_router.post("/v1/memory/{memory_id}/confirm", response_model=MemoryChanged, response_model_exclude_unset=True,
-                    responses=refusals(*_MOVED))
+                    responses=refusals(*_MOVED, "invalid_memory", "invalid_scope"))
 def confirm_memory(user: User, rt: Rt, memory_id: str) -> dict[str, Any]:
     """A pending record becomes active (a hypothesis becomes a preference), confirmed by you."""
     with write(rt.engine) as conn:

@@ -11,7 +11,6 @@ mean: spoken by the user (by name), active, confirmed by the change that wrote i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -32,7 +31,7 @@ USER_FORMS = ("instruction", "preference", "fact")
 RECORD_FIELDS = ("memory_id", "lineage_id", "version", "supersedes", "form", "state", "subject", "relation", "value",
                  "text", "scope", "scope_ref", "speaker", "speaker_name", "confidence", "review", "run_id", "task_id",
                  "confirmed_by", "confirmed_at", "valid_from", "valid_until", "recorded_at", "retired_at",
-                 "retire_reason", "retired_by")
+                 "retire_reason", "retired_by", "topics")
 
 
 def _plain(value: Any) -> Any:
@@ -43,6 +42,7 @@ def record(row: Mapping[str, Any]) -> dict[str, Any]:
     """One version as `MemoryRecord`: a `memories` row (or a read model's dict of one)."""
     data = {"memory_id": row.get("memory_id", row.get("id")), **{k: row.get(k) for k in RECORD_FIELDS[1:]}}
     data["review"] = bool(data["review"])
+    data["topics"] = sorted(data["topics"] or [])
     return {k: _plain(v) for k, v in data.items()}
 
 
@@ -55,28 +55,17 @@ def page(conn: Connection, user_id: str, *, form: str | None, state: str | None,
 
 def detail(conn: Connection, user_id: str, memory_id: str) -> dict[str, Any]:
     shown = memory.show(conn, user_id, memory_id)
-    versions = [record(v) for v in shown["versions"]]
-    asked = next((v for v in versions if v["memory_id"] == memory_id), versions[-1])
-    return {"record": asked, "versions": versions,
-            "evidence": [{"type": e["type"], "id": e["id"]} for e in shown.get("evidence", [])],
-            "derived": [_id_of(d) for d in shown.get("derived", [])],
-            "recalled_by": [_id_of(r, "run_id") for r in shown.get("recalled_by", shown.get("runs", []))],
-            "topics": sorted(shown.get("topics", [])),
-            "changes": [_change(c) for c in shown.get("changes", [])]}
-
-
-def _id_of(item: Any, key: str = "memory_id") -> str:
-    if isinstance(item, Mapping):
-        return str(item.get(key, item.get("id")))
-    return str(item)
+    return {"record": record(shown["record"]), "versions": [record(v) for v in shown["versions"]],
+            "evidence": [{"type": t, "id": i} for t, i in dict.fromkeys((e["type"], e["id"])
+                                                                        for e in shown["evidence"])],
+            "derived": list(dict.fromkeys(d["id"] for d in shown["derived"])),
+            "recalled_by": list(dict.fromkeys(r["run_id"] for r in shown["recalled_by"])),
+            "changes": [_change(c) for c in shown["changes"]]}
 
 
 def _change(row: Mapping[str, Any]) -> dict[str, Any]:
-    detail_ = row.get("detail") or {}
-    return {"change_id": row.get("change_id", row.get("id")), "memory_id": row.get("memory_id"),
-            "change": row["change"], "actor": row["actor"], "run_id": row.get("run_id"),
-            "task_id": row.get("task_id"), "code": row.get("code"),
-            "detail": json.loads(detail_) if isinstance(detail_, str) else detail_, "at": _plain(row["at"])}
+    return {"change_id": row["id"], **{k: _plain(row.get(k)) for k in ("memory_id", "change", "actor", "run_id",
+                                                                       "task_id", "code", "detail", "at")}}
 
 
 def _changed(stored: memory.Stored) -> dict[str, Any]:

@@ -404,6 +404,8 @@ class MemoryRecord(_Answer):
     retired_at: str | None
     retire_reason: str | None
     retired_by: str | None
+    topics: list[str]
+    """What it is recalled for: its subject and its tags."""
 
 
 class MemoryPage(_Answer):
@@ -436,7 +438,7 @@ class MemoryDetail(_Answer):
     the runs that recalled it, and every change."""
 
     record: MemoryRecord
-    """The version asked for."""
+    """Its latest version (whichever version's ID was asked for)."""
     versions: list[MemoryRecord]
     """Every version of the record, oldest first."""
     evidence: list[MemoryRef]
@@ -444,7 +446,6 @@ class MemoryDetail(_Answer):
     """The IDs of the records derived from this one (a correction or a deletion invalidates them)."""
     recalled_by: list[str]
     """The runs whose context recalled a version of it."""
-    topics: list[str]
     changes: list[MemoryChange]
 
 
