@@ -181,7 +181,8 @@ def create_airline(*, clock: SimClock | None = None) -> tuple[FastAPI, Airline]:
 
     @app.post("/v1/orders")
     async def order(body: OrderRequest, request: Request) -> JSONResponse:
-        return await sim.effect_request(request, body.model_dump(), lambda key: sim.order(body.pnr, body.flight, key, body.seat),
+        return await sim.effect_request(request, body.model_dump(),
+                                        lambda key: sim.order(body.pnr, body.flight, key, body.seat),
                                         stall_knob="ticketing_timeout")
 
     @app.get("/v1/orders")
