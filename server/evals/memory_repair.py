@@ -2,11 +2,11 @@
 
 - mem-correction-propagates: an advisory asks to re-confirm the flight of each of three bookings; each time the agent
   orders the cheapest flight that day (AB100, 07:10) and the user approves. From the three approvals the updater
-  infers "prefers early flights" (a hypothesis, pending) and a Skill revision derived from it ("rebook onto the earliest flight",
-  pending). The user corrects the hypothesis: "I don't prefer early flights; those times had no alternatives". The
-  hypothesis is retired `corrected`, the user's words kept as their statement, the Skill revision invalidated and
-  shown for review, and the three approvals disowned: after a fourth approval the updater proposes the hypothesis
-  again from the approvals the history names, and the committer refuses it (`evidence_disowned`).
+  infers "prefers early flights" (a hypothesis, pending) and a Skill revision derived from it ("rebook onto the
+  earliest flight", pending). The user corrects the hypothesis: "I don't prefer early flights; those times had no
+  alternatives". The hypothesis is retired `corrected`, the user's words kept as their statement, the Skill revision
+  invalidated and shown for review, and the three approvals disowned: after a fourth approval the updater proposes
+  the hypothesis again from the approvals the history names, and the committer refuses it (`evidence_disowned`).
 """
 
 from __future__ import annotations

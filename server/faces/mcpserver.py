@@ -9,6 +9,7 @@ the task's ID as `task_id`):
     schedule_followup, wait_for_reply, keep_checking,             the task's timers and waits, admitted against
     list_timers, cancel_timer                                     its caps (`server.core.agenda`)
     add_task_key                                                  a correlation key for the task, with a reason
+    remember                                                      propose a memory record: the committer decides
     computer__observe, computer__act, computer__request_handoff   when the server runs tool computers
 Resources (read-only): wakeful://tasks/{id}, wakeful://tasks/{id}/ledger, wakeful://approvals.
 
@@ -46,6 +47,7 @@ from wakeful.server.core.schedule import Misfire
 from wakeful.server.core.worker import Binding
 from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.routes import check_completion
+from wakeful.server.memory import Actor, ActorKind, Proposal, committer
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.db import read, write
@@ -159,7 +161,7 @@ class WakefulMCP:
             "task_status": self._status, "send_to_user": self._send, "schedule_followup": self._followup,
             "wait_for_reply": self._wait_for_reply, "keep_checking": self._keep_checking,
             "list_timers": self._list_timers, "cancel_timer": self._cancel_timer,
-            "add_task_key": self._add_key,
+            "add_task_key": self._add_key, "remember": self._remember,
         }
         if name in handlers:
             return handlers[name](user, spec.validate(Face.MCP, args))
@@ -249,6 +251,18 @@ class WakefulMCP:
             keys.bind(conn, user_id=user, task_id=args.task_id, keys=[args.key], actor=agent_actor(user),
                       reason=args.reason, now=self.clock.now())
         return {"task_id": args.task_id, "key": args.key, "bound": True}
+
+    def _remember(self, user: str, args: Any) -> dict[str, Any]:
+        """The committer's door for an MCP client, acting for one of the user's tasks; a refusal is committed (it
+        is history) and then raised."""
+        proposal = Proposal.model_validate(args.model_dump(exclude={"task_id"}))
+        actor = Actor(kind=ActorKind.AGENT, task_id=args.task_id, name="mcp")
+        with write(self.engine) as conn:
+            self._own_task(conn, user, args.task_id)
+            outcome = committer.try_propose(conn, user_id=user, actor=actor, proposal=proposal, now=self.clock.now())
+        if isinstance(outcome, WakefulError):
+            raise outcome
+        return outcome.to_json()
 
     # -- resources -----------------------------------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ from wakeful.server.harness import history
 from wakeful.server.harness.context import Context, assemble, render_tail
 from wakeful.server.harness.helper_run import HelperRun
 from wakeful.server.harness.model import ModelAdapter, ModelReply, ModelRequest, ToolCall
+from wakeful.server.memory import Actor, ActorKind, Proposal, Stored
+from wakeful.server.memory import committer as memory
 from wakeful.server.memory.recall import record_uses
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
@@ -39,7 +41,8 @@ __all__ = ["HARNESS_VERSION", "Harness"]
 
 HARNESS_VERSION = "1"
 _OWN = frozenset({"send_to_user", "stay_quiet", "schedule_followup", "read_record", "wait_for_reply", "keep_checking",
-                  "list_timers", "cancel_timer", "confirm_pause", "add_task_key", "attach_event", "start_helper"})
+                  "list_timers", "cancel_timer", "confirm_pause", "add_task_key", "attach_event", "start_helper",
+                  "remember"})
 
 
 class Harness:
@@ -140,6 +143,8 @@ class Harness:
             task_id: str = task["task_id"]
             if call.name == "add_task_key":
                 return _add_key(ctx, task_id, args)
+            if call.name == "remember":
+                return _remember(ctx, task_id, args)
             if call.name == "read_record":
                 with read(ctx.engine) as conn:
                     return history.record(conn, user_id=ctx.user_id, task_id=task_id, session_id=ctx.session_id,
@@ -215,6 +220,18 @@ def _add_key(ctx: RunContext, task_id: str, args: Any) -> dict[str, Any]:
 
     ctx.persist(bind)
     return {"task_id": task_id, "key": args.key, "bound": True}
+
+
+def _remember(ctx: RunContext, task_id: str, args: Proposal) -> dict[str, Any]:
+    """Propose a record through the committer, under the run's token; a refusal is committed (it is history) and
+    answered with its code."""
+    actor = Actor(kind=ActorKind.AGENT, run_id=ctx.run_id, task_id=task_id, name=f"run:{ctx.run_id}")
+    outcome: list[Stored | WakefulError] = []
+    ctx.persist(lambda conn: outcome.append(memory.try_propose(conn, user_id=ctx.user_id, actor=actor,
+                                                               proposal=args, now=ctx.now())))
+    if isinstance(outcome[0], WakefulError):
+        raise outcome[0]
+    return outcome[0].to_json()
 
 
 def _attach(ctx: RunContext, args: Any) -> dict[str, Any]:

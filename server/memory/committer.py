@@ -108,7 +108,10 @@ def facts(conn: Connection, *, user_id: str, actor: Actor, proposal: Proposal) -
     derived_found = all(_resolve(conn, user_id, EvidenceRef(type="memory", id=m)).found
                         for m in proposal.derived_from)
     owned = True
-    if actor.kind == ActorKind.USER and proposal.scope_ref is not None:
+    if actor.task_id is not None:  # the task an agent acts for is one of this user's (the faces check it too)
+        owned = conn.execute(select(tasks.c.id).where(and_(tasks.c.id == actor.task_id,
+                                                           tasks.c.user_id == user_id))).scalar() is not None
+    if owned and actor.kind == ActorKind.USER and proposal.scope_ref is not None:
         if proposal.scope == MemoryScope.TASK:
             owned = conn.execute(select(tasks.c.id).where(and_(tasks.c.id == proposal.scope_ref,
                                                                tasks.c.user_id == user_id))).scalar() is not None

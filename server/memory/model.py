@@ -58,20 +58,24 @@ class Proposal(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    form: MemoryForm
+    # strict=False: the MCP face validates tool arguments strictly, and an enum, a time or a number arrives as JSON
+    form: MemoryForm = Field(strict=False, description="instruction (the user's only), preference, fact, "
+                                                       "hypothesis, statement, episode, sourced_fact or skill.")
     text: str = Field(description="In plain words, as the model and the user read it (at most 1000 characters).")
     subject: str = Field(description="What it is about, a lowercase identifier: seat, flight.departure, hotel.floor.")
     relation: str = Field(description="A lowercase identifier: prefers, avoids, said, is.")
     value: str = Field(description="The value (window, aisle); contradiction is judged on subject and relation.")
-    scope: MemoryScope | None = Field(default=None, description="run (default), task, project or always.")
+    scope: MemoryScope | None = Field(default=None, strict=False,
+                                      description="run (the default in a wake), task, project or always.")
     scope_ref: str | None = Field(default=None, description="A project's name; run and task scopes fill it in.")
-    valid_from: AwareDatetime | None = None
-    valid_until: AwareDatetime | None = None
+    valid_from: AwareDatetime | None = Field(default=None, strict=False, description="ISO 8601 with its offset.")
+    valid_until: AwareDatetime | None = Field(default=None, strict=False, description="ISO 8601 with its offset: "
+                                                                                       "when it stops holding.")
     evidence: list[EvidenceRef] = Field(default_factory=list, max_length=32,
                                         description="What produced it, by ID: events, decisions, approvals, ...")
     derived_from: list[Annotated[str, Field(min_length=1, max_length=40)]] = Field(
         default_factory=list, max_length=16, description="Memory IDs it was derived from (a skill from episodes).")
-    confidence: float | None = Field(default=None, description="A hypothesis's, in (0, 1].")
+    confidence: float | None = Field(default=None, strict=False, description="A hypothesis's, in (0, 1].")
     topics: list[Annotated[str, Field(max_length=200)]] = Field(
         default_factory=list, max_length=32, description="What it is recalled for (at most 8 tags).")
     speaker_name: str | None = Field(default=None, description="A sourced fact's source (filled in from evidence).")

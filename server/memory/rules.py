@@ -75,7 +75,7 @@ class Facts:
     derived_found: bool = True
     """Every `derived_from` id is one of the user's records."""
     scope_ref_owned: bool = True
-    """A task or run named as scope_ref by the user is theirs."""
+    """The task the actor acts for, and a task or run the user names as scope_ref, are the user's."""
 
 
 @dataclass(frozen=True, kw_only=True)

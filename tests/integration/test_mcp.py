@@ -62,6 +62,7 @@ ANNOTATIONS = {  # read-only, destructive, idempotent, open-world
     "list_timers": (True, False, True, False),
     "cancel_timer": (False, False, True, False),             # narrows; a second call finds nothing open
     "add_task_key": (False, False, False, False),            # a binding record, each with its reason
+    "remember": (False, False, False, False),                # a proposed memory record, or its refusal: both kept
     **dict.fromkeys(["merchant__list_subscriptions", "merchant__get_subscription", "airline__get_booking",
                      "airline__search_flights", "hotel__quote_stay", "hotel__get_quote", "mail__read_thread",
                      "airline__read_booking"],
