@@ -34,14 +34,18 @@ def event_ids(turn: Turn, source: str) -> list[tuple[str, Any]]:
 
 
 def recalled(turn: Turn) -> list[dict[str, Any]]:
-    """The records recalled into this wake's `<memory>` block (each a dict with at least its `text`); empty when
+    """The records recalled into this wake's `<memory>` block, one JSON object a line (each with at least its
+    `text`); the wider records a narrower one overrides are named in a nested tag and are not recalled. Empty when
     nothing was recalled."""
     found: list[dict[str, Any]] = []
     for block in _MEMORY.findall(turn.tail):
-        try:
-            _items(json.loads(block.strip().replace("<\\/", "</")), found)
-        except ValueError:
-            continue
+        for line in block.splitlines():
+            if not line.startswith(("{", "[")):
+                continue
+            try:
+                _items(json.loads(line), found)
+            except ValueError:
+                continue
     return found
 
 

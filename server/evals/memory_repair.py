@@ -100,10 +100,12 @@ def correction_propagates(w: EvalWorld) -> list[Check]:
     refused = w.until("the same inference, proposed again", lambda: [
         c for c in changes(w, trip) if c["change"] == "refused"])
     after = {r["memory_id"]: r for r in memories(w)}
-    statement = after.get(str(corrected.get("statement_id")), {})
+    statement = after.get(str(corrected.get("statement_id")), next(
+        (r for r in after.values() if r["form"] == "statement" and r["text"] == CORRECTION), {}))
     skill_now = show(w, skill["memory_id"])["record"]
     hypothesis_now = show(w, hypothesis["memory_id"])["record"]
-    early = [r for r in after.values() if r["subject"] == EARLY["subject"] and r["state"] != "retired"]
+    early = [r for r in after.values() if r["subject"] == EARLY["subject"] and r["state"] != "retired"
+             and r["form"] != "statement"]
     return [
         check("inferred from the three approvals, pending the user",
               len([e for e in inferred_from["evidence"] if e["type"] == "approval"]) == 3

@@ -80,7 +80,7 @@ def third_party_high_floor(w: EvalWorld) -> list[Check]:
         check("it is stored only as what the hotel says: a sourced fact spoken by the hotel",
               [(r["form"], r["speaker"], r["state"]) for r in stored] == [("sourced_fact", "third_party", "active")]
               and "hotel" in facts[0]["speaker_name"]
-              and {"type": "event", "id": confirmation["id"]} in shown["evidence"],
+              and {"type": "event", "id": confirmation.get("event_id", confirmation.get("id"))} in shown["evidence"],
               {"records": stored, "evidence": shown["evidence"]}),
         check("nothing about the floor is a preference, a hypothesis or an instruction",
               not [r for r in memories(w) if r["form"] in ("preference", "hypothesis", "instruction")], stored),

@@ -16,11 +16,11 @@
 from __future__ import annotations
 
 import json
-import re
 from datetime import time, timedelta
 from typing import Any
 
 from wakeful.server.evals.agents import Turn, end
+from wakeful.server.evals.memory_play import mentioned
 from wakeful.server.evals.paired import BOOK
 from wakeful.server.evals.scenario import Check, check
 from wakeful.server.evals.trip import CENTRAL, CLIENT, ORDER, PNR, REPLY, THREAD, ZONE, quiet, rebooking
@@ -180,7 +180,7 @@ def closing(turn: Turn) -> ModelReply:
 def _distil(turn: Turn) -> ModelReply:
     """The closure run's updater: the trip's rebooking (its order, by the action IDs the history names) distilled
     into a Skill revision and a preference candidate, both for the user to confirm."""
-    evidence = [{"type": "action", "id": a} for a in re.findall(r"\bact_[0-9a-z]+\b", turn.tail)[:4]]
+    evidence = [{"type": "action", "id": a} for a in mentioned(turn, "act")[:4]]
     return calls(("remember", {**SKILL, "evidence": evidence, "topics": DISTILLED_TOPICS}),
                  ("remember", {**CANDIDATE, "evidence": evidence, "topics": DISTILLED_TOPICS}))
 
@@ -212,7 +212,7 @@ def d12_closure(w: EvalWorld) -> list[Check]:
     closed = [e for e in ledger if e["type"] == "control" and e["kind"] == "close"]
     order = w.action_of(task_id, ORDER)["action_id"]
     after_close = {r["memory_id"]: r for r in _distilled(w, task_id)}
-    evidence = {r["memory_id"]: w.get(f"/v1/memory/{r['memory_id']}")["evidence"] for r in distilled}
+    refs = {r["memory_id"]: w.get(f"/v1/memory/{r['memory_id']}")["evidence"] for r in distilled}
     return [
         check("the completion condition was verified by a fresh read of the airline's booking",
               verified["facts"]["goal_verified"] is not None
@@ -233,9 +233,9 @@ def d12_closure(w: EvalWorld) -> list[Check]:
         check("the closure run distilled the rebooking: a Skill revision and a preference candidate, both pending",
               sorted((r["form"], r["state"], r["speaker"]) for r in distilled)
               == [("hypothesis", "pending", "agent"), ("skill", "pending", "agent")]
-              and all({"type": "action", "id": order} in refs for refs in evidence.values()),
-              {"records": distilled, "evidence": evidence, "order": order}),
+              and all({"type": "action", "id": order} in found for found in refs.values()),
+              {"records": distilled, "evidence": refs, "order": order}),
         check("both still await the user after the closure", sorted(
-            r["state"] for r in after_close.values() if r["memory_id"] in evidence) == ["pending", "pending"],
+            r["state"] for r in after_close.values() if r["memory_id"] in refs) == ["pending", "pending"],
               list(after_close.values())),
     ]
