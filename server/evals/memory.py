@@ -159,12 +159,12 @@ def expired_preference(w: EvalWorld) -> list[Check]:
 
 
 SCENARIOS = [
-    Scenario(name="mem-trip-only-aisle", family="memory: this trip vs always", sims=("airline",),
+    Scenario(name="mem-trip-only-aisle", family="paired memory: in force or not", sims=("airline",),
              policy=TRIP_POLICY, playbook=seating, play=trip_only_aisle,
              summary="\"aisle seat for this trip only\" is a task-scoped preference: the trip's rebooking asks for "
                      "an aisle, it expires when the trip closes, and the untouched long-term window preference is "
                      "applied to the next trip's"),
-    Scenario(name="mem-expired-preference", family="memory: in force vs expired", sims=("airline",),
+    Scenario(name="mem-expired-preference", family="paired memory: in force or not", sims=("airline",),
              policy=TRIP_POLICY, playbook=seating, play=expired_preference,
              summary="a preference valid until tomorrow is applied to today's rebooking and not to one two days "
                      "later; the record is kept, and only the first run recalled it"),

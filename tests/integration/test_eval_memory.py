@@ -15,8 +15,11 @@ MEMORY = [n for n in SCENARIOS if n.startswith("mem-")]
 
 
 def test_the_memory_scenarios_are_listed() -> None:
-    assert MEMORY == ["mem-trip-only-aisle", "mem-expired-preference", "mem-third-party-high-floor",
-                      "mem-poisoned-invoice-mail", "mem-casual-opinion", "mem-correction-propagates"]
+    assert MEMORY == ["mem-trip-only-aisle", "mem-expired-preference", "mem-user-high-floor",
+                      "mem-third-party-high-floor", "mem-poisoned-invoice-mail", "mem-casual-opinion",
+                      "mem-correction-propagates"]
+    families = {SCENARIOS[n].family for n in MEMORY}
+    assert all(sum(SCENARIOS[n].family == f for n in MEMORY) == 2 for f in families if f.startswith("paired"))
 
 
 def test_every_memory_case_and_d12s_distillation_pass_judged_on_the_records(tmp_path: Path) -> None:
@@ -49,6 +52,9 @@ def assert_the_seats_are_the_airlines_records(document: dict[str, Any]) -> None:
 
 
 def assert_who_said_it_decides_the_layer(document: dict[str, Any]) -> None:
+    [mine] = evidence(document, "mem-user-high-floor",
+                      "the user's own words are their preference for this stay, in force at once")["records"]
+    assert (mine["form"], mine["state"], mine["subject"]) == ("preference", "active", "hotel.floor")
     floor = evidence(document, "mem-third-party-high-floor",
                      "it is stored only as what the hotel says: a sourced fact spoken by the hotel")
     [fact] = floor["records"]
