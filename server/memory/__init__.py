@@ -11,7 +11,7 @@ may import it: memory informs, never authorizes.
 
 from __future__ import annotations
 
-from wakeful.server.memory.committer import propose
+from wakeful.server.memory.committer import propose, try_propose
 from wakeful.server.memory.model import Actor, ActorKind, EvidenceRef, Proposal, Reach, Stored, parse_proposal
 from wakeful.server.memory.recall import Recall, recall
 from wakeful.server.memory.records import (
@@ -30,5 +30,5 @@ from wakeful.server.memory.records import (
 
 __all__ = ["Actor", "ActorKind", "EvidenceRef", "Proposal", "Reach", "Stored", "confirm", "correct", "edit",
            "expire_task", "forget", "list_records", "mark_reviewed", "parse_proposal", "propagate", "propose",
-           "reject", "show", "trace",
+           "reject", "show", "trace", "try_propose",
            "Recall", "recall"]

@@ -190,6 +190,9 @@ class Remembered(BaseModel):
     memory_id: str
     version: int
     state: Literal["pending", "active"]
+    form: str = Field(description="What it was stored as: a wide preference of yours is stored as a hypothesis.")
+    retired: list[str] = Field(default_factory=list, description="Records it contradicted (retired, shown to the "
+                                                                 "user for review).")
 
 
 class AttachEvent(_Args):
