@@ -6,7 +6,8 @@ and the user's answer, control decisions, actions with their content hashes, adm
 approvals with their approver, attempts with outcomes, evidence from responses and reconciliation, refusals, messages
 to the user, the timers and waits set for the task (each in plain words, `said`) with when and how each ended, and
 every change to memory made in the task (`memory`: a record committed, a proposal refused with its code, a record
-confirmed, edited, corrected, forgotten, expired or invalidated, and by whom). Enough to answer "why did this effect happen, and on whose authority".
+confirmed, edited, corrected, forgotten, expired or invalidated, and by whom). Enough to answer "why did this
+effect happen, and on whose authority".
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from wakeful.server.store.tables import (
     control,
     decisions,
     event_attachments,
-    memory_changes,
     events,
     evidence,
+    memory_changes,
     outbox,
     refusals,
     runs,
@@ -121,7 +122,8 @@ def _collect(conn: Connection, task: Any) -> Iterator[dict[str, Any]]:
     for r in conn.execute(select(refusals).where(refusals.c.task_id == task.id)):
         yield _row("refusal", r.created_at, r)
     yield from _agenda(conn, task)
-    for r in conn.execute(select(memory_changes).where(memory_changes.c.task_id == task.id)):
+    for r in conn.execute(select(memory_changes).where(and_(memory_changes.c.task_id == task.id,
+                                                            memory_changes.c.user_id == task.user_id))):
         yield {**_row("memory", r.at, r, skip=("detail",)), "detail": json.loads(r.detail)}
     intents = [outbox.c.id.like(f"dsp_{a}%") for a in action_ids]  # the first intent and any resends
     for r in conn.execute(select(outbox).where(or_(outbox.c.session_id == task.session_id, *intents))):

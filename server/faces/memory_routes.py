@@ -84,7 +84,7 @@ _MOVED = ("unknown_memory", "invalid_transition")
 
 
 @memory_router.get("/v1/memory", response_model=MemoryPage)
-def list_memory(user: User, rt: Rt, limit: Annotated[int, Query(ge=1, le=200, description="rows per page, 1..200")] = 50,
+def list_memory(user: User, rt: Rt, limit: Annotated[int, Query(ge=1, le=200, description="rows per page")] = 50,
                 form: Annotated[MemoryForm | None, Query()] = None,
                 state: Annotated[MemoryState | None, Query()] = None,
                 review: Annotated[bool | None, Query(description="only records retired by someone else, awaiting "
@@ -142,7 +142,7 @@ def edit_memory(user: User, rt: Rt, memory_id: str, body: EditIn) -> dict[str, A
 
 
 @memory_router.post("/v1/memory/{memory_id}/correct", response_model=MemoryChanged,
-                    response_model_exclude_unset=True, responses=refusals(*_MOVED))
+                    response_model_exclude_unset=True, responses=refusals(*_MOVED, "invalid_memory"))
 def correct_memory(user: User, rt: Rt, memory_id: str, body: CorrectIn) -> dict[str, Any]:
     """The repair: the evidence that produced the record is disowned (it never supports a preference again), the
     record is retired `corrected`, your `text` is kept as your statement, and what was derived from it is
@@ -152,7 +152,7 @@ def correct_memory(user: User, rt: Rt, memory_id: str, body: CorrectIn) -> dict[
 
 
 @memory_router.post("/v1/memory/{memory_id}/forget", response_model=MemoryChanged, response_model_exclude_unset=True,
-                    responses=refusals(*_MOVED))
+                    responses=refusals(*_MOVED, "invalid_memory"))
 def forget_memory(user: User, rt: Rt, memory_id: str, body: ForgetIn) -> dict[str, Any]:
     """Retired `forgotten` (kept, never recalled), and what was derived from it invalidated."""
     with write(rt.engine) as conn:

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, select
 from wakeful.server import memory
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.memory.committer import try_propose
-from wakeful.server.store.tables import users
+from wakeful.server.store.tables import MemoryScope, users
 
 __all__ = ["USER_FORMS", "add", "confirm", "correct", "detail", "edit", "forget", "page", "record", "reject",
            "reviewed"]
@@ -84,7 +84,8 @@ def add(conn: Connection, user_id: str, body: Mapping[str, Any], *, now: datetim
         raise BadRequest("invalid_memory", f"you write an instruction, a preference or a fact; {body.get('form')!r} "
                                            "is what the agent learns (confirm or reject those)")
     proposal = memory.parse_proposal({k: v for k, v in body.items() if v is not None})
-    actor = memory.Actor(kind=memory.ActorKind.USER, name=_user_name(conn, user_id))
+    task_id = proposal.scope_ref if proposal.scope == MemoryScope.TASK else None  # its changes are in its ledger
+    actor = memory.Actor(kind=memory.ActorKind.USER, name=_user_name(conn, user_id), task_id=task_id)
     stored = try_propose(conn, user_id=user_id, actor=actor, proposal=proposal, now=now)
     return stored if isinstance(stored, WakefulError) else _changed(stored)
 

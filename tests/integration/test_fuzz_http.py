@@ -44,6 +44,7 @@ from tests.support.acting import world
 from tests.support.serve import serving
 from wakeful.proxy.audit import EgressRecord
 from wakeful.proxy.clock import FakeClock
+from wakeful.server import memory
 from wakeful.server.core import outbox, steers
 from wakeful.server.core.signatures import sign
 from wakeful.server.egress.grants import store_audit
@@ -94,6 +95,11 @@ def served(settings: Settings, engine: Engine, clock: FakeClock, owner: str) -> 
             for text in ("first", "second"):
                 outbox.enqueue(conn, user_id=owner, body={"text": text}, now=clock.now(), session_id=task.session_id)
             store_audit(conn, [_egress_record(owner, clock, n) for n in range(2)], now=clock.now())
+            remembered = memory.propose(conn, user_id=owner, actor=memory.Actor(
+                kind=memory.ActorKind.AGENT, task_id=task.task_id, name="fuzz"), now=clock.now(),
+                proposal=memory.parse_proposal({"form": "fact", "text": "the user lives in Hong Kong",
+                                                "scope": "always", "subject": "home", "relation": "is",
+                                                "value": "hong kong"}))
         secret = settings.sources["hook"].secret.get_secret_value().encode()
         assert runtime.live is not None
         link, _ = runtime.live.offer_view(owner, timedelta(minutes=15))  # left for the fuzzer to redeem
@@ -111,7 +117,7 @@ def served(settings: Settings, engine: Engine, clock: FakeClock, owner: str) -> 
             yield Served(url=url, auth={"Authorization": f"Bearer {token}"}, secret=secret, clock=clock, known={
                 "task_id": task.task_id, "action_id": action_id, "event_id": delivered.json()["event_id"],
                 "source": "hook", "token": link, "session": session, COOKIE: binder,
-                "steer_id": proposed.steer_id})
+                "steer_id": proposed.steer_id, "memory_id": remembered.memory_id})
 
 
 def _egress_record(user_id: str, clock: FakeClock, n: int) -> EgressRecord:
@@ -172,6 +178,9 @@ BODIES = {  # a body each route takes, with a slot (@) for one JSON value
     "/v1/tasks/{task_id}/messages": b'{"text": @}',
     "/v1/actions/{action_id}/{decision}": b'{"reason": @}', "/v1/live/view": b'{"minutes": @}',
     "/v1/preferences": b'{"timezone": @}', HOOK: b'{"session_key": @}',
+    "/v1/memory": b'{"form": "fact", "text": @, "subject": "home", "relation": "is", "value": "x"}',
+    "/v1/memory/{memory_id}/edit": b'{"text": @}', "/v1/memory/{memory_id}/correct": b'{"reason": @}',
+    "/v1/memory/{memory_id}/forget": b'{"reason": @}',
 }
 ABSURD = {  # a value for the slot, and the code it is refused with
     b'"\\ud800"': "malformed_body", b'"\\u0000"': "malformed_body", b"1e400": "number_out_of_range",
