@@ -26,10 +26,10 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, and_, or_, select, update
 
-from wakeful.server.errors import BadRequest, Conflict, NotFound
+from wakeful.server.errors import BadRequest, Conflict, NotFound, Refused, WakefulError
 from wakeful.server.memory.committer import change, retire_contradicted, same_key, write_version
 from wakeful.server.memory.model import Actor, ActorKind, Proposal, Reach, Stored
-from wakeful.server.memory.rules import Facts, Refusal, check
+from wakeful.server.memory.rules import Facts, Refusal, check, storable
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
     MemoryForm,
@@ -119,8 +119,12 @@ def _retire(conn: Connection, memory_id: str, *, sources: tuple[str, ...], reaso
                                              f"{' or '.join(sources)}", memory_id=memory_id)
 
 
+def _error(refusal: Refusal) -> WakefulError:
+    return (BadRequest if refusal.malformed else Refused)(refusal.code, refusal.message)
+
+
 def _reason(reason: str) -> str:
-    if not isinstance(reason, str) or not reason.strip() or len(reason) > _MAX_REASON:
+    if not isinstance(reason, str) or not reason.strip() or len(reason) > _MAX_REASON or not storable(reason):
         raise BadRequest("invalid_memory", f"a reason of 1 to {_MAX_REASON} characters is needed")
     return reason.strip()
 
@@ -148,7 +152,7 @@ def _new_version(conn: Connection, user_id: str, live: Any, *, proposal: Proposa
     rivals = tuple(e for e in same_key(conn, user_id, proposal.subject, proposal.relation) if e.id not in lineage)
     verdict = check(proposal, actor, Facts(user_name=name, same_key=rivals))
     if isinstance(verdict, Refusal):
-        raise BadRequest(verdict.code, verdict.message)
+        raise _error(verdict)
     if live.speaker != Speaker.USER.value and kind == "confirmed":
         # who said it stays who said it (the agent, a named third party): the user confirmed it
         verdict = replace(verdict, speaker=Speaker(live.speaker), speaker_name=live.speaker_name)
@@ -196,7 +200,7 @@ def reject(conn: Connection, user_id: str, memory_id: str, now: datetime, *, rea
     live = _live(conn, user_id, memory_id, (MemoryState.PENDING.value,))
     _retire(conn, live.id, sources=(MemoryState.PENDING.value,), reason="rejected", by="user", now=now)
     change_id = change(conn, user_id=user_id, memory_id=live.id, kind="rejected", actor=_user(user_id), now=now,
-                       detail={"reason": reason[:_MAX_REASON]}, task_id=live.task_id)
+                       detail={"reason": str(reason)[:_MAX_REASON]}, task_id=live.task_id)
     return Stored(memory_id=live.id, lineage_id=live.lineage_id, version=live.version,
                   state=MemoryState.RETIRED.value, form=live.form, change_id=change_id)
 
@@ -309,7 +313,7 @@ def correct(conn: Connection, user_id: str, memory_id: str, *, reason: str, now:
         name = conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar() or user_id
         verdict = check(proposal, actor, Facts(user_name=name))
         if isinstance(verdict, Refusal):
-            raise BadRequest(verdict.code, verdict.message)
+            raise _error(verdict)
         statement = write_version(conn, user_id=user_id, verdict=verdict, proposal=proposal, actor=actor, now=now,
                                   task_id=live.task_id, run_id=None, links=[("memory", live.id)],
                                   confirmed_by=None)

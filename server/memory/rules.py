@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Final
 
 from wakeful.server.memory.model import Actor, ActorKind, Proposal
 from wakeful.server.store.tables import SOURCE_PREFIX, MemoryForm, MemoryScope, MemoryState, Speaker
 
 __all__ = ["IDENTIFIER", "MAX_TEXT", "MAX_TOPICS", "MAX_VALUE", "USER_OWNED_FORMS", "Existing", "Facts", "Refusal",
-           "Resolved", "Verdict", "check", "directive", "user_owned"]
+           "Resolved", "Verdict", "check", "directive", "storable", "user_owned"]
 
 IDENTIFIER: Final = re.compile(r"[a-z][a-z0-9_.-]{0,79}")
 MAX_TEXT: Final = 1000
@@ -31,6 +32,8 @@ MAX_VALUE: Final = 200
 MAX_TOPICS: Final = 8
 MAX_NAME: Final = 120
 MAX_SCOPE_REF: Final = 200
+MIN_YEAR: Final = 1970
+MAX_YEAR: Final = 9000
 USER_OWNED_FORMS: Final = frozenset({MemoryForm.INSTRUCTION, MemoryForm.PREFERENCE, MemoryForm.FACT})
 """Forms a record of the user's own (written or confirmed by them) can take: the agent never retires those."""
 
@@ -117,6 +120,21 @@ _RECIPIENT = re.compile(r"\b(to|cc|bcc|recipients?|forward\w*|send\w*|reply\w*|m
                         r"[^.@\n]{0,40}?[\w.+-]+@[\w-]+(\.[\w-]+)+", re.IGNORECASE)
 
 
+_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> bool:
+    """Whether every database can keep `text` as it is (PostgreSQL refuses NUL and half a surrogate pair)."""
+    return not _UNSTORABLE.search(text)
+
+
+def _in_range(when: datetime) -> bool:
+    try:
+        return MIN_YEAR <= when.astimezone(UTC).year <= MAX_YEAR
+    except OverflowError:  # year 1 or 9999 with an offset: no UTC time at all
+        return False
+
+
 def directive(text: str) -> bool:
     """Whether `text` reads as an order to the agent: imperative, about instructions, or naming a recipient."""
     return any(bool(p.search(text)) for p in (_IMPERATIVE, _DIRECTIVE_WORDS, _RECIPIENT))
@@ -132,6 +150,8 @@ def _shape(p: Proposal, actor: Actor) -> Refusal | tuple[MemoryScope, str | None
     def bad(message: str) -> Refusal:
         return Refusal(code="invalid_memory", message=message)
 
+    if not all(storable(v) for v in (p.text, p.value, p.speaker_name or "", p.scope_ref or "", *p.topics)):
+        return bad("text, value, names and topics hold no NUL character and no lone surrogate")
     if not p.text.strip() or len(p.text) > MAX_TEXT:
         return bad(f"text must be 1 to {MAX_TEXT} characters")
     if not p.value.strip() or len(p.value) > MAX_VALUE:
@@ -150,6 +170,9 @@ def _shape(p: Proposal, actor: Actor) -> Refusal | tuple[MemoryScope, str | None
         return bad("confidence must be in (0, 1]")
     if p.form == MemoryForm.HYPOTHESIS and p.confidence is None:
         return bad("a hypothesis needs a confidence in (0, 1]")
+    for name, when in (("valid_from", p.valid_from), ("valid_until", p.valid_until)):
+        if when is not None and not _in_range(when):
+            return bad(f"{name} must be between {MIN_YEAR} and {MAX_YEAR}")
     if p.valid_from is not None and p.valid_until is not None and p.valid_until <= p.valid_from:
         return bad("valid_until must be after valid_from")
     if len(set(p.derived_from)) != len(p.derived_from) or len(set(p.evidence)) != len(p.evidence):
@@ -196,7 +219,7 @@ def check(proposal: Proposal, actor: Actor, facts: Facts) -> Verdict | Refusal:
     disowned = [r for r in facts.evidence if (r.type, r.id) in facts.disowned]
     agent = actor.kind != ActorKind.USER
     form = p.form
-    if agent and disowned and form in (MemoryForm.HYPOTHESIS, MemoryForm.PREFERENCE, MemoryForm.SKILL):
+    if agent and disowned and form in (MemoryForm.HYPOTHESIS, MemoryForm.PREFERENCE):
         return Refusal(code="evidence_disowned", message=f"the user said {disowned[0].type} {disowned[0].id} shows "
                                                          "no preference: it cannot support one")
     # 3. source

@@ -80,6 +80,8 @@ def _value(tp: Any, metadata: list[Any], special: Special, name: str | None) -> 
         low, high = _constraint(metadata, "ge"), _constraint(metadata, "le")
         edges = [v for v in (low, high) if v is not None]
         return st.integers(low, high) | st.sampled_from(edges) if edges else st.integers()
+    if tp is float:  # as JSON carries it: finite, and a whole number now and then
+        return st.floats(allow_nan=False, allow_infinity=False) | st.integers(-2, 2)
     if tp is type(None):
         return st.none()
     if tp is Any:

@@ -50,7 +50,8 @@ def existing(**kw: Any) -> Existing:
 @pytest.mark.parametrize("field,value", [("subject", "Seat"), ("subject", "1seat"), ("subject", "seat pref"),
                                          ("relation", ""), ("relation", "x" * 81), ("subject", "séat"),
                                          ("text", ""), ("text", "   "), ("text", "x" * 1001), ("value", ""),
-                                         ("value", "v" * 201), ("speaker_name", "n" * 121)])
+                                         ("value", "v" * 201), ("speaker_name", "n" * 121),
+                                         ("text", "nul\x00byte"), ("value", "half \ud800 pair")])
 def test_a_malformed_proposal_is_invalid_memory(field: str, value: str) -> None:
     outcome = check(proposal(**{field: value}), USER, facts())
     assert refused(outcome) == "invalid_memory"
@@ -96,6 +97,11 @@ def test_a_scope_ref_that_is_not_the_proposers_own_run_or_task_is_invalid_scope(
 def test_valid_until_before_valid_from_is_refused() -> None:
     p = proposal(valid_from="2026-12-02T10:00:00Z", valid_until="2026-12-01T10:00:00Z")
     assert refused(check(p, USER, facts())) == "invalid_memory"
+
+
+@pytest.mark.parametrize("when", ["0001-01-01T00:00:00+05:00", "9999-12-31T23:00:00-05:00", "1900-01-01T00:00:00Z"])
+def test_a_time_with_no_sensible_utc_reading_is_refused_not_a_crash(when: str) -> None:
+    assert refused(check(proposal(valid_until=when), USER, facts())) == "invalid_memory"
 
 
 # 2. evidence
