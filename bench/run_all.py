@@ -28,6 +28,7 @@ BENCHMARKS: list[tuple[str, bool]] = [
     ("reconcile", True),
     ("eval", True),
     ("context", True),
+    ("memory_recall", True),
     ("mcp_roundtrip", False),
     ("egress_proxy", True),
     ("tool_computer", False),  # boots a 1 GiB guest: minutes under TCG, and it needs the built image

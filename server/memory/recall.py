@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from sqlalchemy import Connection, and_, not_, or_, select, union
+from sqlalchemy import Connection, and_, func, not_, or_, select, union
 
 from wakeful.server.store.tables import (
     MemoryForm,
@@ -175,24 +175,26 @@ def recall(conn: Connection, *, user_id: str, task_id: str | None, run_id: str, 
     """The records of `user_id` in force at `now` that this wake (of `task_id`, run `run_id`) recalls."""
     topics = _topics([*event_kinds, *focus])
     m = memories.c
-    fits = union(
+    hits: dict[str, int] = {  # per record on a topic of the focus: how many of its topics are
+        r.memory_id: r.n for r in conn.execute(select(memory_topics.c.memory_id, func.count().label("n")).where(and_(
+            memory_topics.c.user_id == user_id, memory_topics.c.topic.in_(topics)))
+            .group_by(memory_topics.c.memory_id))} if topics else {}
+    own = union(  # the user's instructions and the records of this task or run, whatever their topics
         select(m.id).where(and_(m.user_id == user_id, m.form == MemoryForm.INSTRUCTION.value, m.scope.in_(_WIDER))),
-        select(m.id).where(and_(m.user_id == user_id, or_(
-            and_(m.scope == MemoryScope.TASK.value, m.scope_ref == (task_id or "")),
-            and_(m.scope == MemoryScope.RUN.value, m.scope_ref == run_id)))),
-        select(memory_topics.c.memory_id).join(memories, memories.c.id == memory_topics.c.memory_id)
-        .where(and_(memory_topics.c.user_id == user_id, memory_topics.c.topic.in_(topics), m.scope.in_(_WIDER))),
+        select(m.id).where(and_(m.user_id == user_id, m.scope == MemoryScope.TASK.value, m.scope_ref == task_id)),
+        select(m.id).where(and_(m.user_id == user_id, m.scope == MemoryScope.RUN.value, m.scope_ref == run_id)),
     )
-    rows = conn.execute(select(memories).where(and_(
-        m.id.in_(fits), m.user_id == user_id, *_in_force(now), or_(m.run_id.is_(None), m.run_id != run_id),
+    fits = or_(  # each side names only the user's records
+        m.id.in_(own),
+        and_(m.id.in_(select(memory_topics.c.memory_id).where(and_(
+            memory_topics.c.user_id == user_id, memory_topics.c.topic.in_(topics)))), m.scope.in_(_WIDER)),
+    )
+    # light rows first (the candidates can be hundreds); whole rows for the ones kept
+    rows = conn.execute(select(m.id, m.form, m.scope, m.subject, m.relation, m.recorded_at).where(and_(
+        fits, *_in_force(now), or_(m.run_id.is_(None), m.run_id != run_id),
     ))).all()
-    hits: dict[str, int] = {}
-    if rows and topics:
-        for memory_id in conn.execute(select(memory_topics.c.memory_id).where(and_(
-                memory_topics.c.memory_id.in_([r.id for r in rows]), memory_topics.c.topic.in_(topics)))).scalars():
-            hits[memory_id] = hits.get(memory_id, 0) + 1
     ordered = sorted(rows, key=lambda r: (r.form != MemoryForm.INSTRUCTION.value, _SCOPE_RANK[r.scope],
-                                          -hits.get(r.id, 0), -r.recorded_at.timestamp(), r.id))
+                                          -hits.get(r.id, 0), _newest_first(r.recorded_at), r.id))
     narrowest: dict[tuple[str, str], Any] = {}
     kept, overrides = [], []
     for r in ordered:
@@ -200,11 +202,16 @@ def recall(conn: Connection, *, user_id: str, task_id: str | None, run_id: str, 
         if _SCOPE_RANK[r.scope] > _SCOPE_RANK[first.scope]:
             overrides.append(Overridden(id=r.id, scope=r.scope, by=first.id))
         else:
-            kept.append(r)
-    return Recall(records=tuple(_recalled(r) for r in kept[:limit]),
+            kept.append(r.id)
+    whole = {r.id: r for r in conn.execute(select(memories).where(m.id.in_(kept[:limit])))}
+    return Recall(records=tuple(_recalled(whole[i]) for i in kept[:limit]),
                   overrides=tuple(sorted(overrides, key=lambda o: o.id)),
                   corrected_since=_corrected_since(conn, run_id=run_id, now=now),
                   left_out=max(0, len(kept) - limit))
+
+
+def _newest_first(at: datetime) -> float:
+    return -at.timestamp()
 
 
 def _in_force(now: datetime) -> list[Any]:

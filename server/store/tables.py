@@ -818,6 +818,8 @@ memories = Table(
     UniqueConstraint("lineage_id", "version"),
     Index(None, "user_id", "state", "scope"),
     Index(None, "user_id", "subject", "relation"),
+    Index(None, "user_id", "scope", "scope_ref"),  # recall: the records of this task or run
+    Index(None, "user_id", "form", "scope"),        # recall: the user's standing instructions
     _check("form", MemoryForm),
     _check("state", MemoryState),
     _check("scope", MemoryScope),

@@ -14,7 +14,6 @@ import pytest
 from sqlalchemy import Engine, select
 
 from tests.support.acting import World, world
-from tests.support.memory import retire
 from wakeful.proxy.clock import FakeClock
 from wakeful.server import memory
 from wakeful.server.acting.policy import Policy
@@ -134,10 +133,11 @@ def test_a_trip_only_aisle_overrides_the_always_window_inside_its_task_and_the_w
                                reason="back home", now=w.clock.now())
     w.clock.advance(timedelta(seconds=1))
     assert direct(w, trip).ids == (seat,), "the aisle expired with its task; the window is in force again"
-    hook(w, trip, "airline")
     with read(w.engine) as conn:
-        window_row = memory.show(conn, w.owner, seat)
-    assert "window" in json.dumps(window_row)  # untouched: never rewritten by the narrower one
+        shown = memory.show(conn, w.owner, seat)
+        aisle_now = memory.show(conn, w.owner, aisle)["record"]
+    assert len(shown["versions"]) == 1 and shown["record"]["state"] == "active"  # the window was never rewritten
+    assert (aisle_now["state"], aisle_now["retire_reason"]) == ("retired", "expired")
 
 
 def test_a_preference_past_its_valid_until_is_not_recalled_and_a_replay_of_an_earlier_wake_still_recalls_it(
@@ -179,7 +179,8 @@ def test_a_forgotten_record_is_recalled_only_as_of_before_it_was_forgotten(w: Wo
     first = wake(w, settings, model)
     assert ids(first) == [seat]
     with write(w.engine) as conn:
-        retire(conn, seat, reason="forgotten", at=w.clock.now())
+        reach = memory.forget(conn, w.owner, seat, reason="I fly aisle now", now=w.clock.now()).reach
+    assert reach is not None and list(reach.runs) == [first_run(w)]  # the run that recalled it is named
     hook(w, task, "airline", 2)
     second = wake(w, settings, model)
     assert ids(second) == [] and "corrected_since" in _block(second) and seat in _block(second)
@@ -252,6 +253,11 @@ def test_a_statement_is_tagged_as_the_users_stance(w: World) -> None:
     w.clock.advance(timedelta(minutes=1))
     item = direct(w, task).records[0].to_json()
     assert item["id"] == said and item["stance"] is True and item["said_at"]
+
+
+def first_run(w: World) -> str:
+    with read(w.engine) as conn:
+        return str(conn.execute(select(runs.c.id).order_by(runs.c.id)).scalars().first())
 
 
 def _replays_alike(w: World) -> None:
