@@ -135,8 +135,10 @@ def reject_memory(user: User, rt: Rt, memory_id: str) -> dict[str, Any]:
 
 
 @memory_router.post("/v1/memory/{memory_id}/edit", response_model=MemoryChanged, response_model_exclude_unset=True,
-                    responses=refusals(*_MOVED, "invalid_memory", "invalid_scope"))
+                    responses=refusals(*_MOVED, "invalid_memory", "invalid_scope", "third_party_directive"))
 def edit_memory(user: User, rt: Rt, memory_id: str, body: EditIn) -> dict[str, Any]:
+    """A new version in your words, judged by the same rules as every record: a third party's sourced fact is never
+    edited into an order to the agent (`403 third_party_directive`)."""
     with write(rt.engine) as conn:
         return views.edit(conn, user, memory_id, body.model_dump(exclude_unset=True), now=rt.clock.now())
 

@@ -62,7 +62,7 @@ CODES: dict[str, int] = {
     "unknown_timezone": 400, "invalid_quiet_hours": 400, "invalid_memory": 400, "invalid_scope": 400,
     "missing_token": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
-    "forbidden": 403,
+    "forbidden": 403, "third_party_directive": 403,
     "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_steer": 404,
     "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404, "unknown_memory": 404,
     "method_not_allowed": 405,
