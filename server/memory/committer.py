@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, select, update
 
 from wakeful.server.errors import BadRequest, Refused, WakefulError
-from wakeful.server.memory.model import Actor, ActorKind, EvidenceRef, Proposal, Stored
+from wakeful.server.memory.model import Actor, ActorKind, Proposal, Stored
 from wakeful.server.memory.rules import Existing, Facts, Refusal, Resolved, Verdict, check
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import (
@@ -61,9 +61,8 @@ def change(conn: Connection, *, user_id: str, memory_id: str | None, kind: str, 
     return change_id
 
 
-def _resolve(conn: Connection, user_id: str, ref: EvidenceRef) -> Resolved:
+def _resolve(conn: Connection, user_id: str, t: str, i: str) -> Resolved:
     """One ref as this user's: `found` false when absent or another user's (the same answer either way)."""
-    t, i = ref.type, ref.id
     if t == "event":
         ev = conn.execute(select(events.c.kind, events.c.authority, tasks.c.id.label("task_id"))
                           .select_from(events.outerjoin(tasks, tasks.c.session_id == events.c.session_id))
@@ -102,11 +101,10 @@ def same_key(conn: Connection, user_id: str, subject: str, relation: str) -> tup
 def facts(conn: Connection, *, user_id: str, actor: Actor, proposal: Proposal) -> Facts:
     """What the rules judge `proposal` on, read in the caller's transaction."""
     name = conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar() or user_id
-    evidence = tuple(_resolve(conn, user_id, ref) for ref in proposal.evidence)
+    evidence = tuple(_resolve(conn, user_id, ref.type, ref.id) for ref in proposal.evidence)
     disowned = frozenset((r.ref_type, r.ref_id) for r in conn.execute(
         select(memory_disowned.c.ref_type, memory_disowned.c.ref_id).where(memory_disowned.c.user_id == user_id)))
-    derived_found = all(_resolve(conn, user_id, EvidenceRef(type="memory", id=m)).found
-                        for m in proposal.derived_from)
+    derived_found = all(_resolve(conn, user_id, "memory", m).found for m in proposal.derived_from)
     owned = True
     if actor.task_id is not None:  # the task an agent acts for is one of this user's (the faces check it too)
         owned = conn.execute(select(tasks.c.id).where(and_(tasks.c.id == actor.task_id,
@@ -116,7 +114,7 @@ def facts(conn: Connection, *, user_id: str, actor: Actor, proposal: Proposal) -
             owned = conn.execute(select(tasks.c.id).where(and_(tasks.c.id == proposal.scope_ref,
                                                                tasks.c.user_id == user_id))).scalar() is not None
         elif proposal.scope == MemoryScope.RUN:
-            owned = _resolve(conn, user_id, EvidenceRef(type="run", id=proposal.scope_ref[:40])).found
+            owned = _resolve(conn, user_id, "run", proposal.scope_ref).found
     return Facts(user_name=name, evidence=evidence, disowned=disowned, derived_found=derived_found,
                  scope_ref_owned=owned,
                  same_key=same_key(conn, user_id, proposal.subject, proposal.relation))

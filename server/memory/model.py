@@ -26,6 +26,9 @@ REF_TYPES: Final = ("event", "decision", "approval", "action", "steer", "message
 """What evidence may name: `message` is an outbox id, `steer` a steer proposal's, `memory` another record."""
 
 
+_ID: Final = r"^[A-Za-z0-9_.-]+$"
+
+
 class ActorKind(StrEnum):
     USER = "user"
     AGENT = "agent"
@@ -49,7 +52,7 @@ class EvidenceRef(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["event", "decision", "approval", "action", "steer", "message", "run", "memory"]
-    id: Annotated[str, Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9_.-]+$")]
+    id: Annotated[str, Field(min_length=1, max_length=40, pattern=_ID)]
 
 
 class Proposal(BaseModel):
@@ -73,7 +76,7 @@ class Proposal(BaseModel):
                                                                                        "when it stops holding.")
     evidence: list[EvidenceRef] = Field(default_factory=list, max_length=32,
                                         description="What produced it, by ID: events, decisions, approvals, ...")
-    derived_from: list[Annotated[str, Field(min_length=1, max_length=40)]] = Field(
+    derived_from: list[Annotated[str, Field(min_length=1, max_length=40, pattern=_ID)]] = Field(
         default_factory=list, max_length=16, description="Memory IDs it was derived from (a skill from episodes).")
     confidence: float | None = Field(default=None, strict=False, description="A hypothesis's, in (0, 1].")
     topics: list[Annotated[str, Field(max_length=200)]] = Field(
