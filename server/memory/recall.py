@@ -195,12 +195,16 @@ def recall(conn: Connection, *, user_id: str, task_id: str | None, run_id: str, 
     ))).all()
     ordered = sorted(rows, key=lambda r: (r.form != MemoryForm.INSTRUCTION.value, _SCOPE_RANK[r.scope],
                                           -hits.get(r.id, 0), _newest_first(r.recorded_at), r.id))
-    narrowest: dict[tuple[str, str], Any] = {}
-    kept, overrides = [], []
+    narrowest: dict[tuple[str, str], Any] = {}  # per subject and relation, the first of its narrowest records
     for r in ordered:
         first = narrowest.setdefault((r.subject, r.relation), r)
-        if _SCOPE_RANK[r.scope] > _SCOPE_RANK[first.scope]:
-            overrides.append(Overridden(id=r.id, scope=r.scope, by=first.id))
+        if _SCOPE_RANK[r.scope] < _SCOPE_RANK[first.scope]:
+            narrowest[(r.subject, r.relation)] = r
+    kept, overrides = [], []
+    for r in ordered:
+        by = narrowest[(r.subject, r.relation)]
+        if _SCOPE_RANK[r.scope] > _SCOPE_RANK[by.scope]:  # an instruction too: the user's word in this task is newer
+            overrides.append(Overridden(id=r.id, scope=r.scope, by=by.id))
         else:
             kept.append(r.id)
     whole = {r.id: r for r in conn.execute(select(memories).where(m.id.in_(kept[:limit])))}

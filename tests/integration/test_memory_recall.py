@@ -23,7 +23,7 @@ from wakeful.server.harness.context import MEMORY_NOTE
 from wakeful.server.harness.model import ModelRequest, ScriptedModel, quiet
 from wakeful.server.harness.replay import replay
 from wakeful.server.harness.wake import Harness
-from wakeful.server.memory.recall import focus
+from wakeful.server.memory.recall import LIMIT, focus
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, memory_uses, runs, task_versions
@@ -266,3 +266,21 @@ def _replays_alike(w: World) -> None:
         reports = [replay(conn, run_id, registry=w.tools.registry, instructions=None) for run_id in run_ids]
     assert [(r.context_same, r.differences) for r in reports] == [(True, [])] * len(run_ids)
 
+
+
+def test_recall_is_bounded_in_a_fixed_order_the_narrower_and_better_matching_first(w: World) -> None:
+    task = w.task(title="fly to Hong Kong")
+    wide = []
+    for n in range(14):
+        w.clock.advance(timedelta(seconds=1))
+        wide.append(remember(w, form="episode", text=f"Rebooked flight {n} during a storm.", subject=f"rebooking.{n}",
+                             relation="went", value="ok", scope="always", topics=["airline"]))
+    both = remember(w, form="episode", text="Rebooked the Hong Kong flight.", subject="rebooking.hk", relation="went",
+                    value="ok", scope="always", topics=["airline", "hong"])
+    own = remember(w, form="preference", text="Meals: vegetarian on this trip.", subject="meal", relation="prefers",
+                   value="vegetarian", scope="task", scope_ref=task.task_id)
+    w.clock.advance(timedelta(minutes=1))
+    found = direct(w, task)
+    assert found.ids[:2] == (own, both) and len(found.records) == LIMIT
+    assert found.ids[2:] == tuple(reversed(wide))[:10] and found.left_out == 4  # then the newest first
+    assert direct(w, task) == found
