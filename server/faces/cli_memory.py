@@ -85,8 +85,8 @@ def list_cmd(form: Annotated[str | None, typer.Option(help="Only this form (pref
              after: Annotated[str | None, typer.Option(help="The `next` of the previous page.")] = None,
              as_json: Json = False, user: UserOpt = "owner", data_dir: DataDir = None,
              database_url: DbUrl = None) -> None:
-    """Your records, newest first: what you wrote, what the agent learnt (pending ones wait for you), and what was
-    retired, with why."""
+    """Your records, the latest version of each, oldest first: what you wrote, what the agent learnt (pending ones
+    wait for you), and what was retired, with why."""
     from wakeful.server.faces import memory_views as views
     from wakeful.server.store.tables import MemoryForm, MemoryState
 
