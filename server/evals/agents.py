@@ -31,6 +31,8 @@ class Turn:
     """The tools the previous step called, in order (empty on a wake's first step)."""
     results: tuple[dict[str, Any], ...]
     """Their results, in the same order."""
+    args: tuple[dict[str, Any], ...] = ()
+    """Their arguments, in the same order."""
 
     @property
     def woken_by_delegation(self) -> bool:
@@ -42,6 +44,9 @@ class Turn:
 
     def result_of(self, tool: str) -> dict[str, Any]:
         return self.results[self.called.index(tool)]
+
+    def args_of(self, tool: str) -> dict[str, Any]:
+        return self.args[self.called.index(tool)]
 
     def after(self, tool: str) -> bool:
         return tool in self.called
@@ -62,7 +67,8 @@ def _turn(request: ModelRequest) -> Turn:
         return Turn(tail=tail, called=(), results=())
     asked = request.messages[-2]["content"]
     return Turn(tail=tail, called=tuple(c["name"] for c in asked),
-                results=tuple(_loaded(r["content"]) for r in last["content"]))
+                results=tuple(_loaded(r["content"]) for r in last["content"]),
+                args=tuple(dict(c.get("args") or c.get("input") or {}) for c in asked))
 
 
 def _loaded(content: Any) -> dict[str, Any]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from wakeful.server.evals import cancellation, hongkong, paired
+from wakeful.server.evals import cancellation, hongkong, memory, memory_repair, memory_sources, paired
 from wakeful.server.evals.scenario import Scenario
 
 __all__ = ["SCENARIOS", "select"]
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in [*cancellation.SCENARIOS, *paired.SCENARIOS, *hongkong.SCENARIOS]}
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [*cancellation.SCENARIOS, *paired.SCENARIOS, *hongkong.SCENARIOS,
+                                                       *memory.SCENARIOS, *memory_sources.SCENARIOS,
+                                                       *memory_repair.SCENARIOS]}
 
 
 def select(names: Sequence[str]) -> list[Scenario]:

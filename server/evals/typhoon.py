@@ -7,7 +7,10 @@
   approval and are not executed. The user gets nothing before 07:30 and one summary at 07:30.
 - hk-d12-closure: the trip's completion condition is verified against the airline's records (the four facts, the
   evidence); the agent asks before closing, the user closes the task over HTTP; its keys are released (a later
-  delivery carrying one goes to triage, not to the closed trip) and its daily check ends with it.
+  delivery carrying one goes to triage, not to the closed trip) and its daily check ends with it. The run that asks
+  distils the rebooking through `remember`: a Skill revision (how a typhoon night's rebooking goes) and a
+  preference candidate (the cheapest flight that day will do), both pending the user, and still pending after the
+  closure.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from datetime import time, timedelta
 from typing import Any
 
 from wakeful.server.evals.agents import Turn, end
+from wakeful.server.evals.memory_play import mentioned
 from wakeful.server.evals.paired import BOOK
 from wakeful.server.evals.scenario import Check, check
 from wakeful.server.evals.trip import CENTRAL, CLIENT, ORDER, PNR, REPLY, THREAD, ZONE, quiet, rebooking
@@ -133,6 +137,15 @@ COMPLETION = [{"effect": ORDER, "verify": {"read": "airline__read_booking", "wit
                                            "done_when": {"at": "status", "equals": "confirmed"}}}]
 """Done when the airline accepted the ticketing order and its booking, read afresh, is confirmed."""
 ASK_CLOSE = "Everything for the trip is done: your flight is ticketed and the airline confirms it. Shall I close it?"
+DISTILLED_TOPICS = ["flight.cancelled", "travel.advisory", "airline", "flight", "rebooking"]
+SKILL = {"form": "skill", "subject": "rebooking.typhoon", "relation": "procedure", "scope": "always",
+         "value": "verify on the booking; rebook the cheapest flight that day within policy; hold the rest; summarize",
+         "text": "When a typhoon cancels a flight: read the booking to verify the cancellation, rebook the cheapest "
+                 "flight that day within the travel policy, leave the hotel extension and moving meetings for the "
+                 "user's approval, and send one summary when quiet hours end."}
+CANDIDATE = {"form": "preference", "subject": "flight.rebooking", "relation": "prefers", "scope": "always",
+             "value": "cheapest that day", "confidence": 0.5,
+             "text": "When a flight is cancelled, the user is content with the cheapest flight that day within policy."}
 
 
 def closing(turn: Turn) -> ModelReply:
@@ -143,6 +156,10 @@ def closing(turn: Turn) -> ModelReply:
     if turn.woken_by_delegation:
         return calls(("keep_checking", {"note": "the trip's bookings, until the trip is closed", "cron": "0 9 * * *"}),
                      ("airline__get_booking", {"pnr": PNR}))
+    if turn.after("send_to_user") and ASK_CLOSE in json.dumps(turn.args_of("send_to_user")):
+        return _distil(turn)
+    if turn.after("remember"):
+        return quiet("asked the user; what the trip taught waits for them")
     if turn.after("list_timers"):
         booked = (turn.result_of("airline__get_booking").get("objects") or [{}])[0]
         if booked.get("status") == "confirmed" and booked.get("ticket") and ASK_CLOSE not in turn.tail:
@@ -160,6 +177,18 @@ def closing(turn: Turn) -> ModelReply:
     return calls(("airline__get_booking", {"pnr": PNR}), ("list_timers", {}))
 
 
+def _distil(turn: Turn) -> ModelReply:
+    """The closure run's updater: the trip's rebooking (its order, by the action IDs the history names) distilled
+    into a Skill revision and a preference candidate, both for the user to confirm."""
+    evidence = [{"type": "action", "id": a} for a in mentioned(turn, "act")[:4]]
+    return calls(("remember", {**SKILL, "evidence": evidence, "topics": DISTILLED_TOPICS}),
+                 ("remember", {**CANDIDATE, "evidence": evidence, "topics": DISTILLED_TOPICS}))
+
+
+def _distilled(w: EvalWorld, task_id: str) -> list[dict[str, Any]]:
+    return [r for r in w.get("/v1/memory?limit=100")["records"] if r["task_id"] == task_id]
+
+
 def _asked(w: EvalWorld) -> list[dict[str, Any]]:
     return [m for m in w.messages() if ASK_CLOSE in json.dumps(m["body"])]
 
@@ -171,6 +200,8 @@ def d12_closure(w: EvalWorld) -> list[Check]:
     verified = w.until("the goal verified", lambda: (s := w.status(task_id))["facts"]["goal_verified"] and s)
     w.until("the agent's question", lambda: _asked(w))
     checking = w.status(task_id)["timers"]
+    distilled = w.until("the closure run's distillation", lambda: d if len(d := _distilled(w, task_id)) >= 2
+                        else None)
     w.control(task_id, "close", "all done, thanks")
     asked = _asked(w)
     status, ledger = w.status(task_id), w.ledger(task_id)
@@ -179,6 +210,9 @@ def d12_closure(w: EvalWorld) -> list[Check]:
     tickets, booked = w.effects("airline", "ticket"), w.sim("airline", "GET", f"/v1/bookings/{PNR}")
     evidence = {e["source"]: e["verdict"] for e in ledger if e["type"] == "evidence"}
     closed = [e for e in ledger if e["type"] == "control" and e["kind"] == "close"]
+    order = w.action_of(task_id, ORDER)["action_id"]
+    after_close = {r["memory_id"]: r for r in _distilled(w, task_id)}
+    refs = {r["memory_id"]: w.get(f"/v1/memory/{r['memory_id']}")["evidence"] for r in distilled}
     return [
         check("the completion condition was verified by a fresh read of the airline's booking",
               verified["facts"]["goal_verified"] is not None
@@ -196,4 +230,12 @@ def d12_closure(w: EvalWorld) -> list[Check]:
                                                                        if e["type"] == "timer_ended"]}),
         check("a later delivery carrying a released key no longer reaches the trip",
               later["session_id"] != verified["session_id"], later),
+        check("the closure run distilled the rebooking: a Skill revision and a preference candidate, both pending",
+              sorted((r["form"], r["state"], r["speaker"]) for r in distilled)
+              == [("hypothesis", "pending", "agent"), ("skill", "pending", "agent")]
+              and all({"type": "action", "id": order} in found for found in refs.values()),
+              {"records": distilled, "evidence": refs, "order": order}),
+        check("both still await the user after the closure", sorted(
+            r["state"] for r in after_close.values() if r["memory_id"] in refs) == ["pending", "pending"],
+              list(after_close.values())),
     ]

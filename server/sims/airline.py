@@ -7,13 +7,15 @@
 
 Service API:
     GET  /v1/bookings/{pnr}          {pnr, flight, date, from, to, status: "confirmed"|"cancelled",
-                                      ticket: null | {"number"}} | 404 {"error": "not_found"}
+                                      ticket: null | {"number"}, seat: null | "window"|"aisle"|"middle"}
+                                     | 404 {"error": "not_found"}
     GET  /v1/flights?from=&to=&date= {"flights": [{flight, from, to, date, departs_at, arrives_at,
                                       status: "scheduled", price_cents, currency}]}
                                      the route's flights that day, cheapest first; cancelled flights left out
-    POST /v1/orders                  Idempotency-Key required; {"pnr", "flight"}: (re)book the PNR onto the flight
-                                     (same date) and issue a new ticket -> 201 {order_id, pnr, flight,
-                                     ticket: {"number"}}, effect {"kind": "ticket", "target": pnr}; 404
+    POST /v1/orders                  Idempotency-Key required; {"pnr", "flight", "seat"?}: (re)book the PNR onto the
+                                     flight (same date) and issue a new ticket, with the seat asked for (window, aisle
+                                     or middle; none: the airline's choice, null) -> 201 {order_id, pnr, flight, seat,
+                                     ticket: {"number"}}, effect {"kind": "ticket", "target": pnr, "seat"}; 404
                                      {"error": "not_found"} (pnr) or {"error": "unknown_flight"}; 409
                                      {"error": "flight_cancelled"}. Every accepted order issues another ticket.
     GET  /v1/orders?idempotency_key=K {"orders": [{order_id, pnr, flight, ticket, idempotency_key, created_at}]}
@@ -21,6 +23,8 @@ Sim-only:
     POST /_sim/cancel_flight {"flight", "notices"?} -> {"flight", "pnrs": [...]}: confirmed bookings on it become
                                      cancelled; `notices` (1) signed {"type": "flight.cancelled", "pnr", "flight",
                                      "notice"} webhooks queued each (airlines repeat a cancellation notice)
+    POST /_sim/bookings {"pnr", "flight", "date"} -> {"pnr"}: another confirmed, ticketed booking (404
+                                     {"error": "unknown_flight"})
     POST /_sim/advisory {"pnr", "text"} -> {"pnr"}: one signed {"type": "travel.advisory", "pnr", "text"} webhook
                                      queued (a typhoon warning for the booking's trip); 404 {"error": "not_found"}
 
@@ -33,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, time, timedelta
 from datetime import date as Date
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import Body, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
@@ -68,9 +72,14 @@ class AirlineFaults(Faults):
     ticketing_timeout: int = 0
 
 
+Seat = Literal["window", "aisle", "middle"]
+
+
 class OrderRequest(BaseModel):
     pnr: str
     flight: str
+    seat: Seat | None = None
+    """The seat the traveller asked for; None leaves it to the airline (recorded as null)."""
 
 
 class Airline(Sim):
@@ -87,7 +96,8 @@ class Airline(Sim):
         with self.lock:
             self._bookings[pnr] = {"pnr": pnr, "flight": flight, "date": day.isoformat(),
                                    "from": FLIGHTS[flight].origin, "to": FLIGHTS[flight].destination,
-                                   "status": "confirmed", "ticket": self._issue_ticket() if ticketed else None}
+                                   "status": "confirmed", "ticket": self._issue_ticket() if ticketed else None,
+                                   "seat": None}
 
     def _issue_ticket(self) -> dict[str, str]:
         self._tickets += 1
@@ -128,7 +138,7 @@ class Airline(Sim):
             self.webhooks.queue({"type": "travel.advisory", "pnr": pnr, "text": text})
             return True
 
-    def order(self, pnr: str, flight: str, key: str) -> Reply:
+    def order(self, pnr: str, flight: str, key: str, seat: str | None = None) -> Reply:
         with self.lock:
             booking = self._bookings.get(pnr)
             if booking is None:
@@ -138,11 +148,12 @@ class Airline(Sim):
             if flight in self.cancelled_flights:
                 return Reply(409, {"error": "flight_cancelled"})
             order_id, ticket = f"ord_{len(self._orders) + 1}", self._issue_ticket()
-            booking.update(flight=flight, status="confirmed", ticket=ticket,
+            booking.update(flight=flight, status="confirmed", ticket=ticket, seat=seat,
                            **{"from": FLIGHTS[flight].origin, "to": FLIGHTS[flight].destination})
-            body = {"order_id": order_id, "pnr": pnr, "flight": flight, "ticket": dict(ticket)}
+            body = {"order_id": order_id, "pnr": pnr, "flight": flight, "seat": seat, "ticket": dict(ticket)}
             self._orders.append({**body, "idempotency_key": key, "created_at": iso(self.clock.now())})
-            self.record("ticket", pnr, key, order_id=order_id, flight=flight, ticket_number=ticket["number"])
+            self.record("ticket", pnr, key, order_id=order_id, flight=flight, seat=seat,
+                        ticket_number=ticket["number"])
             return Reply(201, body, applied=True)
 
 
@@ -170,7 +181,8 @@ def create_airline(*, clock: SimClock | None = None) -> tuple[FastAPI, Airline]:
 
     @app.post("/v1/orders")
     async def order(body: OrderRequest, request: Request) -> JSONResponse:
-        return await sim.effect_request(request, body.model_dump(), lambda key: sim.order(body.pnr, body.flight, key),
+        return await sim.effect_request(request, body.model_dump(),
+                                        lambda key: sim.order(body.pnr, body.flight, key, body.seat),
                                         stall_knob="ticketing_timeout")
 
     @app.get("/v1/orders")
@@ -180,6 +192,14 @@ def create_airline(*, clock: SimClock | None = None) -> tuple[FastAPI, Airline]:
     @app.post("/_sim/cancel_flight")
     def cancel_flight(flight: Annotated[str, Body()], notices: Annotated[int, Body(ge=1, le=10)] = 1) -> dict[str, Any]:
         return {"flight": flight, "pnrs": sim.cancel_flight(flight, notices=notices)}
+
+    @app.post("/_sim/bookings", response_model=None)
+    def add_booking(pnr: Annotated[str, Body(max_length=8)], flight: Annotated[str, Body()],
+                    date: Annotated[Date, Body()]) -> dict[str, Any] | JSONResponse:
+        if flight not in FLIGHTS:
+            return error(404, "unknown_flight")
+        sim.add_booking(pnr, flight, date)
+        return {"pnr": pnr}
 
     @app.post("/_sim/advisory", response_model=None)
     def advisory(pnr: Annotated[str, Body()],

@@ -15,6 +15,10 @@ Service API:
 Sim-only:
     POST /_sim/rates {"hotel", "nightly_cents"}   the price of later quotes for that hotel (`sim.rates` in-process);
                                                   hotels not in `sim.rates` cost DEFAULT_NIGHTLY_CENTS a night
+    POST /_sim/guest_note {"hotel", "note"}       what the hotel notes about its guest ("Guest prefers a high
+                                                  floor."): each later booking there queues one signed
+                                                  {"type": "booking.confirmed", "quote_id", "booking_id", "hotel",
+                                                  "note"} webhook (a hotel without a note sends none)
 
 Knobs: dedupe, fail_before_commit, stall_seconds (see _base), and
     commit_then_timeout  int  the next N bookings commit, then hold the response back `stall_seconds`
@@ -57,6 +61,7 @@ class Hotel(Sim):
         super().__init__("hotel", HotelFaults(), clock)
         self.faults: HotelFaults
         self.rates: dict[str, int] = {}
+        self.guest_notes: dict[str, str] = {}
         self._quotes: dict[str, dict[str, Any]] = {}
         self._bookings: list[dict[str, Any]] = []
 
@@ -95,6 +100,10 @@ class Hotel(Sim):
                     "price_cents": quote["price_cents"], "currency": quote["currency"]}
             self._bookings.append({**body, "idempotency_key": key, "created_at": iso(self.clock.now())})
             self.record("booking", quote_id, key, booking_id=booking_id, price_cents=quote["price_cents"])
+            note = self.guest_notes.get(quote["hotel"])
+            if note is not None:
+                self.webhooks.queue({"type": "booking.confirmed", "quote_id": quote_id, "booking_id": booking_id,
+                                     "hotel": quote["hotel"], "note": note})
             return Reply(201, body, applied=True)
 
 
@@ -129,5 +138,11 @@ def create_hotel(*, clock: SimClock | None = None) -> tuple[FastAPI, Hotel]:
         with sim.lock:
             sim.rates[hotel] = nightly_cents
         return {"hotel": hotel, "nightly_cents": nightly_cents}
+
+    @app.post("/_sim/guest_note")
+    def guest_note(hotel: Annotated[str, Body()], note: Annotated[str, Body(max_length=500)]) -> dict[str, Any]:
+        with sim.lock:
+            sim.guest_notes[hotel] = note
+        return {"hotel": hotel, "note": note}
 
     return app, sim

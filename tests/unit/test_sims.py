@@ -351,6 +351,32 @@ def test_an_order_onto_a_cancelled_flight_is_a_conflict_and_applies_nothing() ->
     assert client.get("/v1/orders", params={"idempotency_key": "k1"}).json() == {"orders": []}
 
 
+def test_an_order_records_the_seat_chosen_on_the_booking_and_its_ticket_and_none_when_none_was_asked() -> None:
+    app, sim = create_airline()
+    client = TestClient(app)
+    assert client.get("/v1/bookings/PNR123").json()["seat"] is None
+
+    client.post("/v1/orders", headers=key("k1"), json={"pnr": "PNR123", "flight": "AB102", "seat": "aisle"})
+    assert client.get("/v1/bookings/PNR123").json()["seat"] == "aisle"
+    client.post("/v1/orders", headers=key("k2"), json={"pnr": "PNR123", "flight": "CD310"})
+
+    assert [(e["flight"], e["seat"]) for e in sim.effects] == [("AB102", "aisle"), ("CD310", None)]
+    assert client.get("/v1/bookings/PNR123").json()["seat"] is None
+    refused = client.post("/v1/orders", headers=key("k3"), json={"pnr": "PNR123", "flight": "AB102", "seat": "roof"})
+    assert refused.status_code == 422 and len(sim.effects) == 2
+
+
+def test_a_booking_added_through_the_sim_controls_is_read_and_rebooked_like_the_seeded_one() -> None:
+    app, sim = create_airline()
+    client = TestClient(app)
+    added = client.post("/_sim/bookings", json={"pnr": "PNR124", "flight": "AB100", "date": "2027-01-05"})
+    assert added.json() == {"pnr": "PNR124"}
+    assert {k: client.get("/v1/bookings/PNR124").json()[k] for k in ("flight", "date", "status")} == {
+        "flight": "AB100", "date": "2027-01-05", "status": "confirmed"}
+    unknown = client.post("/_sim/bookings", json={"pnr": "PNR125", "flight": "XX1", "date": "2027-01-05"})
+    assert unknown.status_code == 404
+
+
 # --- hotel ---------------------------------------------------------------------------------------------------------
 
 
@@ -550,3 +576,24 @@ def test_a_calendar_event_is_an_effect_listed_by_the_calendar() -> None:
     assert created.status_code == 201
     assert client.get("/v1/calendar/events").json()["events"] == [created.json()]
     assert [e["kind"] for e in sim.effects] == ["calendar_event"]
+
+
+def test_a_booking_at_a_hotel_with_a_guest_note_queues_a_signed_confirmation_carrying_it() -> None:
+    app, sim = create_hotel()
+    client = TestClient(app)
+    received = capture_webhooks(sim)
+    plain = client.post("/v1/quotes", json={"hotel": "hotel-lisboa", "nights": 2}).json()
+    client.post("/v1/bookings", headers=key("k1"), json={"quote_id": plain["quote_id"]})
+    assert sim.webhooks.flush() == []  # a hotel without a note confirms nothing by webhook
+
+    noted = client.post("/_sim/guest_note", json={"hotel": "harbour-inn", "note": "Guest prefers a high floor."})
+    assert noted.json() == {"hotel": "harbour-inn", "note": "Guest prefers a high floor."}
+    quote = client.post("/v1/quotes", json={"hotel": "harbour-inn", "nights": 2}).json()
+    booked = client.post("/v1/bookings", headers=key("k2"), json={"quote_id": quote["quote_id"]}).json()
+    sim.webhooks.flush()
+
+    [request] = received
+    verify(request)
+    assert json.loads(request.content) == {"type": "booking.confirmed", "quote_id": quote["quote_id"],
+                                           "booking_id": booked["booking_id"], "hotel": "harbour-inn",
+                                           "note": "Guest prefers a high floor."}
