@@ -20,6 +20,7 @@ from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.chromium import CHROMIUM
 from tests.support.serve import serving
 from wakeful.proxy.clock import FakeClock
+from wakeful.server import memory
 from wakeful.server.core.worker import Binding, Worker
 from wakeful.server.faces.console import listing
 from wakeful.server.faces.http import create_app
@@ -209,3 +210,32 @@ def test_stop_and_start_and_a_forged_post_in_a_real_browser(console: Console, se
     c.page.wait_for_selector("#steps")
     assert c.page.locator("#steps tr").count() >= 3  # the header, and the run's two steps
     c.shot("run")
+
+
+def test_the_memory_page_confirms_a_candidate_and_corrects_it_in_a_real_browser(console: Console) -> None:
+    c = console
+    task = c.w.task("book the flight to Hong Kong")
+    actor = memory.Actor(kind=memory.ActorKind.AGENT, task_id=task.task_id, name="run")
+    with write(c.w.engine) as conn:
+        inferred = memory.propose(conn, user_id=c.w.owner, actor=actor, now=c.w.clock.now(), proposal=(
+            memory.parse_proposal({"form": "hypothesis", "text": "the user seems to prefer early flights",
+                                   "subject": "flight.departure", "relation": "prefers", "value": "early",
+                                   "scope": "always", "confidence": 0.6})))
+    sign_in(c)
+    c.open("/memory")
+    c.page.wait_for_selector(f"#memory-{inferred.memory_id}")
+    c.shot("memory")
+    c.page.click(f"#memory-{inferred.memory_id} a")
+    c.page.click("#memory-confirm")
+    c.page.wait_for_selector("#memory-correct")
+    assert c.page.inner_text("#memory-state") == "active"
+    confirmed = c.page.url.rsplit("/", 1)[1]
+    c.shot("memory-record")
+    c.page.fill("#correct-form input[name=reason]", "those times had no alternatives")
+    c.page.fill("#correct-form input[name=text]", "I don't prefer early flights")
+    c.page.click("#memory-correct")
+    c.page.wait_for_selector("#retire-reason")
+    assert c.page.inner_text("#retire-reason") == "corrected"
+    with read(c.w.engine) as conn:
+        shown = memory.show(conn, c.w.owner, confirmed)
+    assert (shown["record"]["form"], shown["record"]["retire_reason"]) == ("preference", "corrected")
