@@ -17,7 +17,7 @@ from wakeful.server.evals.agents import Turn, end
 from wakeful.server.evals.memory_play import changes, correct, memories, mentioned, remember, runs_calling, show
 from wakeful.server.evals.paired import POLICY
 from wakeful.server.evals.scenario import Check, Scenario, check
-from wakeful.server.evals.trip import ORDER, PNR, quiet
+from wakeful.server.evals.trip import ORDER, PNR, quiet, rebooking
 from wakeful.server.evals.world import EvalWorld
 from wakeful.server.harness.model import ModelReply, calls
 
@@ -43,14 +43,9 @@ def inferring(turn: Turn) -> ModelReply:
                             evidence=turn.args_of("remember")["evidence"])
         return quiet("learnt what these approvals suggest; it waits for the user")
     advised = [e["pnr"] for e in turn.events("airline") if e.get("type") == "travel.advisory"]
-    if turn.after("airline__search_flights"):
-        cheapest = turn.result_of("airline__search_flights")["objects"][0]
-        booked = turn.result_of("airline__get_booking")["objects"][0]
-        return calls((ORDER, {"pnr": booked["id"], "flight": cheapest["id"]}))
-    if turn.after("airline__get_booking"):
-        booked = turn.result_of("airline__get_booking")["objects"][0]
-        return calls(("airline__search_flights", {"from": booked["from"], "to": booked["to"], "date": booked["date"]}),
-                     ("airline__get_booking", {"pnr": advised[0]}))
+    step = rebooking(turn, pnr=advised[0] if advised else PNR)
+    if step is not None:
+        return step
     if turn.after(ORDER):
         return quiet("asked the user to approve the order")
     if turn.called:

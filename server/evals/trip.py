@@ -37,8 +37,8 @@ def quiet(reason: str) -> ModelReply:
     return calls(("stay_quiet", {"reason": reason}))
 
 
-def rebooking(turn: Turn) -> ModelReply | None:
-    """After reading the booking: search that day's flights on its route beside a fresh read of the booking; after
+def rebooking(turn: Turn, pnr: str = PNR) -> ModelReply | None:
+    """After reading the booking: search that day's flights on its route beside a fresh read of booking `pnr`; after
     the search: order the cheapest for it. None when the last step was neither."""
     if turn.after("airline__search_flights"):
         cheapest = turn.result_of("airline__search_flights")["objects"][0]
@@ -47,7 +47,7 @@ def rebooking(turn: Turn) -> ModelReply | None:
     if turn.after("airline__get_booking"):
         booked = turn.result_of("airline__get_booking")["objects"][0]
         return calls(("airline__search_flights", {"from": booked["from"], "to": booked["to"], "date": booked["date"]}),
-                     ("airline__get_booking", {"pnr": PNR}))
+                     ("airline__get_booking", {"pnr": pnr}))
     return None
 
 
