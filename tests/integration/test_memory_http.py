@@ -95,6 +95,16 @@ def _hypothesis(api: Api, task_id: str, event_id: str, **more: Any) -> memory.St
         "evidence": [{"type": "event", "id": event_id}], **more})
 
 
+def _early_flights_with_a_skill(api: Api) -> tuple[str, str, memory.Stored, memory.Stored]:
+    """A task, the user's words, a hypothesis inferred from them and a Skill revision derived from it."""
+    task_id, event_id = api.task_with_the_users_words("the 07:00 flight is fine")
+    inferred = _hypothesis(api, task_id, event_id)
+    derived = api.agent_proposes(task_id, form="skill", text="when rebooking, pick the earliest flight",
+                                 subject="rebooking", relation="procedure", value="earliest first", scope="always",
+                                 derived_from=[inferred.memory_id])
+    return task_id, event_id, inferred, derived
+
+
 @BOTH
 def test_what_the_user_writes_is_active_spoken_by_them_and_listed_with_its_change(api: Api) -> None:
     written = api.post("/v1/memory", WINDOW, status=201)
@@ -161,11 +171,7 @@ def test_an_edit_is_a_new_version_by_the_user_and_the_old_one_is_kept_retired(ap
 
 @BOTH
 def test_a_correction_disowns_its_evidence_invalidates_what_derives_from_it_and_flags_it_for_review(api: Api) -> None:
-    task_id, event_id = api.task_with_the_users_words("the 07:00 flight is fine")
-    inferred = _hypothesis(api, task_id, event_id)
-    derived = api.agent_proposes(task_id, form="skill", text="when rebooking, pick the earliest flight",
-                                 subject="rebooking", relation="procedure", value="earliest first", scope="always",
-                                 derived_from=[inferred.memory_id])
+    task_id, event_id, inferred, derived = _early_flights_with_a_skill(api)
     corrected = api.post(f"/v1/memory/{inferred.memory_id}/correct", {
         "reason": "those times had no alternatives", "text": "I don't prefer early flights"})
     assert corrected["state"] == "retired" and corrected["reach"]["invalidated"] == [derived.memory_id]
@@ -310,11 +316,7 @@ def test_a_third_partys_fact_stays_theirs_and_is_never_edited_into_an_order(api:
 
 @BOTH
 def test_the_consoles_memory_page_confirms_a_candidate_and_corrects_it_through_the_same_records(api: Api) -> None:
-    task_id, event_id = api.task_with_the_users_words("the 07:00 flight is fine")
-    inferred = _hypothesis(api, task_id, event_id)
-    derived = api.agent_proposes(task_id, form="skill", text="when rebooking, pick the earliest flight",
-                                 subject="rebooking", relation="procedure", value="earliest first", scope="always",
-                                 derived_from=[inferred.memory_id])
+    task_id, event_id, inferred, derived = _early_flights_with_a_skill(api)
     browser = api.client
     token = api.auth["Authorization"].removeprefix("Bearer ")
     landed = browser.post("/signin", data={"csrf": _csrf(browser.get("/signin").text), "token": token,
