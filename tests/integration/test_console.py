@@ -1,11 +1,12 @@
 """The console in real headless Chromium (Playwright over Debian's chromium) against the real HTTP stack: sign in,
 approval cards raised by real runs of a scripted model, approve and watch the dispatch appear, deny, pause a task
 while its approval is open (approving then refuses, and says why), STOP and START, the activity pages. A screenshot
-of each page is saved under the test's tmp dir and copied to /work/scratch/shots/ when that folder's parent exists."""
+of each page is saved under the test's tmp dir, and copied to the folder `WAKEFUL_SCREENSHOTS` names when it is set."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from wakeful.server.store.db import read, write
 from wakeful.server.store.users import issue_token
 
 pytestmark = pytest.mark.browser
-SHOTS = Path("/work/scratch/shots")
+SHOTS = os.environ.get("WAKEFUL_SCREENSHOTS")
+"""Where a person who wants to look at the pages keeps their screenshots (unset: only the test's tmp dir)."""
 
 
 @dataclass
@@ -47,9 +49,9 @@ class Console:
     def shot(self, name: str) -> None:
         path = self.shots / f"console-{name}.png"
         self.page.screenshot(path=str(path), full_page=True)
-        if SHOTS.parent.is_dir():
-            SHOTS.mkdir(exist_ok=True)
-            shutil.copy(path, SHOTS / path.name)
+        if SHOTS:
+            Path(SHOTS).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, Path(SHOTS) / path.name)
 
     def open(self, path: str) -> None:
         self.page.goto(self.url + path)
