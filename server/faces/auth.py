@@ -36,7 +36,7 @@ from wakeful.server.store import agents, users
 from wakeful.server.store.db import read
 
 __all__ = ["MCP_CALLER", "BearerGate", "Kind", "Principal", "User", "authenticate", "bearer", "challenge",
-           "current_user", "principal_of", "user_of"]
+           "current_user", "principal_of", "the_user", "user_of"]
 
 MCP_CALLER: Final = "wakeful.caller"
 """The scope key under which `BearerGate` hands the MCP app the principal it authenticated, heard as the agent."""
@@ -88,7 +88,12 @@ def principal_of(engine: Engine, authorization: str | None) -> Principal:
 def user_of(engine: Engine, authorization: str | None) -> str:
     """The user of an `Authorization` value that holds a user credential: `Unauthorized` without a valid one, and
     `Refused` (403 `user_credential_required`) for an agent credential. The one guard of the control channel."""
-    principal = principal_of(engine, authorization)
+    return the_user(principal_of(engine, authorization))
+
+
+def the_user(principal: Principal) -> str:
+    """The user a principal is, if it holds a user credential; `Refused` (403 `user_credential_required`) for an
+    agent credential. Every way into the control channel (the `/v1` routes, the console's sign-in) asks this."""
     if principal.kind is not Kind.USER:
         raise Refused("user_credential_required",
                       f"this is the user's control channel, and an agent credential ({principal.agent}) reaches only "

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import Connection, and_, delete, select
 
 from wakeful.server.errors import Refused
-from wakeful.server.store import agents, users
+from wakeful.server.faces.auth import authenticate, the_user
 from wakeful.server.store.ids import token_digest
 from wakeful.server.store.tables import console_sessions
 
@@ -36,10 +36,7 @@ class ConsoleSession:
 def sign_in(conn: Connection, *, token: str, now: datetime, ttl: timedelta = SESSION_TTL) -> tuple[str, ConsoleSession]:
     """(the new session's ID for the cookie, the session); `Unauthorized` for a token that is no user's, `Refused`
     (`user_credential_required`) for an agent credential: the console is the user's control channel."""
-    if token.strip().startswith(agents.PREFIX):
-        raise Refused("user_credential_required", "that is an agent credential: it reaches only the agent's tools at "
-                      "/mcp; sign in with the user's own token (`wakeful token`)")
-    user_id = users.authenticate(conn, token.strip() or None)
+    user_id = the_user(authenticate(conn, token.strip() or None))
     session_id, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
     conn.execute(console_sessions.insert().values(id_digest=token_digest(session_id), user_id=user_id,
                                                   csrf_token=csrf, created_at=now, expires_at=now + ttl))
