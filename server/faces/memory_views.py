@@ -34,16 +34,10 @@ RECORD_FIELDS = ("memory_id", "lineage_id", "version", "supersedes", "form", "st
                  "retire_reason", "retired_by", "topics")
 
 
-def _plain(value: Any) -> Any:
-    return value.isoformat() if isinstance(value, datetime) else value
-
-
 def record(row: Mapping[str, Any]) -> dict[str, Any]:
-    """One version as `MemoryRecord`: a `memories` row (or a read model's dict of one)."""
-    data = {"memory_id": row.get("memory_id", row.get("id")), **{k: row.get(k) for k in RECORD_FIELDS[1:]}}
-    data["review"] = bool(data["review"])
-    data["topics"] = sorted(data["topics"] or [])
-    return {k: _plain(v) for k, v in data.items()}
+    """One version as `MemoryRecord`, from the read model (`memory.list_records`, `memory.show`), which already gives
+    its times in ISO form, `review` as a bool and `topics` sorted: only the ID's name differs."""
+    return {"memory_id": row["id"], **{k: row[k] for k in RECORD_FIELDS[1:]}}
 
 
 def page(conn: Connection, user_id: str, *, form: str | None, state: str | None, review: bool | None,
@@ -64,8 +58,8 @@ def detail(conn: Connection, user_id: str, memory_id: str) -> dict[str, Any]:
 
 
 def _change(row: Mapping[str, Any]) -> dict[str, Any]:
-    return {"change_id": row["id"], **{k: _plain(row.get(k)) for k in ("memory_id", "change", "actor", "run_id",
-                                                                       "task_id", "code", "detail", "at")}}
+    return {"change_id": row["id"], **{k: row.get(k) for k in ("memory_id", "change", "actor", "run_id", "task_id",
+                                                                "code", "detail", "at")}}
 
 
 def _changed(stored: memory.Stored) -> dict[str, Any]:
