@@ -15,12 +15,13 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection
 
 from wakeful.server import memory
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.memory.committer import try_propose
-from wakeful.server.store.tables import MemoryScope, users
+from wakeful.server.store.tables import MemoryScope
+from wakeful.server.store.users import name_of
 
 __all__ = ["USER_FORMS", "add", "confirm", "correct", "detail", "edit", "forget", "page", "record", "reject",
            "reviewed"]
@@ -66,10 +67,6 @@ def _changed(stored: memory.Stored) -> dict[str, Any]:
     return stored.to_json()
 
 
-def _user_name(conn: Connection, user_id: str) -> str:
-    return str(conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar_one())
-
-
 def add(conn: Connection, user_id: str, body: Mapping[str, Any], *, now: datetime) -> dict[str, Any] | WakefulError:
     """The user's own record: an instruction, a preference or a fact (for `always` unless a scope is given),
     through the committer like every other. A refusal is recorded and returned, not raised: the caller commits, so
@@ -79,7 +76,7 @@ def add(conn: Connection, user_id: str, body: Mapping[str, Any], *, now: datetim
                                            "is what the agent learns (confirm or reject those)")
     proposal = memory.parse_proposal({k: v for k, v in body.items() if v is not None})
     task_id = proposal.scope_ref if proposal.scope == MemoryScope.TASK else None  # its changes are in its ledger
-    actor = memory.Actor(kind=memory.ActorKind.USER, name=_user_name(conn, user_id), task_id=task_id)
+    actor = memory.Actor(kind=memory.ActorKind.USER, name=name_of(conn, user_id), task_id=task_id)
     stored = try_propose(conn, user_id=user_id, actor=actor, proposal=proposal, now=now)
     return stored if isinstance(stored, WakefulError) else _changed(stored)
 

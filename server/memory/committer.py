@@ -40,8 +40,8 @@ from wakeful.server.store.tables import (
     runs,
     steer_proposals,
     tasks,
-    users,
 )
+from wakeful.server.store.users import name_of
 
 __all__ = ["change", "facts", "propose", "retire_contradicted", "try_propose", "write_version"]
 
@@ -100,7 +100,7 @@ def same_key(conn: Connection, user_id: str, subject: str, relation: str) -> tup
 
 def facts(conn: Connection, *, user_id: str, actor: Actor, proposal: Proposal) -> Facts:
     """What the rules judge `proposal` on, read in the caller's transaction."""
-    name = conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar() or user_id
+    name = name_of(conn, user_id)
     evidence = tuple(_resolve(conn, user_id, ref.type, ref.id) for ref in proposal.evidence)
     disowned = frozenset((r.ref_type, r.ref_id) for r in conn.execute(
         select(memory_disowned.c.ref_type, memory_disowned.c.ref_id).where(memory_disowned.c.user_id == user_id)))

@@ -45,8 +45,8 @@ from wakeful.server.store.tables import (
     memory_uses,
     runs,
     tasks,
-    users,
 )
+from wakeful.server.store.users import name_of
 
 __all__ = ["LIVE", "confirm", "correct", "edit", "expire_task", "forget", "list_records", "mark_reviewed",
            "propagate", "reject", "show", "trace"]
@@ -147,7 +147,7 @@ def _new_version(conn: Connection, user_id: str, live: Any, *, proposal: Proposa
     """A new active version of `live` by the user (confirm, edit): the rules judge it as the user's word, a rival
     on its subject and relation is retired `contradicted`, the old version `superseded`."""
     actor = Actor(kind=ActorKind.USER, task_id=live.task_id, run_id=live.run_id, name=user_id)
-    name = conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar() or user_id
+    name = name_of(conn, user_id)
     lineage = set(_lineage_ids(conn, live.lineage_id))
     rivals = tuple(e for e in same_key(conn, user_id, proposal.subject, proposal.relation) if e.id not in lineage)
     verdict = check(proposal, actor, Facts(user_name=name, same_key=rivals))
@@ -310,7 +310,7 @@ def correct(conn: Connection, user_id: str, memory_id: str, *, reason: str, now:
                                 value=text[:200].strip() or "-", scope=MemoryScope.ALWAYS.value, confidence=None)
         proposal = proposal.model_copy(update={"scope_ref": None, "confidence": None, "valid_until": None,
                                                "valid_from": None})
-        name = conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar() or user_id
+        name = name_of(conn, user_id)
         verdict = check(proposal, actor, Facts(user_name=name))
         if isinstance(verdict, Refusal):
             raise _error(verdict)

@@ -11,7 +11,7 @@ from wakeful.server.errors import BadRequest, NotFound, Unauthorized
 from wakeful.server.store.ids import new_id, new_token, token_digest
 from wakeful.server.store.tables import users
 
-__all__ = ["authenticate", "ensure_user", "issue_token", "set_zone", "user_id_by_name", "zone"]
+__all__ = ["authenticate", "ensure_user", "issue_token", "name_of", "set_zone", "user_id_by_name", "zone"]
 
 
 def ensure_user(conn: Connection, *, name: str, now: datetime) -> tuple[str, str | None]:
@@ -37,6 +37,11 @@ def user_id_by_name(conn: Connection, name: str) -> str:
     if user_id is None:
         raise NotFound("unknown_user", f"no user named {name!r}; create it with `wakeful user-add {name}`")
     return str(user_id)
+
+
+def name_of(conn: Connection, user_id: str) -> str:
+    """A user's name, as records that name who said something show it (the ID when the user has none)."""
+    return str(conn.execute(select(users.c.name).where(users.c.id == user_id)).scalar() or user_id)
 
 
 _BY_DIGEST = select(users.c.id).where(users.c.token_digest == bindparam("digest"))
