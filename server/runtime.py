@@ -1,8 +1,11 @@
-"""The embedded runtime: one process runs the inbox committer, workers, scheduler, dispatcher and sweeper.
+"""The runtime: the inbox committer (the API's half) and the workers, scheduler, dispatcher, reconciler and sweeper
+(the worker's half), in one process (`Role.ALL`: what tests and embedding programs build) or split between the
+`wakeful api` and `wakeful worker` processes that `wakeful serve` supervises.
 
-Loops sleep on an in-process `threading.Event` and are woken the moment a commit gives them work (a delivery wakes
-the workers, a run's commit wakes the dispatcher); polling every `poll_interval` is only the fallback. Everything
-they need is in the database, so a restart resumes from it alone.
+Loops sleep on a `threading.Event` and are woken the moment a commit gives them work (a delivery wakes the workers,
+a run's commit wakes the dispatcher); an API process relays each wake-up to the worker process
+(`server.core.wakeups`). Polling every `poll_interval` is only the fallback. Everything they need is in the
+database, so a restart resumes from it alone.
 """
 
 from __future__ import annotations
@@ -10,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, and_, func, select
@@ -26,6 +29,7 @@ from wakeful.server.core.inbox import GroupCommitter
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
 from wakeful.server.core.speaking import Level
 from wakeful.server.core.sweeper import sweep
+from wakeful.server.core.wakeups import Signals, WakeListener, WakeSender, listener_for, sender_for
 from wakeful.server.core.worker import Binding, IdlePoll, InboxRate, RunHandler, RunShare, Worker
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.egress.grants import issue_client_token
@@ -46,34 +50,30 @@ if TYPE_CHECKING:
     from wakeful.server.audit.signing import LedgerKey
     from wakeful.vm.hypervisor import ProxyCredential
 
-__all__ = ["Runtime", "Signals", "load_registry", "make_handler"]
+__all__ = ["Role", "Runtime", "Signals", "load_registry", "make_handler", "prepare"]
 
 log = logging.getLogger(__name__)
 
 control.on_task_end(expire_task)  # a task's task-scoped memory expires with it (control never imports memory)
 
 
-@dataclass
-class Signals:
-    work: threading.Event = field(default_factory=threading.Event)
-    dispatch: threading.Event = field(default_factory=threading.Event)
-    timers: threading.Event = field(default_factory=threading.Event)
-    reconcile: threading.Event = field(default_factory=threading.Event)
-    stop: threading.Event = field(default_factory=threading.Event)
+class Role(StrEnum):
+    """Which half of the runtime a process runs."""
 
-    def all(self) -> tuple[threading.Event, ...]:
-        return (self.work, self.dispatch, self.timers, self.reconcile)
+    ALL = "all"
+    """Both, in one process: the inbox and the loops wake each other in memory (tests, `demo`, evals)."""
+    API = "api"
+    """The inbox only (`wakeful api`): its wake-ups go to the worker process."""
+    WORKER = "worker"
+    """The loops only (`wakeful worker`): woken by the API process's messages, and by its own commits."""
 
-    def wake_all(self) -> None:
-        """The one way a write wakes the loops: HTTP routes, MCP tools and `POST /v1/wake` (which the CLI's
-        `nudge` calls) all end here, so work written by any of them starts now, not at the next idle poll."""
-        for event in self.all():
-            event.set()
 
-    def outcome_recorded(self) -> None:
-        """An action's outcome was recorded: the run should hear of it, reconciliation may have work."""
-        self.work.set()
-        self.reconcile.set()
+def prepare(engine: Engine, now: datetime) -> str | None:
+    """Migrate, and create the owner on first start: returns its token, to be shown once (None after that)."""
+    migrate(engine)
+    with write(engine) as conn:
+        _, token = users.ensure_user(conn, name="owner", now=now)
+    return token
 
 
 def load_registry(settings: Settings) -> Registry:
@@ -108,13 +108,23 @@ def make_handler(settings: Settings, registry: Registry) -> RunHandler:
 class Runtime:
     def __init__(self, settings: Settings, *, handler: RunHandler, clock: Clock | None = None,
                  engine: Engine | None = None, registry: Registry | None = None,
-                 computers: Computers | None = None) -> None:
+                 computers: Computers | None = None, role: Role = Role.ALL) -> None:
         faults.configure(settings.crash_at)
         self.settings = settings
+        self.role = role
         self.clock = clock or SystemClock()
         self.engine = engine or make_engine(settings.db_url)
         self._ledger_key: LedgerKey | None = None  # loaded (or created) by the first seal
-        self.signals = Signals()
+        self._sender: WakeSender | None = None
+        self._listener: WakeListener | None = None
+        self._received_elsewhere = 0  # deliveries the API process's inbox committed, as its last wake-up said
+        if role is Role.API:
+            self._sender = sender_for(self.engine, settings.data_dir, lambda: self.committer.received)
+            self.signals = Signals.relayed(self._sender.send)
+        else:
+            self.signals = Signals()
+        if role is Role.WORKER:
+            self._listener = listener_for(self.engine, settings.data_dir)
         self.committer = GroupCommitter(self.engine, self.clock, on_commit=self.signals.work.set,
                                         coalesce=timedelta(seconds=settings.coalesce_seconds))
         self.policy = load_policy(settings.policies / "policy.toml")
@@ -122,12 +132,13 @@ class Runtime:
         self.egress = ConnectorHTTP.from_settings(settings)
         self.tools = ToolLayer(self.engine, self.clock, registry=self.registry, policy=self.policy,
                                http=self.egress)
-        share = RunShare(InboxRate(lambda: self.committer.received), share=settings.ingest_run_share,
+        share = RunShare(InboxRate(lambda: self.committer.received + self._received_elsewhere),
+                         share=settings.ingest_run_share,
                          busy_rate=settings.ingest_busy_rate)
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools,
                    share=share)
-            for _ in range(settings.workers)
+            for _ in range(settings.workers if role is not Role.API else 0)
         ]
         self.messages = MessageDelivery(self.engine, self.clock, notify_url=settings.notify_url,
                                         max_attempts=settings.dispatch_max_attempts,
@@ -161,10 +172,8 @@ class Runtime:
 
     def prepare(self) -> str | None:
         """Migrate, create the owner on first start (returns its token, to be shown once), bind sources to users."""
-        migrate(self.engine)
-        now = self.clock.now()
-        with write(self.engine) as conn:
-            _, token = users.ensure_user(conn, name="owner", now=now)
+        token = prepare(self.engine, self.clock.now())
+        with read(self.engine) as conn:
             for name, source in self.settings.sources.items():
                 self.source_users[name] = users.user_id_by_name(conn, source.user)
         return token
@@ -192,8 +201,18 @@ class Runtime:
         # A run's commit may hold outbox rows; new timers are found by the scheduler's next look (≤ poll_interval).
         self.signals.dispatch.set()
 
+    def _woken(self, loop: str, received: int) -> None:
+        """A wake-up from the API process."""
+        self._received_elsewhere = max(self._received_elsewhere, received)
+        self.signals.woken(loop)
+
     def start(self) -> None:
-        self.committer.start()
+        if self.role is not Role.WORKER:
+            self.committer.start()
+        if self.role is Role.API:
+            return
+        if self._listener is not None:
+            self._listener.start(self._woken)
         loops: list[tuple[str, Callable[[], None]]] = [
             *((f"worker-{i}", lambda w=w: w.run_forever(self.signals.stop, self.signals.work))
               for i, w in enumerate(self.workers)),
@@ -209,10 +228,16 @@ class Runtime:
 
     def stop(self) -> None:
         self.signals.stop.set()
-        self.signals.wake_all()
+        if self._listener is not None:
+            self._listener.stop()
+        for event in self.signals.all():
+            threading.Event.set(event)  # this process's loops only: a stopping API wakes no worker
         for thread in self._threads:
             thread.join(timeout=30)
-        self.committer.stop()
+        if self.role is not Role.WORKER:
+            self.committer.stop()
+        if self._sender is not None:
+            self._sender.close()
         self.messages.close()
         self.egress.close()
 

@@ -363,8 +363,10 @@ def run_proxy(settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_egress(engine: Engine, clock: Clock, settings: Settings) -> AsyncIterator[None]:
-    """Inside `wakeful serve`: answer the proxy on the decider socket and run the proxy as a child."""
+async def serve_egress(engine: Engine, clock: Clock, settings: Settings, *,
+                       proxy_child: bool = True) -> AsyncIterator[None]:
+    """Inside the HTTP process: answer the proxy on the decider socket, and run the proxy as a child unless
+    `proxy_child` is False (`wakeful api`: `wakeful serve` supervises the proxy beside it)."""
     from wakeful.proxy.channel import DeciderServer
     from wakeful.proxy.tls import load_or_create_ca
 
@@ -373,12 +375,14 @@ async def serve_egress(engine: Engine, clock: Clock, settings: Settings) -> Asyn
     server = DeciderServer(settings.decider_socket, new_decider_token(settings), service.decide, service.record,
                            decide_now=service.decide_inline)
     await server.start()
-    child = ProxyChild(settings)
+    child = ProxyChild(settings) if proxy_child else None
     try:
-        await asyncio.to_thread(child.start)
+        if child is not None:
+            await asyncio.to_thread(child.start)
         yield
     finally:
-        await asyncio.to_thread(child.stop)
+        if child is not None:
+            await asyncio.to_thread(child.stop)
         await server.close()
         service.close()
         with contextlib.suppress(FileNotFoundError):

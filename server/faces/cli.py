@@ -111,23 +111,81 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-@app.command()
-def serve(
-    data_dir: DataDir = None,
-    database_url: DbUrl = None,
-    host: Annotated[str | None, typer.Option(help="Listen address [env WAKEFUL_HOST; default 127.0.0.1].")] = None,
-    port: Annotated[int | None, typer.Option(help="Listen port [env WAKEFUL_PORT; default 8787].")] = None,
-) -> None:
-    """Run HTTP, workers, scheduler, dispatcher and sweeper in one process (the embedded default)."""
-    import uvicorn
+Host = Annotated[str | None, typer.Option(help="Listen address [env WAKEFUL_HOST; default 127.0.0.1].")]
+Port = Annotated[int | None, typer.Option(help="Listen port [env WAKEFUL_PORT; default 8787].")]
 
-    from wakeful.server.egress.grants import load_egress_rules
-    from wakeful.server.egress.proxyctl import abort_proxy_start, proxy_port_taken
-    from wakeful.server.faces.http import QuietServer, create_app
-    from wakeful.server.runtime import Runtime, load_registry, make_handler
 
+def _log_to_stderr() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _refuse_taken_ports(settings: Settings, *, proxy: bool) -> None:
+    from wakeful.server.egress.grants import load_egress_rules
+    from wakeful.server.egress.proxyctl import proxy_port_taken
+
+    if proxy and settings.proxy:
+        load_egress_rules(settings.policies / "egress.toml")
+        if proxy_port_taken(settings):
+            raise WakefulError("proxy_port_in_use", f"127.0.0.1:{settings.proxy_port} is taken (another wakeful "
+                                                    "serve?): set proxy_port, or proxy = false")
+    if not _port_free(settings.host, settings.port):
+        raise WakefulError("port_in_use", f"{settings.host}:{settings.port}: address already in use (another "
+                                          "wakeful serve?): set port or --port")
+
+
+def _show_token(token: str | None) -> None:
+    if token:
+        err.print("Created user 'owner'. Its API token is on stdout, shown once (`wakeful token` issues a new one).")
+        typer.echo(token)
+
+
+def _one_process(settings: Settings) -> bool:
+    """Tool computers (`computers = true`) keep the API and the worker in one process: a computer's control lease,
+    its live views and its VNC bridges are in the memory of the process that holds the computer, and the API (MCP
+    tools, live views) and the runs (the harness, the dispatcher) both use it."""
+    return settings.computers
+
+
+@app.command()
+def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None, port: Port = None) -> None:
+    """Run wakeful on one data directory: prepare the database (the owner's token is printed once, on the first
+    start), then start `wakeful api`, `wakeful worker` and `wakeful proxy` as child processes and supervise them (a
+    child that exits is restarted, said in the log; SIGTERM or Ctrl-C stops them all, the API first). Their PIDs
+    are in the log and in <data_dir>/run/*.pid. With tool computers on (computers = true), the API runs the worker
+    in its own process and no worker child starts."""
+    from wakeful.server.faces.supervise import Supervisor
+    from wakeful.server.runtime import load_registry, prepare
+
+    _log_to_stderr()
+    settings = _settings(data_dir, database_url, host=host, port=port)
+    try:
+        load_registry(settings)  # a broken connector declaration stops serve here, not in a child restarted forever
+        _refuse_taken_ports(settings, proxy=True)
+    except WakefulError as exc:
+        _fail(exc)
+    _show_token(prepare(_engine(settings), SystemClock().now()))  # its migration logs on stderr, the token on stdout
+    names = ("api",) if _one_process(settings) else ("api", "worker")
+    if _one_process(settings):
+        logging.getLogger("wakeful.serve").info("tool computers are on: the api runs the worker in its process")
+    if settings.proxy:
+        names += ("proxy",)
+    raise typer.Exit(Supervisor(settings, names=names).run())
+
+
+@app.command()
+def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None, port: Port = None) -> None:
+    """Serve HTTP: /v1, /mcp, the console and webhooks (each delivery committed before it is acknowledged), and the
+    egress proxy's policy decisions. Runs no runs: every commit wakes `wakeful worker` (a socket in <data_dir>/run on
+    SQLite, LISTEN/NOTIFY on PostgreSQL). With tool computers on (computers = true) it runs the worker's loops
+    itself. Start `wakeful proxy` beside it when proxy = true (`wakeful serve` does all of that)."""
+    import uvicorn
+
+    from wakeful.server.egress.proxyctl import abort_proxy_start
+    from wakeful.server.faces.http import QuietServer, create_app
+    from wakeful.server.runtime import Role, Runtime, load_registry, make_handler
+
+    _log_to_stderr()
     logging.getLogger("uvicorn.error").addFilter(_StartupFailureInOneLine())
     # The event loop acknowledges deliveries while worker threads run; at CPython's default 5 ms, a loop coming back
     # from a system call waited up to that long for a busy thread to let go of the interpreter lock, several times
@@ -136,21 +194,12 @@ def serve(
     settings = _settings(data_dir, database_url, host=host, port=port)
     try:
         registry = load_registry(settings)
-        if settings.proxy:
-            load_egress_rules(settings.policies / "egress.toml")
-            if proxy_port_taken(settings):
-                raise WakefulError("proxy_port_in_use", f"127.0.0.1:{settings.proxy_port} is taken (another wakeful "
-                                                        "serve?): set proxy_port, or proxy = false")
-        if not _port_free(settings.host, settings.port):
-            raise WakefulError("port_in_use", f"{settings.host}:{settings.port}: address already in use (another "
-                                              "wakeful serve?): set port or --port")
+        _refuse_taken_ports(settings, proxy=False)
     except WakefulError as exc:
         _fail(exc)
-    runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry)
-    token = runtime.prepare()  # its migration logs go to stderr, before the token on stdout
-    if token:
-        err.print("Created user 'owner'. Its API token is on stdout, shown once (`wakeful token` issues a new one).")
-        typer.echo(token)
+    role = Role.ALL if _one_process(settings) else Role.API
+    runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry, role=role)
+    _show_token(runtime.prepare())
 
     class Serving(QuietServer):
         """Says where it serves only once it does; a SIGTERM or Ctrl-C while it starts stops the start, too."""
@@ -169,14 +218,52 @@ def serve(
                 err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_url})",
                           soft_wrap=True)
 
-    server = Serving(uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level="warning",
-                                    access_log=False, timeout_graceful_shutdown=10))
+    server = Serving(uvicorn.Config(create_app(runtime, proxy_child=False), host=settings.host, port=settings.port,
+                                    log_level="warning", access_log=False, timeout_graceful_shutdown=10))
     try:
         server.run()
     except SystemExit:  # uvicorn's way to end a failed start-up; what failed is logged above
         if server.signalled:
             return  # stopped while starting, as asked
         raise typer.Exit(2) from None
+
+
+@app.command()
+def worker(data_dir: DataDir = None, database_url: DbUrl = None,
+           workers: Annotated[int | None, typer.Option("--workers", min=1, max=64, help=(
+               "Worker threads that run sessions [env WAKEFUL_WORKERS; default 2]."))] = None) -> None:
+    """Run the runs: workers, scheduler, dispatcher, reconciler and sweeper, until SIGTERM or Ctrl-C. Woken at once
+    by `wakeful api`'s commits (a socket in <data_dir>/run on SQLite, LISTEN/NOTIFY on PostgreSQL), by its own, and
+    by a poll as the fallback. On SQLite one worker process at a time (a second is refused: worker_running); on
+    PostgreSQL start as many as you like, on as many hosts."""
+    import signal
+
+    from wakeful.server.runtime import Role, Runtime, load_registry, make_handler
+
+    _log_to_stderr()
+    settings = _settings(data_dir, database_url, workers=workers)
+    if _one_process(settings):
+        _fail(WakefulError("computers_in_one_process", "tool computers are on (computers = true): `wakeful api` "
+                                                        "runs the worker in its own process; set computers = false "
+                                                        "to run workers apart"))
+    try:
+        registry = load_registry(settings)
+    except WakefulError as exc:
+        _fail(exc)
+    runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry, role=Role.WORKER)
+    _show_token(runtime.prepare())
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # the loops' threads inherit it: only sigwait takes them
+    try:
+        runtime.start()
+    except WakefulError as exc:
+        runtime.stop()
+        _fail(exc)
+    err.print(f"wakeful worker running {settings.workers} worker threads (pid {os.getpid()}, database "
+              f"{settings.db_url})", soft_wrap=True)
+    received = signal.sigwait(stop_signals)
+    err.print(f"wakeful worker: {signal.Signals(received).name}: finishing the runs in progress")
+    runtime.stop()
 
 
 @app.command()

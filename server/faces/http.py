@@ -347,8 +347,9 @@ class WebhookInbox:
         return {"event_id": recorded.event_id, "duplicate": recorded.duplicate, "status": recorded.status.value}
 
 
-def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
-    """The HTTP app: FastAPI behind the webhook inbox, which answers its own path first."""
+def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bool = True) -> ASGIApp:
+    """The HTTP app: FastAPI behind the webhook inbox, which answers its own path first. `proxy_child=False`: the
+    decider answers the egress proxy, which someone else runs (`wakeful serve` beside `wakeful api`)."""
     settings, clock = runtime.settings, runtime.clock
 
     mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None,
@@ -362,7 +363,8 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
         async with contextlib.AsyncExitStack() as stack:
             if manage_runtime and settings.proxy:
                 # The proxy is up before the first connector call can be made.
-                await stack.enter_async_context(serve_egress(runtime.engine, clock, settings))
+                await stack.enter_async_context(serve_egress(runtime.engine, clock, settings,
+                                                            proxy_child=proxy_child))
             if manage_runtime:
                 runtime.start()
             try:
