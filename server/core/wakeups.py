@@ -217,8 +217,9 @@ class DatagramListener:
 def _raw_connection(engine: Engine) -> Any:
     """A psycopg connection of its own, out of the engine's pool, in autocommit."""
     pooled = engine.raw_connection()
+    conn = pooled.driver_connection  # before `detach`, which forgets it
     pooled.detach()
-    conn = pooled.driver_connection
+    assert conn is not None
     conn.autocommit = True
     return conn
 
