@@ -1,5 +1,9 @@
 """Run a real `wakeful serve` process for a test, and make sure it never outlives the test.
 
+`wakeful serve` supervises `wakeful api`, `wakeful worker` (and `wakeful proxy` when WAKEFUL_PROXY=true) as its
+children, their PIDs in `<data_dir>/run/*.pid`; they die with it. A child that dies at an armed crash point
+(`WAKEFUL_CRASH_AT`) takes serve down with exit 77, so the crash tests see every crash as before.
+
     with ServeProcess({"WAKEFUL_DATA_DIR": str(tmp_path)}, log_path=tmp_path / "serve.log") as server:
         httpx.get(f"{server.url}/healthz")
 
@@ -97,8 +101,11 @@ class ServeProcess:
         self._fixed_port = port is not None
         self.port = port or free_port()
         self.log_path = log_path
-        # Connector calls go out directly unless a test asks for the egress proxy (WAKEFUL_PROXY=true).
-        self._env = {**_clean_environ(), "WAKEFUL_PROXY": "false", **env, "WAKEFUL_HOST": "127.0.0.1"}
+        # Connector calls go out directly unless a test asks for the egress proxy (WAKEFUL_PROXY=true). No tool
+        # computers unless asked for (WAKEFUL_COMPUTERS=true): with them, the API runs the worker in its own process;
+        # without, serve runs `wakeful api` and `wakeful worker` apart, which is what most tests should see.
+        self._env = {**_clean_environ(), "WAKEFUL_PROXY": "false", "WAKEFUL_COMPUTERS": "false", **env,
+                     "WAKEFUL_HOST": "127.0.0.1"}
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property

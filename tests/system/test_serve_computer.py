@@ -111,6 +111,7 @@ def served(libvirtd: None, guest_image: Path, tmp_path_factory: pytest.TempPathF
                            check=True).stdout.strip()
     with Sink() as sink:
         served = Served(server=ServeProcess({"WAKEFUL_DATA_DIR": str(data_dir), "WAKEFUL_NOTIFY_URL": sink.url,
+                                             "WAKEFUL_COMPUTERS": "true",
                                              "WAKEFUL_COMPUTER_IDLE_AFTER": str(IDLE_AFTER),
                                              "WAKEFUL_COMPUTER_TCG_CACHE": str(TCG_CACHE_MIB),
                                              "WAKEFUL_SWEEP_INTERVAL": "5"},
