@@ -13,7 +13,11 @@ server the no-op phase runs first, while the server is idle, then the webhook ph
 waiting idle beside it.
 
 Targets (issue, 2-core machine): fsync-durable ingest >= 0.6x the no-op endpoint's throughput at saturation;
-ack p99 <= 10 ms at 1,000 req/s offered.
+ack p99 <= 10 ms at 1,000 req/s offered; runs keep pace with a sustained 200 deliveries/s (the pace phase: the
+backlog left when the load stops, and how fast it drains).
+
+`wakeful serve` runs split (`wakeful api` beside `wakeful worker`, tool computers off) unless `--one-process`
+(tool computers on: the API runs the worker in its own process, as before the split).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class Durations:
 
 
 FULL = Durations(loads=(200, 500, 1000), fixed=10.0, warmup=1.0, saturation=10.0, sqlite_loop=2.0, drain=10.0)
+PACE_RATE = 200
+PACE_SECONDS = {True: 3.0, False: 20.0}  # quick, full
+PACE_DRAIN_TIMEOUT = 120.0
 # Each load needs a fresh server (~5 s of start, stop and drain on a busy machine): the smoke run keeps the one
 # load that has a target, so that all benchmarks together stay under a minute.
 QUICK = Durations(loads=(1000,), fixed=1.0, warmup=0.3, saturation=2.0, sqlite_loop=0.3, drain=0.5)
@@ -123,6 +130,31 @@ def generator_note(noop: LoadResult) -> str:
     tail = "so the fixed-load figures are valid" if ok else "so the fixed-load figures are MEANINGLESS"
     return (f"{head} {noop.offered:.0f}/s against /v1/noop (achieved {noop.achieved:,.0f}/s, its own dispatch "
             f"lag p99 {fmt_ms(lag)}), {tail}")
+
+
+# -- pace: do runs keep up with a sustained 200 deliveries/s? -------------------------------------------------------
+
+
+def pace(server: Serve, seconds: float) -> list[Row]:
+    """Offer PACE_RATE deliveries/s for `seconds` on a fresh server: the backlog when the load stops (events not yet
+    settled by a run), then how long the runs take to settle it, and the rate they settle at meanwhile."""
+    spec = LoadSpec(host="127.0.0.1", port=server.port, path="/v1/hooks/hook", body=BODY, headers={},
+                    rate=PACE_RATE, duration=seconds, warmup=0.0, drain_timeout=5.0)
+    run = f"pace-{uuid.uuid4().hex[:8]}-"
+    signed = [signed_headers(BODY.encode(), f"{run}{i}") for i in range(spec.total)]
+    spec = dataclasses.replace(spec, per_request=signed)
+    result = open_loop(spec)
+    backlog = server.busy()
+    drained = server.wait_drained(PACE_DRAIN_TIMEOUT)
+    server.stop()
+    kept = backlog <= PACE_RATE  # at most a second of deliveries behind
+    drain_rate = "-" if not drained else fmt_rate(backlog / drained) if backlog else "nothing to drain"
+    return [
+        Row(f"backlog when a {seconds:.0f} s load of {PACE_RATE}/s stops (events)", f"{backlog:,}",
+            f"{result.ok:,} acknowledged", f"<= {PACE_RATE} (runs keep pace)", verdict(kept)),
+        Row("backlog drain", f"{drained:.1f} s" if drained is not None else f"> {PACE_DRAIN_TIMEOUT:.0f} s",
+            drain_rate, "-", "-"),
+    ]
 
 
 # -- saturation (wrk) -----------------------------------------------------------------------------------------------
@@ -304,28 +336,36 @@ def durability_table(d: Durations, noop_rps: float, quick: bool) -> Table:
 # -- the benchmark --------------------------------------------------------------------------------------------------
 
 
-def run(quick: bool = False) -> list[Table]:
+def run(quick: bool = False, one_process: bool = False) -> list[Table]:
     d = QUICK if quick else FULL
     rows: list[Row] = []
     notes: list[str] = []
     top_noop: LoadResult | None = None
-    with serving(len(d.loads) + 1) as servers:
+    env = {"WAKEFUL_COMPUTERS": "true" if one_process else "false"}
+    with serving(len(d.loads) + 2, env=env) as servers:
         for rate, server in zip(d.loads, servers, strict=False):
             noop, hook = fixed_load(server, rate, d)
             rows += _fixed_rows(rate, noop, hook)
             notes += _fixed_notes(rate, noop, hook)
             top_noop = noop
-        sat_noop, sat_hook, recorded, per_thread = saturation(servers[-1], d)
+        sat_noop, sat_hook, recorded, per_thread = saturation(servers[-2], d)
+        pace_rows = pace(servers[-1], PACE_SECONDS[quick])
     assert top_noop is not None
     notes.insert(0, generator_note(top_noop))
-    rows = _saturation_rows(sat_noop, sat_hook) + rows
+    rows = _saturation_rows(sat_noop, sat_hook) + rows + pace_rows
     notes += _saturation_notes(sat_hook, recorded, per_thread)
     window = f"{d.fixed:.0f} s per fixed load after {d.warmup:.1f} s warm-up, {d.saturation:.0f} s wrk"
-    main = Table(title=f"ingest: signed webhook (fsync-durable) vs /v1/noop on the same server ({window})",
+    shape = "one process (api runs the worker)" if one_process else "split: wakeful api + wakeful worker"
+    main = Table(title=f"ingest: signed webhook (fsync-durable) vs /v1/noop on the same server, {shape} ({window})",
                  rows=rows, reproduce=reproduce("ingest.py", quick), notes=notes)
     return [main, durability_table(d, sat_noop.rps, quick)]
 
 
 if __name__ == "__main__":
+    import sys
+
+    one_process = "--one-process" in sys.argv
+    if one_process:
+        sys.argv.remove("--one-process")
     args = bench_args(__doc__.splitlines()[0])
-    print_and_save(run(args.quick), "ingest.txt")
+    print_and_save(run(args.quick, one_process), "ingest-one-process.txt" if one_process else "ingest.txt")

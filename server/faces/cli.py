@@ -165,7 +165,7 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
     except WakefulError as exc:
         _fail(exc)
     _show_token(prepare(_engine(settings), SystemClock().now()))  # its migration logs on stderr, the token on stdout
-    names = ("api",) if _one_process(settings) else ("api", "worker")
+    names: tuple[str, ...] = ("api",) if _one_process(settings) else ("api", "worker")
     if _one_process(settings):
         logging.getLogger("wakeful.serve").info("tool computers are on: the api runs the worker in its process")
     if settings.proxy:
