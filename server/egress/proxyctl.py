@@ -39,8 +39,8 @@ from wakeful.server.store.db import read, write
 if TYPE_CHECKING:
     from wakeful.proxy.audit import EgressRecord
 
-__all__ = ["DeciderService", "ProxyChild", "abort_proxy_start", "decider_token", "open_vault", "proxy_port_taken",
-           "run_proxy", "serve_egress", "vault_keys"]
+__all__ = ["DeciderService", "ProxyChild", "abort_proxy_start", "decider_token", "new_decider_token", "open_vault",
+           "proxy_port_taken", "run_proxy", "serve_egress", "vault_keys"]
 
 log = logging.getLogger(__name__)
 TOKEN_FILE = "decider.token"
@@ -79,6 +79,13 @@ def new_decider_token(settings: Settings) -> str:
         f.write(token)
     os.replace(tmp, path)
     return token
+
+
+def _kept_token(settings: Settings) -> str | None:
+    try:
+        return _token_path(settings).read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def decider_token(settings: Settings) -> str:
@@ -363,27 +370,39 @@ def run_proxy(settings: Settings) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve_egress(engine: Engine, clock: Clock, settings: Settings, *,
-                       proxy_child: bool = True) -> AsyncIterator[None]:
+async def serve_egress(engine: Engine, clock: Clock, settings: Settings, *, proxy_child: bool = True,
+                       await_proxy: bool = False) -> AsyncIterator[None]:
     """Inside the HTTP process: answer the proxy on the decider socket, and run the proxy as a child unless
-    `proxy_child` is False (`wakeful api`: `wakeful serve` supervises the proxy beside it)."""
+    `proxy_child` is False (`wakeful api`: `wakeful serve` supervises the proxy beside it). `await_proxy`: return
+    only once that proxy listens (bounded), so the API, too, answers only once a connector call can go out."""
     from wakeful.proxy.channel import DeciderServer
     from wakeful.proxy.tls import load_or_create_ca
 
     load_or_create_ca(settings.proxy_dir, vault_keys(settings))
     service = DeciderService(engine, clock, settings)
-    server = DeciderServer(settings.decider_socket, new_decider_token(settings), service.decide, service.record,
-                           decide_now=service.decide_inline)
+    # Supervised (`await_proxy`): serve wrote the token before it started the proxy and this process together.
+    token = _kept_token(settings) if await_proxy else None
+    server = DeciderServer(settings.decider_socket, token or new_decider_token(settings), service.decide,
+                           service.record, decide_now=service.decide_inline)
     await server.start()
     child = ProxyChild(settings) if proxy_child else None
     try:
         if child is not None:
             await asyncio.to_thread(child.start)
+        elif await_proxy:
+            deadline = time.monotonic() + READY_TIMEOUT
+            while not await asyncio.to_thread(_listening, settings.proxy_port):
+                if time.monotonic() > deadline:
+                    log.warning("the egress proxy does not listen on 127.0.0.1:%d after %g s: serving without it "
+                                "(connector calls fail until it does)", settings.proxy_port, READY_TIMEOUT)
+                    break
+                await asyncio.sleep(0.05)
         yield
     finally:
         if child is not None:
             await asyncio.to_thread(child.stop)
         await server.close()
         service.close()
-        with contextlib.suppress(FileNotFoundError):
-            _token_path(settings).unlink()
+        if not await_proxy:  # a supervised api's token outlives it: the proxy beside it keeps using it
+            with contextlib.suppress(FileNotFoundError):
+                _token_path(settings).unlink()

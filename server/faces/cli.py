@@ -155,16 +155,20 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
     are in the log and in <data_dir>/run/*.pid. With tool computers on (computers = true), the API runs the worker
     in its own process and no worker child starts."""
     from wakeful.server.faces.supervise import Supervisor
-    from wakeful.server.runtime import load_registry, prepare
 
+    # Only what preparing needs is imported here (not the runtime): each child imports what it runs, and a start
+    # is the two in sequence. A setting a child refuses (a connector declaration, say) stops serve with exit 2.
     _log_to_stderr()
     settings = _settings(data_dir, database_url, host=host, port=port)
     try:
-        load_registry(settings)  # a broken connector declaration stops serve here, not in a child restarted forever
         _refuse_taken_ports(settings, proxy=True)
     except WakefulError as exc:
         _fail(exc)
-    _show_token(prepare(_engine(settings), SystemClock().now()))  # its migration logs on stderr, the token on stdout
+    engine = _engine(settings)  # migrates: its logs on stderr, before the token on stdout
+    with write(engine) as conn:
+        _, token = users.ensure_user(conn, name="owner", now=SystemClock().now())
+    engine.dispose()
+    _show_token(token)
     names: tuple[str, ...] = ("api",) if _one_process(settings) else ("api", "worker")
     if _one_process(settings):
         logging.getLogger("wakeful.serve").info("tool computers are on: the api runs the worker in its process")
@@ -174,7 +178,9 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
 
 
 @app.command()
-def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None, port: Port = None) -> None:
+def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None, port: Port = None,
+        await_proxy: Annotated[bool, typer.Option("--await-proxy", hidden=True, help=(
+            "Listen only once the egress proxy does (`wakeful serve` starts it beside the api)."))] = False) -> None:
     """Serve HTTP: /v1, /mcp, the console and webhooks (each delivery committed before it is acknowledged), and the
     egress proxy's policy decisions. Runs no runs: every commit wakes `wakeful worker` (a socket in <data_dir>/run on
     SQLite, LISTEN/NOTIFY on PostgreSQL). With tool computers on (computers = true) it runs the worker's loops
@@ -218,8 +224,9 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
                 err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_url})",
                           soft_wrap=True)
 
-    server = Serving(uvicorn.Config(create_app(runtime, proxy_child=False), host=settings.host, port=settings.port,
-                                    log_level="warning", access_log=False, timeout_graceful_shutdown=10))
+    app = create_app(runtime, proxy_child=False, await_proxy=await_proxy)
+    server = Serving(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                    access_log=False, timeout_graceful_shutdown=10))
     try:
         server.run()
     except SystemExit:  # uvicorn's way to end a failed start-up; what failed is logged above

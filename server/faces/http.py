@@ -347,9 +347,11 @@ class WebhookInbox:
         return {"event_id": recorded.event_id, "duplicate": recorded.duplicate, "status": recorded.status.value}
 
 
-def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bool = True) -> ASGIApp:
+def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bool = True,
+               await_proxy: bool = False) -> ASGIApp:
     """The HTTP app: FastAPI behind the webhook inbox, which answers its own path first. `proxy_child=False`: the
-    decider answers the egress proxy, which someone else runs (`wakeful serve` beside `wakeful api`)."""
+    decider answers the egress proxy, which someone else runs (`wakeful serve` beside `wakeful api`); with
+    `await_proxy`, the app starts once that proxy listens."""
     settings, clock = runtime.settings, runtime.clock
 
     mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None,
@@ -364,7 +366,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
             if manage_runtime and settings.proxy:
                 # The proxy is up before the first connector call can be made.
                 await stack.enter_async_context(serve_egress(runtime.engine, clock, settings,
-                                                            proxy_child=proxy_child))
+                                                            proxy_child=proxy_child, await_proxy=await_proxy))
             if manage_runtime:
                 runtime.start()
             try:

@@ -10,8 +10,9 @@ one data directory and keeps them running.
   one resumes from it. Two exits are not restarts: exit 2 is a refusal (a setting, a taken port) that a restart
   would only repeat, so serve stops and exits 2; and when crash points are armed (`crash_at`, the crash tests), a
   child that died at one takes serve down with the same code, as a crash of the whole deployment.
-- The proxy starts once the API listens (it asks the API's decider, whose token the API writes at its start), and
-  restarts after the API does (that token changed).
+- Serve writes the decider channel's token (`<data_dir>/run/decider.token`) before it starts the API (which answers
+  on that channel) and the proxy (which asks it about every request), so both start at once and either can restart
+  alone; the API listens only once the proxy does (`--await-proxy`), so that the first connector call finds it.
 - SIGTERM or SIGINT stops them in order, each with SIGTERM (SIGKILL after a grace): the API first (it drains: the
   requests in flight are answered, acknowledged deliveries are committed), then the worker, then the proxy; serve
   exits 0.
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from wakeful.server.core import faults
+from wakeful.server.egress.proxyctl import TOKEN_FILE, new_decider_token
 from wakeful.server.settings import Settings, child_environment
 
 __all__ = ["BACKOFF", "Supervisor"]
@@ -99,9 +101,10 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._asked_to_stop)
         try:
+            if "proxy" in self._children:
+                new_decider_token(self._settings)
             for child in self._children.values():
-                if child.name != "proxy" or "api" not in self._children:
-                    child.due = 0.0
+                child.due = 0.0
             return self._loop()
         finally:
             signal.set_wakeup_fd(-1)
@@ -146,7 +149,7 @@ class Supervisor:
                 if c.proc is not None and not c.listening and self._address(c) is not None]
 
     def _look_for_ports(self) -> bool:
-        """Mark the children whose port now answers; True when that made the proxy due (the api listens)."""
+        """Mark the children whose port now answers (the proxy's is said in the log)."""
         for child in self._starting():
             address = self._address(child)
             assert address is not None and child.proc is not None
@@ -155,10 +158,6 @@ class Supervisor:
             child.listening = True
             if child.name == "proxy":
                 log.info("egress proxy listening on 127.0.0.1:%d (pid %d)", address[1], child.proc.pid)
-            proxy = self._children.get("proxy")
-            if child.name == "api" and proxy is not None and proxy.proc is None and proxy.due is None:
-                proxy.due = 0.0
-                return True
         return False
 
     def _next_timeout(self) -> float | None:
@@ -187,13 +186,6 @@ class Supervisor:
         log.error("%s (pid %d) %s; restarting it in %.1f s", child.name, pid, _how(code), child.backoff)
         child.due = time.monotonic() + child.backoff
         child.backoff = min(child.backoff * 2, BACKOFF[1])
-        if child.name == "api":
-            proxy = self._children.get("proxy")
-            if proxy is not None and (proxy.proc is not None or proxy.due is not None):
-                log.info("stopping the proxy: it starts again once the api listens (the api's decider token changed)")
-                self._terminate(proxy)
-                self._forget(proxy)
-                proxy.due = None
         return None
 
     # -- children ----------------------------------------------------------------------------------------------------
@@ -201,7 +193,10 @@ class Supervisor:
     def _spawn(self, child: _Child) -> None:
         child.due = None
         child.started = time.monotonic()
-        child.proc = subprocess.Popen([sys.executable, "-m", "wakeful.server", child.name], env=self._env,
+        argv = [sys.executable, "-m", "wakeful.server", child.name]
+        if child.name == "api" and "proxy" in self._children:
+            argv.append("--await-proxy")
+        child.proc = subprocess.Popen(argv, env=self._env,
                                       stdin=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         if hasattr(os, "pidfd_open"):
@@ -252,3 +247,5 @@ class Supervisor:
             log.info("%s (pid %d) stopped (%s)", name, child.proc.pid, "SIGTERM" if code == -signal.SIGTERM
                      else _how(code).removeprefix("exited with "))
             self._forget(child)
+        with contextlib.suppress(FileNotFoundError):
+            (self._settings.decider_socket.parent / TOKEN_FILE).unlink()

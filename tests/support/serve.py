@@ -51,7 +51,8 @@ if os.getppid() != int(sys.argv[1]):
     os._exit(70)  # the test process died before we asked
 os.execv(sys.argv[2], sys.argv[2:])
 """
-READY_TIMEOUT = 30.0
+READY_TIMEOUT = 60.0
+"""serve prepares the database, then its api child imports and starts: two starts in sequence on a busy machine."""
 KILL_GRACE = 15.0
 
 
