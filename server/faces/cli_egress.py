@@ -36,8 +36,8 @@ __all__ = ["egress_app", "proxy_app", "secret_app"]
 
 proxy_app = typer.Typer(help="The egress proxy: credentials added only to requests the policy allowed. Without a "
                              "subcommand, `wakeful proxy` starts the proxy on 127.0.0.1:<proxy_port> and runs it until "
-                             "stopped, asking a running `wakeful serve` for every decision (`wakeful serve` already "
-                             "starts it as its child).",
+                             "stopped, asking a running `wakeful api` for every decision (`wakeful serve` already "
+                             "starts both as its children).",
                         invoke_without_command=True, no_args_is_help=False, subcommand_metavar="[COMMAND [ARGS]...]",
                         rich_markup_mode=None)
 secret_app = typer.Typer(help="Credentials in the vault (encrypted at rest; values only ever read from stdin).",
@@ -57,7 +57,7 @@ def _vault_failed(exc: VaultError) -> typer.Exit:
 @proxy_app.callback()
 def proxy(ctx: typer.Context, data_dir: DataDir = None) -> None:
     """Without a subcommand: start the egress proxy on 127.0.0.1:<proxy_port> and run it until SIGTERM or Ctrl-C,
-    asking a running `wakeful serve` for every decision (`wakeful serve` starts it for you)."""
+    asking a running `wakeful api` for every decision (`wakeful serve` starts both for you)."""
     if ctx.invoked_subcommand is not None:
         return
     import logging
