@@ -121,8 +121,7 @@ class Supervisor:
             for child in self._children.values():
                 if child.due is not None and child.due <= now:
                     self._spawn(child)
-            if self._look_for_ports():
-                continue
+            self._look_for_ports()
             timeout = self._next_timeout()
             fds = [c.pidfd for c in self._children.values() if c.pidfd is not None]
             ready, _, _ = select.select([self._signal_r, *fds], [], [], timeout)
@@ -148,7 +147,7 @@ class Supervisor:
         return [c for c in self._children.values()
                 if c.proc is not None and not c.listening and self._address(c) is not None]
 
-    def _look_for_ports(self) -> bool:
+    def _look_for_ports(self) -> None:
         """Mark the children whose port now answers (the proxy's is said in the log)."""
         for child in self._starting():
             address = self._address(child)
@@ -158,7 +157,6 @@ class Supervisor:
             child.listening = True
             if child.name == "proxy":
                 log.info("egress proxy listening on 127.0.0.1:%d (pid %d)", address[1], child.proc.pid)
-        return False
 
     def _next_timeout(self) -> float | None:
         waits = [c.due - time.monotonic() for c in self._children.values() if c.due is not None]
