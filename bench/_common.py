@@ -202,13 +202,13 @@ def start_serve(data_dir: Path, *, env: dict[str, str] | None = None) -> Serve:
 
 
 @contextmanager
-def serving(count: int, *, env: dict[str, str] | None = None) -> Iterator[list[Serve]]:
+def serving(count: int, *, env: dict[str, str] | None = None, timeout: float = 60.0) -> Iterator[list[Serve]]:
     """`count` servers, each with its own temp data dir (removed afterwards), stopped at the end of the block."""
     with tempfile.TemporaryDirectory(prefix="wakeful-bench-") as tmp:
         dirs = [Path(tmp) / f"server-{i}" for i in range(count)]
         for d in dirs:
             d.mkdir()
-        servers = start_servers(dirs, env=env)
+        servers = start_servers(dirs, env=env, timeout=timeout)
         try:
             yield servers
         finally:

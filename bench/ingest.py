@@ -342,7 +342,8 @@ def run(quick: bool = False, one_process: bool = False) -> list[Table]:
     notes: list[str] = []
     top_noop: LoadResult | None = None
     env = {"WAKEFUL_COMPUTERS": "true" if one_process else "false"}
-    with serving(len(d.loads) + 2, env=env) as servers:
+    # Several servers of three processes each start at once: on a busy 2-core machine that takes minutes.
+    with serving(len(d.loads) + 2, env=env, timeout=240.0) as servers:
         for rate, server in zip(d.loads, servers, strict=False):
             noop, hook = fixed_load(server, rate, d)
             rows += _fixed_rows(rate, noop, hook)
