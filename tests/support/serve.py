@@ -53,7 +53,8 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 READY_TIMEOUT = 60.0
 """serve prepares the database, then its api child imports and starts: two starts in sequence on a busy machine."""
-KILL_GRACE = 15.0
+KILL_GRACE = 60.0
+"""serve stops its children in order (the api drains, then the worker finishes its runs, then the proxy)."""
 
 
 class ServerExited(RuntimeError):
