@@ -156,7 +156,7 @@ class Runtime:
                                         resend_after=settings.resend_after, computers=computers,
                                         pacing=Pacing(first=timedelta(seconds=settings.reconcile_interval),
                                                       cap=settings.reconcile_backoff_max))
-        self.outbox = OutboxDrain(self.engine, self.clock, [self.messages, self.actions])
+        self.outbox = OutboxDrain(self.engine, self.clock, [self.messages, self.actions], hold=settings.lease)
         if computers is not None:
             self.tools.attach_computers(computers, dispatch_now=self._dispatch_now, notify=self._send_live_view)
         self.source_users: dict[str, str] = {}

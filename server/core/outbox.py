@@ -6,7 +6,9 @@ empties the table for every kind of row: it claims the due rows of each kind (a 
 them to the `OutboxHandler` registered for that kind. STOP holds every kind: a user's rows (or everyone's) stay
 pending, untouched, until START. A claimed row stays due: a drain that died mid-handling leaves it to the next one,
 so handlers must be safe to run again (a message's ID is its idempotency key; an action's open attempt is
-reconciled, never re-sent).
+reconciled, never re-sent). On PostgreSQL several drains run (one per worker process): a claim there is one
+`UPDATE … WHERE id IN (SELECT … FOR UPDATE SKIP LOCKED)` that also moves the rows out of the others' reach for a
+hold, after which the rows of a drain that died fall due again.
 
 Handlers here: `MessageDelivery` (kind `message`) delivers each message with its ID as the `Idempotency-Key` and
 marks it sent with a guarded update; failures back off exponentially and are marked failed past the attempt cap.
@@ -93,9 +95,13 @@ _CLAIM = (update(outbox).where(and_(outbox.c.id == bindparam("row"), outbox.c.st
 class OutboxDrain:
     """The one loop body that empties the outbox, kind by kind, through the registered handlers."""
 
-    def __init__(self, engine: Engine, clock: Clock, handlers: Iterable[OutboxHandler] = ()) -> None:
+    def __init__(self, engine: Engine, clock: Clock, handlers: Iterable[OutboxHandler] = (), *,
+                 hold: timedelta = timedelta(seconds=30)) -> None:
+        """`hold` (PostgreSQL, where several drains run): how long a claimed row is out of the other drains' reach
+        while its handler works on it; a drain that died with it lets it fall due again after that."""
         self._engine = engine
         self._clock = clock
+        self._hold = hold
         self._handlers: dict[OutboxKind, OutboxHandler] = {}
         for handler in handlers:
             self.register(handler)
@@ -116,8 +122,42 @@ class OutboxDrain:
 
     def claim(self, kind: OutboxKind, ready: ColumnElement[bool] | None = None, *, limit: int = 100) -> list[Any]:
         """The due, pending rows of `kind` that STOP does not hold and `ready` admits, oldest first, each claimed
-        by a guarded update; a row another drain claimed (or settled) since it was read is left out."""
+        by a guarded update; a row another drain claimed (or settled) since it was read is left out.
+
+        On PostgreSQL, where several drains run at once, one statement claims them (`FOR UPDATE SKIP LOCKED`: rows
+        another drain is claiming are skipped, not waited for) and moves them out of reach for `hold`, so no other
+        drain takes a row while its handler works on it. On SQLite (one drain) a claimed row stays due."""
+        if self._engine.dialect.name == "postgresql":
+            return self._claim_skipping_locked(kind, ready, limit=limit)
         return self.take(self.due(kind, ready, limit=limit))
+
+    def _claim_skipping_locked(self, kind: OutboxKind, ready: ColumnElement[bool] | None, *,
+                               limit: int) -> list[Any]:
+        now = self._clock.now()
+        with read(self._engine) as conn:  # an idle drain takes no write transaction
+            stop = control.stop_state(conn)
+            if stop.everything:
+                return []
+            if conn.execute(select(outbox.c.id).where(self._due(kind, ready, stop.users, now)).limit(1)).first() \
+                    is None:
+                return []
+        # A CTE, materialized: as an `IN (subquery)` it may run again per row, each run locking more (its own
+        # locks are not skipped, its own updates are), and take more than `limit`.
+        pick = (select(outbox.c.id).where(self._due(kind, ready, stop.users, now)).order_by(outbox.c.created_at)
+                .limit(limit).with_for_update(of=outbox, skip_locked=True).cte("picked").prefix_with("MATERIALIZED"))
+        with write(self._engine) as conn:
+            claimed = conn.execute(
+                update(outbox).where(and_(outbox.c.id == pick.c.id, outbox.c.state == OutboxState.PENDING.value))
+                .values(attempts=outbox.c.attempts + 1, next_attempt_at=now + self._hold)
+                .returning(*outbox.c)).all()
+        return sorted(claimed, key=lambda row: (row.created_at, row.id))
+
+    @staticmethod
+    def _due(kind: OutboxKind, ready: ColumnElement[bool] | None, stopped: Iterable[str],
+             now: datetime) -> ColumnElement[bool]:
+        return and_(outbox.c.kind == kind.value, outbox.c.state == OutboxState.PENDING.value,
+                    outbox.c.next_attempt_at <= now, outbox.c.user_id.not_in(list(stopped)),
+                    true() if ready is None else ready)
 
     def due(self, kind: OutboxKind, ready: ColumnElement[bool] | None = None, *, limit: int = 100) -> list[Any]:
         """(id, attempts) of the rows `claim` would take now, read without a write lock (an idle drain takes none)."""
@@ -126,10 +166,8 @@ class OutboxDrain:
             stop = control.stop_state(conn)
             if stop.everything:
                 return []
-            return list(conn.execute(select(outbox.c.id, outbox.c.attempts).where(and_(
-                outbox.c.kind == kind.value, outbox.c.state == OutboxState.PENDING.value,
-                outbox.c.next_attempt_at <= now, outbox.c.user_id.not_in(stop.users),
-                true() if ready is None else ready)).order_by(outbox.c.created_at).limit(limit)).all())
+            return list(conn.execute(select(outbox.c.id, outbox.c.attempts).where(
+                self._due(kind, ready, stop.users, now)).order_by(outbox.c.created_at).limit(limit)).all())
 
     def take(self, due: Sequence[Any]) -> list[Any]:
         """Claim each of `due` (rows of `due()`) whose attempts have not moved since; returns the claimed rows."""

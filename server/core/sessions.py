@@ -12,6 +12,7 @@ cost SQLAlchemy several times what executing it does, and a run executes them wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from sqlalchemy import Connection, and_, bindparam, delete, exists, func, or_, select, update
@@ -21,7 +22,7 @@ from wakeful.server.store.db import upsert
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import sessions, todos
 
-__all__ = ["claim", "claimable", "create_session", "fence", "holds", "lock", "next_due", "release", "settle_todo",
+__all__ = ["claim", "claim_first", "claimable", "create_session", "fence", "holds", "lock", "next_due", "release", "settle_todo",
            "todo_version", "wake"]
 
 
@@ -91,6 +92,45 @@ def claim(conn: Connection, *, session_id: str, worker: str, now: datetime, leas
     token = conn.execute(_CLAIM, {"session_id": session_id, "now": now, "worker": worker,
                                   "until": now + lease}).scalar_one_or_none()
     return None if token is None else int(token)
+
+
+_PICK = (select(sessions.c.id)
+         .join(todos, todos.c.session_id == sessions.c.id)
+         .where(sessions.c.id.in_(bindparam("candidates", expanding=True)))
+         .where(todos.c.due_at <= bindparam("now"))
+         .where(_LEASE_FREE)
+         .order_by(todos.c.due_at)
+         .limit(1)
+         .with_for_update(of=sessions, skip_locked=True)
+         .cte("picked").prefix_with("MATERIALIZED"))  # once: as `IN (subquery)` it could run per row (see outbox)
+_CLAIM_FIRST = (update(sessions)
+                .where(sessions.c.id == _PICK.c.id)
+                .where(_LEASE_FREE)
+                .values(fencing_token=sessions.c.fencing_token + 1, lease_owner=bindparam("worker"),
+                        lease_expires_at=bindparam("until"))
+                .returning(sessions.c.id, sessions.c.fencing_token))
+
+
+def claim_first(conn: Connection, *, candidates: Sequence[str], worker: str, now: datetime,
+                lease: timedelta) -> tuple[str, int] | None:
+    """Take the first of `candidates` (given oldest first, as `claimable` lists them) whose lease is free and whose
+    work is due; returns it and its new fencing token, or None when none could be taken.
+
+    On PostgreSQL, one statement that skips the rows other transactions hold (`FOR UPDATE SKIP LOCKED`): workers
+    that looked at the same candidates each take a different one, at once, instead of queueing on the first and
+    finding it taken. The row stays locked until the caller's transaction ends. On SQLite (one writer at a time),
+    `claim` on each candidate in turn."""
+    if not candidates:
+        return None
+    if conn.dialect.name == "postgresql":
+        row = conn.execute(_CLAIM_FIRST, {"candidates": list(candidates), "now": now, "worker": worker,
+                                          "until": now + lease}).first()
+        return None if row is None else (str(row.id), int(row.fencing_token))
+    for session_id in candidates:
+        token = claim(conn, session_id=session_id, worker=worker, now=now, lease=lease)
+        if token is not None:
+            return session_id, token
+    return None
 
 
 _FENCE = update(sessions).where(_THIS_TOKEN).values(fencing_token=sessions.c.fencing_token)

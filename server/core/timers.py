@@ -108,6 +108,7 @@ def fire_due(conn: Connection, *, now: datetime, blocked: Callable[[str], bool] 
                     tasks.c.state == TaskState.ACTIVE.value))
         .order_by(timers.c.due_at)
         .limit(limit)
+        .with_for_update(of=timers, skip_locked=True)  # PostgreSQL: timers another scheduler is firing are its own
     ).all()
     fired = 0
     for t in due:

@@ -140,6 +140,7 @@ def expire_due(conn: Connection, *, now: datetime, limit: int = 500) -> int:
                     or_(waits.c.on_timeout.is_(None),
                         waits.c.task_id.not_in(select(tasks.c.id).where(tasks.c.state == TaskState.PAUSED.value)))))
         .limit(limit)
+        .with_for_update(of=waits, skip_locked=True)  # PostgreSQL: waits another scheduler is expiring are its own
     ).all()
     for w in due:
         if _end_pending(conn, waits.c.id == w.id, to=WaitState.TIMED_OUT, now=now) == 1:

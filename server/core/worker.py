@@ -449,12 +449,16 @@ class Worker:
                        for user_id in {user_id for _, user_id in due}}
         candidates = [(session_id, user_id) for session_id, user_id in due if may_run[user_id]]
         # A STOP or a step counted since that look is heard at the run's first step, as one written just after.
+        users_of = dict(candidates)
         with write(self.engine) as conn:
-            for session_id, user_id in candidates:
-                token = sessions.claim(conn, session_id=session_id, worker=self.name, now=now,
-                                       lease=self.settings.lease)
-                if token is None:  # taken, or its work done or postponed, since the look
-                    continue
+            while users_of:
+                # On PostgreSQL, workers that looked at the same candidates each take another (SKIP LOCKED).
+                claimed = sessions.claim_first(conn, candidates=list(users_of), worker=self.name, now=now,
+                                               lease=self.settings.lease)
+                if claimed is None:  # all taken, or their work done or postponed, since the look
+                    return None
+                session_id, token = claimed
+                user_id = users_of.pop(session_id)
                 fail_poison_events(conn, session_id=session_id, cap=self.settings.event_max_attempts, now=now)
                 pending = sorted(conn.execute(_TAKE_PENDING, {"session": session_id}),  # attempts counted
                                  key=lambda e: (e.received_at, e.id))

@@ -262,7 +262,12 @@ class ActionDispatcher:
             return SETTLED
         leaving = leave_check(leave_facts(conn, action, task=task, now=now))
         if leaving.kind is Leave.HOLD:
-            return HELD  # released again by START / resume, never sent while held
+            # Released again by START / resume, never sent while held; due again at once (a PostgreSQL drain's
+            # claim moved it out of the other drains' reach for a while: not for that long once the hold lifts).
+            conn.execute(update(outbox_table).where(and_(outbox_table.c.id == intent_id,
+                                                         outbox_table.c.state == OutboxState.PENDING.value))
+                         .values(next_attempt_at=now))
+            return HELD
         if leaving.kind is Leave.VOID:  # an expired quote is not sent either, even if it was approved in time
             self._void(conn, intent_id, action, leaving.code, leaving.detail, now)
             return SETTLED
