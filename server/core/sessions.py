@@ -22,8 +22,8 @@ from wakeful.server.store.db import upsert
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import sessions, todos
 
-__all__ = ["claim", "claim_first", "claimable", "create_session", "fence", "holds", "lock", "next_due", "release", "settle_todo",
-           "todo_version", "wake"]
+__all__ = ["claim", "claim_first", "claimable", "create_session", "fence", "holds", "lock", "next_due", "release",
+           "settle_todo", "todo_version", "wake"]
 
 
 def create_session(conn: Connection, *, user_id: str, now: datetime) -> str:
