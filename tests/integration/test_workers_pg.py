@@ -301,7 +301,8 @@ def test_three_workers_killed_at_random_lose_no_event_and_apply_every_message_on
     outcomes = Counter(row["outcome"] for row in c.records.rows("SELECT outcome FROM runs"))
     print(f"\n[pg-workers] {total} deliveries acknowledged in {load_seconds:.0f} s ({len(resends)} re-sent), "
           f"{sum(kills.values())} kills {dict(kills)}, deaths at crash points {dict(points)}, "
-          f"events {dict(statuses)}, {runs['n']} runs by {runs['workers']} worker threads {dict(outcomes)}, {len(sink.applied)} messages applied, "
+          f"events {dict(statuses)}, {runs['n']} runs by {runs['workers']} worker threads {dict(outcomes)}, "
+          f"{len(sink.applied)} messages applied, "
           f"{sum(duplicates.values())} re-deliveries suppressed by the sink, seed {SEED}")
     assert sum(kills.values()) == KILLS and total > 0
     assert_no_acknowledged_delivery_lost(c.records, sent_by_id, acks, resends)
