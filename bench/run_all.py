@@ -21,6 +21,7 @@ from _common import Row, Table, bench_args, print_and_save, render
 # (module in bench/, part of --quick): the MCP round trip alone takes longer than the quick run's budget leaves.
 BENCHMARKS: list[tuple[str, bool]] = [
     ("ingest", True),
+    ("workers", False),  # starts PostgreSQL and four configurations of processes: a minute or more
     ("wake", True),
     ("timers", True),
     ("idle", True),

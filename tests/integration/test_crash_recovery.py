@@ -34,10 +34,12 @@ import httpx
 import pytest
 
 from tests.support.polling import wait_until
+from tests.support.postgres import postgres_database
 from tests.support.serve import ServeProcess, ServerExited
 from tests.support.sink import Sink
 from wakeful.server.core.faults import EXIT_CODE, POINTS
 from wakeful.server.core.signatures import sign
+from wakeful.server.store.db import make_engine
 
 # The campaigns are bounded by their own deadlines; the project-wide 300 s per test is too tight for a campaign on
 # a loaded machine (each restart is ~1.5 CPU-seconds of imports), so they get a wider net.
@@ -57,7 +59,8 @@ DRAIN_TIMEOUT = 60.0  # seconds for the final, unarmed server to finish everythi
 CLEAN_EXIT = (0, -signal.SIGTERM)
 
 
-def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None) -> dict[str, str]:
+def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None,
+               database_url: str | None = None) -> dict[str, str]:
     # No model key (ServeProcess drops the caller's WAKEFUL_* variables), and the tests' echo: one reply per run
     # naming every event the run handled in `source_ids` (without it a run ends in silence, with nothing to count).
     env = {
@@ -77,6 +80,8 @@ def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None) -> 
     }
     if crash_at:
         env["WAKEFUL_CRASH_AT"] = crash_at
+    if database_url:
+        env["WAKEFUL_DATABASE_URL"] = database_url
     return env
 
 
@@ -84,12 +89,17 @@ def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None) -> 
 
 
 class Records:
-    """Read-only queries on the server's SQLite file, each on a fresh connection so no snapshot is held."""
+    """Read-only queries on the server's SQLite file (or its PostgreSQL database), each on a fresh connection so no
+    snapshot is held."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, database_url: str | None = None) -> None:
         self.path = data_dir / "wakeful.db"
+        self._engine = make_engine(database_url) if database_url else None
 
-    def rows(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+    def rows(self, sql: str, *args: Any) -> list[Any]:
+        if self._engine is not None:
+            with self._engine.connect() as pg:
+                return [row._mapping for row in pg.exec_driver_sql(sql.replace("?", "%s"), args)]
         if not self.path.exists():
             return []
         conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30)
@@ -108,7 +118,7 @@ class Records:
         return dict(row)
 
     def quiet(self) -> bool:
-        return self.path.exists() and not any(self.unfinished().values())
+        return (self._engine is not None or self.path.exists()) and not any(self.unfinished().values())
 
 
 # -- the server's life: start, die, restart ---------------------------------------------------------------------
@@ -125,6 +135,7 @@ class Supervisor:
     data_dir: Path
     notify_url: str
     rng: random.Random
+    database_url: str | None = None
     armed: bool = True
     crashes: int = 0
     starts: int = 0
@@ -137,7 +148,7 @@ class Supervisor:
         for _ in range(MAX_STARTS_IN_A_ROW):
             self.starts += 1
             crash_at = f"{self.point}:{self.rng.uniform(*CRASH_PROBABILITY):.2f}" if self.armed else None
-            server = ServeProcess(server_env(self.data_dir, self.notify_url, crash_at),
+            server = ServeProcess(server_env(self.data_dir, self.notify_url, crash_at, self.database_url),
                                   log_path=self.data_dir / f"serve-{self.starts:03d}.log")
             self.server = server
             try:
@@ -337,14 +348,15 @@ class Outcome:
                 f"{self.seconds:.0f} s, seed {SEED}")
 
 
-def run_campaign(point: str, data_dir: Path, abort: threading.Event) -> Outcome:
+def run_campaign(point: str, data_dir: Path, abort: threading.Event, database_url: str | None = None) -> Outcome:
     # Two streams, so the deliveries replay the same whatever the server's own dice did to the restarts.
     campaign = Campaign(point, random.Random(f"{SEED}:{point}:deliveries"))
-    records = Records(data_dir)
+    records = Records(data_dir, database_url)
     trials = counted = 0
     began = time.monotonic()
     with Sink() as sink:
-        supervisor = Supervisor(point, data_dir, sink.url, random.Random(f"{SEED}:{point}:probabilities"))
+        supervisor = Supervisor(point, data_dir, sink.url, random.Random(f"{SEED}:{point}:probabilities"),
+                                database_url)
         try:
             with httpx.Client(timeout=10.0) as client, ThreadPoolExecutor(max_workers=8) as pool:
                 supervisor.start()
@@ -423,6 +435,9 @@ PARALLEL_CAMPAIGNS = 2  # one per core: a campaign is mostly one server process 
 # The points a webhook passes on its way to a delivered reply. The action points (`after_attempt_persisted`,
 # `after_send`) need a run that dispatches an action, which the tests' echo handler never does.
 WEBHOOK_POINTS = ("after_event_commit", "after_claim", "before_run_commit", "after_outbox_write", "after_dispatch")
+# On PostgreSQL, the points where its claims differ from SQLite's (`FOR UPDATE SKIP LOCKED`, the outbox's hold): a
+# campaign is ~1-3 min of a loaded machine, so not all five twice; `test_workers_pg` kills workers at the others.
+PG_POINTS = ("after_claim", "after_dispatch")
 
 
 @pytest.fixture(scope="module")
@@ -431,10 +446,15 @@ def campaigns(request: pytest.FixtureRequest,
     """The selected points' campaigns, started together two at a time; each test waits for its own and judges it."""
     selected = [item.name for item in request.session.items]
     points = [p for p in WEBHOOK_POINTS if any(name.startswith(f"test_crash_{p}_") for name in selected)]
+    on_pg = [p for p in PG_POINTS if any(name.startswith(f"test_pg_crash_{p}_") for name in selected)]
+    server = request.getfixturevalue("postgres_server") if on_pg else ""
     abort = threading.Event()
     with ThreadPoolExecutor(max_workers=PARALLEL_CAMPAIGNS, thread_name_prefix="campaign") as pool:
         futures = {point: pool.submit(run_campaign, point, tmp_path_factory.mktemp(point), abort)
                    for point in points}
+        futures |= {f"{point}@postgresql": pool.submit(run_campaign, point, tmp_path_factory.mktemp(point), abort,
+                                                       postgres_database(server))
+                    for point in on_pg}
         try:
             yield futures
         finally:
@@ -478,7 +498,20 @@ def test_crash_after_outbox_write_still_delivers_every_committed_message(
 
 def test_crash_after_dispatch_redelivers_and_the_receiver_applies_each_message_once(
         campaigns: dict[str, Future[Outcome]]) -> None:
-    outcome = judge(campaigns, "after_dispatch")
+    assert_one_redelivery_per_crash(judge(campaigns, "after_dispatch"))
+
+
+def test_pg_crash_after_claim_leaves_every_event_processed_or_failed_once(
+        campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "after_claim@postgresql")
+
+
+def test_pg_crash_after_dispatch_redelivers_once_the_hold_lapses_and_the_receiver_applies_each_message_once(
+        campaigns: dict[str, Future[Outcome]]) -> None:
+    assert_one_redelivery_per_crash(judge(campaigns, "after_dispatch@postgresql"))
+
+
+def assert_one_redelivery_per_crash(outcome: Outcome) -> None:
     _, _, duplicates = outcome.sink.snapshot()
     # Each crash left exactly one message accepted but not marked sent, and a later start sent it again.
     assert duplicates, "no crash after dispatch ever re-delivered a message"
