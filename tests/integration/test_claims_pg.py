@@ -1,6 +1,7 @@
 """Several workers and dispatchers on one PostgreSQL database (issue 19): claims take `FOR UPDATE SKIP LOCKED`, so
 two claimers never wait on each other nor take the same row, and the outbox drained by several dispatchers at once
-sends every message once. On SQLite (one writer) the same calls keep today's guarded updates.
+sends every message once. On SQLite (one writer) the same calls keep today's guarded updates. The inbox's group
+commit holds on PostgreSQL too (one commit for many deliveries, each caller its own answer).
 
 Through the store functions and the real outbox drain, against a loopback receiver that honours `Idempotency-Key`
 and records what it applied (`tests.support.sink`).
@@ -8,17 +9,20 @@ and records what it applied (`tests.support.sink`).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import IntegrityError
 
 from tests.support.polling import wait_until
 from tests.support.records import messages
 from tests.support.sink import Sink
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import outbox, sessions
+from wakeful.server.core.inbox import Delivery, GroupCommitter, Recorded
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
 from wakeful.server.store.db import write
 
@@ -121,3 +125,29 @@ def test_four_dispatchers_draining_one_outbox_send_every_message_exactly_once(en
     assert len(applied) == count
     assert set(applications.values()) == {1}
     assert repeats == {}  # not one message was even sent twice
+
+
+@PG
+def test_group_commit_on_postgresql_writes_many_deliveries_per_commit_and_answers_each_caller(
+        engine: Engine, clock: FakeClock, owner: str) -> None:
+    committer = GroupCommitter(engine, clock)
+
+    def persist_all(batch: list[Delivery]) -> list[Recorded | BaseException]:
+        async def together() -> list[Recorded | BaseException]:
+            return await asyncio.gather(*(committer.persist(d) for d in batch), return_exceptions=True)
+        return asyncio.run(together())
+
+    committer.start()
+    try:
+        good = persist_all([Delivery(user_id=owner, source="hook", source_id=f"d{i % 50}", payload={"i": i})
+                            for i in range(80)])
+        batches = committer.batches
+        # An unknown user breaks a foreign key: that delivery fails alone, the others of its batch are kept.
+        mixed = persist_all([Delivery(user_id=owner if i != 3 else "usr_nobody", source="hook",
+                                      source_id=f"e{i}", payload={}) for i in range(8)])
+    finally:
+        committer.stop()
+    assert [a.duplicate for a in good if isinstance(a, Recorded)] == [False] * 50 + [True] * 30
+    assert 80 == committer.received - 7 and batches < 80  # not one commit per delivery
+    assert isinstance(mixed[3], IntegrityError)
+    assert all(isinstance(a, Recorded) and not a.duplicate for i, a in enumerate(mixed) if i != 3)
