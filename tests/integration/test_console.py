@@ -22,6 +22,7 @@ from tests.support.chromium import CHROMIUM
 from tests.support.serve import serving
 from wakeful.proxy.clock import FakeClock
 from wakeful.server import memory
+from wakeful.server.core import inbox
 from wakeful.server.core.worker import Binding, Worker
 from wakeful.server.faces.console import listing
 from wakeful.server.faces.http import create_app
@@ -31,6 +32,8 @@ from wakeful.server.harness.wake import Harness
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, write
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import EventKind
 from wakeful.server.store.users import issue_token
 
 pytestmark = pytest.mark.browser
@@ -219,10 +222,15 @@ def test_the_memory_page_confirms_a_candidate_and_corrects_it_in_a_real_browser(
     task = c.w.task("book the flight to Hong Kong")
     actor = memory.Actor(kind=memory.ActorKind.AGENT, task_id=task.task_id, name="run")
     with write(c.w.engine) as conn:
+        choice = inbox.record(conn, inbox.Delivery(  # what it was inferred from: the user picked the 07:10 flight
+            user_id=c.w.owner, source="chat", source_id=new_id("chat"), kind=EventKind.MESSAGE, trust="user",
+            authority="user", session_id=task.session_id, payload={"text": "the 07:10 one, please"}),
+            now=c.w.clock.now()).event_id
         inferred = memory.propose(conn, user_id=c.w.owner, actor=actor, now=c.w.clock.now(), proposal=(
             memory.parse_proposal({"form": "hypothesis", "text": "the user seems to prefer early flights",
                                    "subject": "flight.departure", "relation": "prefers", "value": "early",
-                                   "scope": "always", "confidence": 0.6})))
+                                   "scope": "always", "confidence": 0.6,
+                                   "evidence": [{"type": "event", "id": choice}]})))
     sign_in(c)
     c.open("/memory")
     c.page.wait_for_selector(f"#memory-{inferred.memory_id}")
