@@ -7,7 +7,6 @@ database byte for byte; test_migrations.py migrates databases of its own, from n
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from sqlalchemy import Engine
 
 from tests.support.postgres import postgres_cluster, postgres_database, postgres_template
+from tests.support.templates import copy_template, make_template, migrate_url
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
@@ -41,24 +41,15 @@ def postgres_server() -> Iterator[str]:
         yield url
 
 
-def _migrate(url: str) -> None:
-    engine = make_engine(url)
-    migrate(engine)
-    engine.dispose()
-
-
 @pytest.fixture(scope="session")
 def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A migrated SQLite file, closed (its write-ahead log checkpointed into it), to copy."""
-    path = tmp_path_factory.mktemp("template") / "wakeful.db"
-    _migrate(f"sqlite:///{path}")
-    assert not path.with_name("wakeful.db-wal").exists(), "the template's log was not folded into it"
-    return path
+    """A migrated SQLite file to copy (tests/support/templates.py)."""
+    return make_template(tmp_path_factory.mktemp("template") / "wakeful.db")
 
 
 @pytest.fixture(scope="session")
 def postgres_template_name(postgres_server: str) -> str:
-    return postgres_template(postgres_server, _migrate)
+    return postgres_template(postgres_server, migrate_url)
 
 
 @pytest.fixture
@@ -69,9 +60,7 @@ def engine(request: pytest.FixtureRequest, settings: Settings) -> Iterator[Engin
     if backend == "sqlite":
         url = settings.db_url
         if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
-            target = Path(url.removeprefix("sqlite:///"))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(request.getfixturevalue("sqlite_template"), target)
+            copy_template(request.getfixturevalue("sqlite_template"), url)
     else:
         url = postgres_database(request.getfixturevalue("postgres_server"),
                                 template=request.getfixturevalue("postgres_template_name"))

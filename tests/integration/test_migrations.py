@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from alembic.config import Config
+from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, insert, inspect, select, text
 from sqlalchemy.exc import DatabaseError
