@@ -62,6 +62,8 @@ class Signed:
     name: str
     csrf_token: str
     rt: Runtime
+    admin: bool = False
+    """An admin also sees the STOP / START over the whole deployment (the forms refuse anyone else all the same)."""
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -81,11 +83,12 @@ def signed_or_none(request: Request) -> Signed | None:
     rt = runtime_of(request)
     with read(rt.engine) as conn:
         session: ConsoleSession | None = session_of(conn, request.cookies.get(COOKIE), now=rt.clock.now())
-        name = None if session is None else conn.execute(
-            users.select().with_only_columns(users.c.name).where(users.c.id == session.user_id)).scalar()
-    if session is None or name is None:
+        user = None if session is None else conn.execute(
+            users.select().with_only_columns(users.c.name, users.c.admin).where(users.c.id == session.user_id)).first()
+    if session is None or user is None:
         return None
-    return Signed(user_id=session.user_id, name=name, csrf_token=session.csrf_token, rt=rt)
+    return Signed(user_id=session.user_id, name=user.name, csrf_token=session.csrf_token, rt=rt,
+                  admin=bool(user.admin))
 
 
 Me = Annotated[Signed, Depends(_signed)]
