@@ -130,7 +130,8 @@ def page(request: Request, template: str, *, me: Signed | None, status_code: int
     if me is not None:
         with read(me.rt.engine) as conn:
             state = control.stop_state(conn)
-        stop = {"stopped": state.blocks(me.user_id), "global_stop": state.everything}
+        stop = {"stopped": state.blocks(me.user_id), "global_stop": state.everything,
+                "own": me.user_id in state.users}  # the user's own STOP, which their START lifts
     response = TEMPLATES.TemplateResponse(request, template, {"me": me, "stop": stop, **context},
                                           status_code=status_code)
     response.headers["Cache-Control"] = "no-store"
