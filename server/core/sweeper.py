@@ -75,6 +75,7 @@ def sweep(engine: Engine, *, now: datetime, event_max_attempts: int) -> SweepRep
         dropped = 0 if found_idle is None else conn.execute(delete(todos).where(idle)).rowcount
         # Both by their `expires_at` index: a pass that finds nothing reads nothing.
         signed_out = conn.execute(delete(console_sessions).where(console_sessions.c.expires_at <= now)).rowcount
-        stale_links = conn.execute(delete(approval_links).where(approval_links.c.expires_at <= now - LINK_KEPT)).rowcount
+        stale_links = conn.execute(delete(approval_links)
+                                   .where(approval_links.c.expires_at <= now - LINK_KEPT)).rowcount
     return SweepReport(abandoned_runs=abandoned, failed_events=failed, rescheduled=len(orphans), dropped_todos=dropped,
                        expired_sessions=signed_out, expired_links=stale_links)

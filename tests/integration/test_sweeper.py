@@ -11,9 +11,9 @@ from sqlalchemy import Engine, delete, func, select, update
 from tests.support.acting import world
 from tests.support.records import event_rows, messages
 from wakeful.proxy.clock import FakeClock
-from wakeful.server.core import inbox, sessions
 from wakeful.server.acting import approval_links
 from wakeful.server.acting.actions import load_action
+from wakeful.server.core import inbox, sessions
 from wakeful.server.core.sweeper import LINK_KEPT, sweep
 from wakeful.server.faces.console.signin import SESSION_TTL, session_of, sign_in
 from wakeful.server.runtime import Runtime
