@@ -164,7 +164,7 @@ class Runtime:
         migrate(self.engine)
         now = self.clock.now()
         with write(self.engine) as conn:
-            _, token = users.ensure_user(conn, name="owner", now=now)
+            _, token = users.ensure_user(conn, name=users.OWNER, now=now, admin=True)
             for name, source in self.settings.sources.items():
                 self.source_users[name] = users.user_id_by_name(conn, source.user)
         return token

@@ -220,19 +220,21 @@ def token(user: Annotated[str, typer.Option(help="Whose token.")] = "owner",
     engine = _engine(_settings(data_dir, database_url))
     with write(engine) as conn:
         try:
-            user_id, _ = users.ensure_user(conn, name="owner", now=SystemClock().now()) if user == "owner" else (
-                users.user_id_by_name(conn, user), None)
+            user_id, _ = users.ensure_user(conn, name=users.OWNER, now=SystemClock().now(), admin=True) \
+                if user == users.OWNER else (users.user_id_by_name(conn, user), None)
         except WakefulError as exc:
             _fail(exc)
         typer.echo(users.issue_token(conn, user_id=user_id))
 
 
 @app.command("user-add")
-def user_add(name: str, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def user_add(name: str, admin: Annotated[bool, typer.Option(
+                 "--admin", help="Also let this user STOP / START the whole deployment from the console.")] = False,
+             data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Create a user and print its API token (shown once)."""
     engine = _engine(_settings(data_dir, database_url))
     with write(engine) as conn:
-        _, new = users.ensure_user(conn, name=name, now=SystemClock().now())
+        _, new = users.ensure_user(conn, name=name, now=SystemClock().now(), admin=admin)
     if new is None:
         say("user_exists", f"{name!r} exists; `wakeful token --user {name}` re-issues its token")
         raise typer.Exit(2)

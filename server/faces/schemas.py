@@ -64,6 +64,7 @@ CODES: dict[str, int] = {
     "missing_token": 401, "signed_out": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
     "forbidden": 403, "user_credential_required": 403, "third_party_directive": 403, "bad_csrf_token": 403,
+    "admin_required": 403,
     "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_steer": 404,
     "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404, "unknown_memory": 404, "unknown_link": 404,
     "unknown_run": 404, "no_tool_computer": 404,

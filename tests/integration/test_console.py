@@ -1,6 +1,7 @@
 """The console in real headless Chromium (Playwright over Debian's chromium) against the real HTTP stack: sign in,
 approval cards raised by real runs of a scripted model, approve and watch the dispatch appear, deny, pause a task
-while its approval is open (approving then refuses, and says why), STOP and START, the activity pages. A screenshot
+while its approval is open (approving then refuses, and says why), STOP and START, an admin's STOP / START over
+everything (a plain user is refused it), the activity pages. A screenshot
 of each page is saved under the test's tmp dir, and copied to the folder `WAKEFUL_SCREENSHOTS` names when it is set."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, write
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import EventKind
-from wakeful.server.store.users import issue_token
+from wakeful.server.store.users import ensure_user, issue_token
 
 pytestmark = pytest.mark.browser
 SHOTS = os.environ.get("WAKEFUL_SCREENSHOTS")
@@ -49,9 +50,9 @@ class Console:
     page: Page
     shots: Path
 
-    def shot(self, name: str) -> None:
+    def shot(self, name: str, page: Page | None = None) -> None:
         path = self.shots / f"console-{name}.png"
-        self.page.screenshot(path=str(path), full_page=True)
+        (page or self.page).screenshot(path=str(path), full_page=True)
         if SHOTS:
             Path(SHOTS).mkdir(parents=True, exist_ok=True)
             shutil.copy(path, Path(SHOTS) / path.name)
@@ -215,6 +216,72 @@ def test_stop_and_start_and_a_forged_post_in_a_real_browser(console: Console, se
     c.page.wait_for_selector("#steps")
     assert c.page.locator("#steps tr").count() >= 3  # the header, and the run's two steps
     c.shot("run")
+
+
+def test_an_admin_stops_everything_a_run_is_held_until_start_and_a_plain_user_cannot(console: Console,
+                                                                                      settings: Settings) -> None:
+    c, w = console, console.w
+    with write(w.engine) as conn:
+        _, root_token = ensure_user(conn, name="root", now=w.clock.now(), admin=True)
+    assert root_token is not None
+
+    # The owner here is a plain user: no deployment-wide control, and a form forged in their own signed-in page
+    # (with its CSRF token) is refused.
+    sign_in(c)
+    assert c.page.locator("#stop-everything").count() == 0 and c.page.locator("#stop").count() == 1
+    c.page.evaluate("""() => { const f = document.createElement('form'); f.method = 'post';
+        f.action = '/everything/stop'; const t = document.querySelector('input[name=csrf]').cloneNode();
+        f.appendChild(t); document.body.appendChild(f); f.submit(); }""")
+    c.page.wait_for_selector("#code")
+    assert c.page.inner_text("#code") == "admin_required"
+    c.shot("admin-required")
+    auth = {"Authorization": f"Bearer {c.token}"}
+    assert httpx.get(f"{c.url}/v1/control", headers=auth).json() == {"stopped": False, "global_stop": False}
+
+    # The admin, in a browser of their own, stops everything.
+    browser = c.page.context.browser
+    assert browser is not None
+    admin = browser.new_context(viewport={"width": 420, "height": 860}).new_page()
+    admin.set_default_timeout(15_000)
+    admin.goto(c.url + "/")
+    admin.fill("#token", root_token)
+    admin.click("button[type=submit]")
+    admin.wait_for_selector("text=Hello, root")
+    c.shot("admin-home", admin)
+    admin.fill("#everything input[name=reason]", "incident: the merchant double-charges")
+    admin.click("#stop-everything")
+    admin.wait_for_selector("text=STOP recorded over everything")
+    assert "lift it on the home page" in admin.inner_text("#stop-banner")
+    c.shot("admin-stopped", admin)
+
+    # The owner's new delegation is held: no worker claims it while the STOP is in force.
+    task = w.task(completion=CANCEL_VERIFIED)
+
+    def cancel_first(request: ModelRequest) -> ModelReply:
+        listed = json.loads(request.messages[-1]["content"][0]["content"])
+        return calls(("merchant__cancel_renewal", {"subscription": listed["objects"][0]["id"]}))
+
+    model = ScriptedModel([calls(("merchant__list_subscriptions", {})), cancel_first])
+    harness = Harness(model, registry=w.tools.registry, instructions=None, max_tokens_per_run=100_000)
+    worker = Worker(w.engine, settings, w.clock, harness, tools=w.tools)
+    assert not worker.run_once()
+    c.open("/")
+    assert "an admin lifts it" in c.page.inner_text("#stop-banner")
+    assert c.page.locator("#nothing-pending").count() == 1
+    assert c.page.locator("#start").count() == 0  # their own START would not lift it: their STOP is offered
+    c.shot("held-by-admin-stop")
+
+    # START everything: the run proceeds, and its approval request reaches the owner.
+    admin.goto(c.url + "/")
+    admin.click("#start-everything")
+    admin.wait_for_selector("text=START recorded over everything")
+    assert admin.locator("#stop-banner").count() == 0
+    assert worker.run_once()
+    c.open("/")
+    assert c.page.locator("#stop-banner").count() == 0
+    c.pending(task)  # exactly one action waits for the owner's approval
+    assert c.page.locator("main li").count() == 1
+    c.shot("after-admin-start")
 
 
 def test_the_memory_page_confirms_a_candidate_and_corrects_it_in_a_real_browser(console: Console) -> None:
