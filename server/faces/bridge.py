@@ -143,8 +143,8 @@ class SseDecoder:
         for raw in lines:
             line = raw.removesuffix(b"\r").decode("utf-8", "replace")
             if not line:
-                if self._data and self._event in ("", "message"):
-                    out.append("\n".join(self._data))
+                if (data := "\n".join(self._data)) and self._event in ("", "message"):
+                    out.append(data)
                 self._event, self._data = "", []
                 continue
             name, _, value = line.partition(":")
@@ -323,11 +323,14 @@ class _Relay:
 
     async def _failure(self, request_id: Any, response: Response) -> bytes:
         body = await response.read()
-        if response.headers.get("content-type", "").startswith("application/json"):
-            with_error = _one_line(body)
-            if with_error is not None and isinstance(got := with_error[1], dict) and isinstance(got.get("error"), dict):
-                # The server's own JSON-RPC error (its id may be null: it failed before reading it); ours is the id.
-                return json.dumps({"jsonrpc": "2.0", "id": request_id, "error": got["error"]}).encode()
+        parsed = _one_line(body) if response.headers.get("content-type", "").startswith("application/json") else None
+        got = parsed[1] if parsed is not None else None
+        error = got.get("error") if isinstance(got, dict) else None
+        if isinstance(got, dict) and "jsonrpc" in got and isinstance(error, dict) and type(error.get("code")) is int:
+            # The server's own JSON-RPC error (its id may be null: it failed before reading it); ours is the id.
+            return json.dumps({"jsonrpc": "2.0", "id": request_id, "error": error}).encode()
+        if isinstance(error, dict) and isinstance(error.get("message"), str):  # wakeful's own refusal: its words
+            body = f"{error.get('code')}: {error['message']}".encode()
         if 300 <= response.status < 400:
             where = response.headers.get("location", "elsewhere")
             return error_line(request_id, INVALID_REQUEST, f"the server at {self.url} redirects to {where}: "

@@ -58,7 +58,7 @@ from wakeful.server.faces.schemas import Done, Health
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.tables import events
 
-__all__ = ["QuietServer", "WebhookInbox", "create_app", "error_response"]
+__all__ = ["ExactPath", "QuietServer", "WebhookInbox", "create_app", "error_response"]
 
 log = logging.getLogger(__name__)
 
