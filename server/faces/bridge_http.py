@@ -148,6 +148,9 @@ class HttpClient:
                 if reused and attempt == 0 and isinstance(exc, (OSError, asyncio.IncompleteReadError)):
                     continue
                 raise TransportError(_why(exc)) from None
+            except BaseException:  # cancelled half way: the connection is in an unknown state
+                conn.close()
+                raise
             break
         try:
             status = int(status_line.split(None, 2)[1])
