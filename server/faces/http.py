@@ -58,7 +58,7 @@ from wakeful.server.faces.schemas import Done, Health
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.tables import events
 
-__all__ = ["QuietServer", "WebhookInbox", "create_app", "error_response"]
+__all__ = ["ExactPath", "QuietServer", "WebhookInbox", "create_app", "error_response"]
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,37 @@ def error_response(exc: BaseException) -> JSONResponse:
     else:
         error, status = WakefulError("internal_error", "the server failed to answer; the error is in its log"), 500
     return JSONResponse(error.to_json(), status_code=status, headers=headers)
+
+
+class ExactPath:
+    """One exact path answered by `route` in front of `app` (FastAPI, whose routing matched every other route and
+    router before reaching it, and whose middleware wrapped it: ~13% of an MCP call's server CPU in a profile of
+    `bench/mcp_roundtrip.py`); every other request goes to `app`. What FastAPI's stack gave the route is kept here:
+    an unexpected error before the answer started is logged and answered 500 through `error_response`."""
+
+    def __init__(self, app: ASGIApp, *, path: str, route: ASGIApp) -> None:
+        self.app = app
+        self.path = path
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.route(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("%s %s failed", scope["method"], self.path)
+            await error_response(exc)(scope, receive, send)
 
 
 class JsonErrors:
@@ -354,8 +385,10 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
     mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None,
                      on_write=runtime.signals.wake_all)
     # No SDK auth: its resource metadata would send clients to an OAuth server wakeful does not run. `BearerGate`
-    # checks the token once per request, and the handlers read the user it found (`server.faces.auth`).
-    mcp_app = mcp.server.streamable_http_app(streamable_http_path="/mcp", host=settings.host)
+    # checks the token once per request, and the handlers read the user it found (`server.faces.auth`). A call is
+    # answered as one JSON body, not an SSE stream: no handler sends what only a request's stream could carry (a
+    # progress or log notification, a request of its own), and the stream's machinery was ~25% of a call's CPU.
+    mcp_app = mcp.server.streamable_http_app(streamable_http_path="/mcp", host=settings.host, json_response=True)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -422,4 +455,4 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True) -> ASGIApp:
         assert isinstance(route, Route), route
         app.router.add_route(route.path, mcp_errors_as_ours, methods=route.methods)  # type: ignore[arg-type]
     gate = ControlGate(app, authenticate=partial(user_of, runtime.engine), respond=error_response)
-    return WebhookInbox(gate, runtime=runtime)
+    return WebhookInbox(ExactPath(gate, path="/mcp", route=mcp_errors_as_ours), runtime=runtime)

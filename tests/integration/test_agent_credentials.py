@@ -29,7 +29,7 @@ from tests.integration.test_cli import run
 from tests.support.serve import serving
 from wakeful.server.faces.auth import Kind, Principal
 from wakeful.server.faces.gate import ControlGate
-from wakeful.server.faces.http import WebhookInbox, create_app
+from wakeful.server.faces.http import ExactPath, WebhookInbox, create_app
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
@@ -107,8 +107,9 @@ def _routes(routes: list[BaseRoute], prefix: str = "") -> Iterator[tuple[str, st
 
 
 def served_routes(app: Any) -> set[tuple[str, str]]:
-    assert isinstance(app, WebhookInbox) and isinstance(app.app, ControlGate) and isinstance(app.app.app, FastAPI)
-    return set(_routes(app.app.app.router.routes)) | {("POST", WebhookInbox.PREFIX + "{source}")}
+    assert isinstance(app, WebhookInbox) and isinstance(app.app, ExactPath)  # `/mcp` first, then the rest
+    assert isinstance(app.app.app, ControlGate) and isinstance(app.app.app.app, FastAPI)
+    return set(_routes(app.app.app.app.router.routes)) | {("POST", WebhookInbox.PREFIX + "{source}")}
 
 
 def _concrete(path: str) -> str:
