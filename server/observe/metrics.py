@@ -224,7 +224,7 @@ class StoredState(Collector):
             active_timers = conn.execute(select(func.count()).select_from(timers)
                                          .where(timers.c.state == TimerState.ACTIVE.value)).scalar_one()
             queued = dict(conn.execute(select(outbox.c.state, func.count()).where(outbox.c.state.in_(
-                [OutboxState.PENDING.value, OutboxState.HELD.value])).group_by(outbox.c.state)).tuples().all())
+                [OutboxState.PENDING.value, OutboxState.HELD.value])).group_by(outbox.c.state)).all())
         yield GaugeMetricFamily("wakeful_events_pending", "Events recorded and not yet taken by a run (the backlog).",
                                 value=pending_events)
         yield GaugeMetricFamily("wakeful_waits_pending", "Waits open (approval, reply, reconcile, handoff, deadline).",
