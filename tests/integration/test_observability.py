@@ -8,8 +8,11 @@ PostgreSQL where the records are read. The exposition is parsed with prometheus_
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine
 
+from tests.support.docs import DOCS
 from tests.support.polling import wait_until
 from tests.support.postgres import postgres_cluster, postgres_database
 from tests.support.serve import ServeProcess, free_port, serving
@@ -152,6 +156,13 @@ def test_readyz_is_503_naming_the_database_when_postgresql_is_gone(tmp_path: Pat
         engine.dispose()
 
 
+def _observability_commands() -> str:
+    """The bash block of docs/deploy.md's Observability section: the commands a test must run."""
+    block = re.search(r"## Observability.*?```bash\n(.*?)```", (DOCS / "deploy.md").read_text(), re.S)
+    assert block, "docs/deploy.md no longer shows the probes"
+    return block.group(1)
+
+
 def _after_a_run(http: httpx.Client) -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
     samples = scrape(http)
     return samples if value(samples, "wakeful_runs_total", outcome="completed") else None
@@ -171,6 +182,13 @@ def test_serve_drains_on_sigterm_sums_metrics_across_processes_and_logs_json(tmp
         after = wait_until(lambda: _after_a_run(http), 30, "the run to be counted")
         assert value(after, "wakeful_deliveries_total", source="hook", result="recorded") == 1
         assert list((tmp_path / "data" / "run" / "metrics").glob("*.db")), "serve keeps its metrics in files"
+        shown = _observability_commands()
+        said = subprocess.run(["bash", "-c", shown], env={**os.environ, "WAKEFUL_PORT": str(server.port)},
+                              capture_output=True, text=True, check=True, timeout=30).stdout
+        alive, at = json.JSONDecoder().raw_decode(said)  # curl adds no newline after a JSON body
+        ready, at = json.JSONDecoder().raw_decode(said, at)
+        assert alive == {"status": "ok"} and ready["status"] == "ready"
+        assert said[at:].strip() == 'wakeful_deliveries_total{result="recorded",source="hook"} 1.0'
 
         server._process.send_signal(signal.SIGTERM)  # Popen signals its own PID
         drained = wait_until(lambda: (a := http.get("/readyz")).status_code == 503 and a, 30, "/readyz to fail")
@@ -186,3 +204,35 @@ def test_serve_drains_on_sigterm_sums_metrics_across_processes_and_logs_json(tmp
     assert logged and all({"time", "level", "logger", "message"} <= set(entry) for entry in logged)
     assert any(entry["message"].startswith("SIGTERM: draining for 120 s") for entry in logged)
     assert SECRET not in server.log()
+
+
+OBSERVE_ELSEWHERE = """
+import sys
+from pathlib import Path
+from wakeful.server.observe import metrics
+metrics.share_across_processes(Path(sys.argv[1]), clean=False)
+metrics.run_ended("completed")
+metrics.run_ended("failed")
+"""
+
+
+@BOTH
+def test_what_another_process_observed_shows_on_this_ones_metrics(tmp_path: Path, engine: Engine) -> None:
+    """What `wakeful serve`'s worker process observes is summed by its API process (multiprocess mode); here two
+    processes of our own stand in for them, and a third reads the sum from the same directory and database."""
+    shared = tmp_path / "metrics"
+    shared.mkdir()
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", OBSERVE_ELSEWHERE, str(shared)], check=True, timeout=60)
+    url = engine.url.render_as_string(hide_password=False)
+    read_it = ("import sys; from pathlib import Path; from wakeful.server.observe import metrics; "
+               "from wakeful.server.store.db import make_engine; "
+               "metrics.share_across_processes(Path(sys.argv[1]), clean=False); "
+               "sys.stdout.write(metrics.exposition(make_engine(sys.argv[2])).decode())")
+    text = subprocess.run([sys.executable, "-c", read_it, str(shared), url], check=True, timeout=60,
+                          capture_output=True, text=True).stdout
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert value(samples, "wakeful_runs_total", outcome="completed") == 2
+    assert value(samples, "wakeful_runs_total", outcome="failed") == 2
+    assert value(samples, "wakeful_events_pending") == 0  # and the stored state beside them
