@@ -27,7 +27,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest, values
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    values,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
@@ -68,7 +76,7 @@ class _Metrics:
 def _build() -> _Metrics:
     # Not in prometheus_client's global registry: `exposition` reads them (or their files) itself, so two apps in
     # one process (the tests) never register a name twice. No `_created` series: multiprocess mode has none either.
-    disable_created_metrics()
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     return _Metrics(
         deliveries=Counter("wakeful_deliveries", "Webhook deliveries answered, by source and result: recorded, "
                            "duplicate, or the refusal's code.", ["source", "result"], registry=None),
@@ -114,7 +122,8 @@ def share_across_processes(directory: Path, *, clean: bool) -> None:
             stale.unlink(missing_ok=True)
     os.environ[ENV] = str(directory)
     with _lock:
-        values.ValueClass = values.get_value_class()  # chosen at import by prometheus_client; the env var is newer
+        # prometheus_client chose where values live when it was imported, before the environment named a directory
+        values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
         _metrics = None
 
 
@@ -223,7 +232,7 @@ class StoredState(Collector):
                                       .where(waits.c.state == WaitState.PENDING.value)).scalar_one()
             active_timers = conn.execute(select(func.count()).select_from(timers)
                                          .where(timers.c.state == TimerState.ACTIVE.value)).scalar_one()
-            queued = dict(conn.execute(select(outbox.c.state, func.count()).where(outbox.c.state.in_(
+            queued: dict[str, int] = dict(conn.execute(select(outbox.c.state, func.count()).where(outbox.c.state.in_(
                 [OutboxState.PENDING.value, OutboxState.HELD.value])).group_by(outbox.c.state)).all())
         yield GaugeMetricFamily("wakeful_events_pending", "Events recorded and not yet taken by a run (the backlog).",
                                 value=pending_events)
@@ -244,7 +253,7 @@ def exposition(engine: Engine) -> bytes:
     directory = _shared_directory()
     if directory is not None:
         _forget_dead_processes(directory)
-        MultiProcessCollector(registry, path=str(directory))
+        MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
     else:
         registry.register(_Observed())
     registry.register(StoredState(engine))
@@ -258,6 +267,6 @@ def _forget_dead_processes(directory: Path) -> None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            mark_process_dead(pid, str(directory))
+            mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
         except PermissionError:
             pass

@@ -27,13 +27,14 @@ ALLOWED: dict[str, set[str]] = {
     "audit": {"store"},
     "core": {"store", "observe"},
     "memory": {"store"},  # knowledge: informs plans, never authorizes (no room of an authorization path imports it)
-    "acting": {"store", "observe", "core", "proxy"},  # the proxy's contract only: a connector request is an `EgressRequest`
+    # the proxy's contract only: a connector request is an `EgressRequest`
+    "acting": {"store", "observe", "core", "proxy"},
     "computers": {"store", "observe", "vm"},
     "egress": {"store", "observe", "core", "acting", "computers", "vm", "proxy"},
     "tools": {"store", "observe", "memory", "core", "acting", "computers", "egress", "vm"},
     "harness": {"store", "observe", "memory", "core", "acting", "computers", "egress", "tools", "vm"},
-    "runtime": {"store", "observe", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness", "vm",
-                "proxy"},
+    "runtime": {"store", "observe", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness",
+                "vm", "proxy"},
     "evals": {"store", "observe", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness",
               "runtime", "vm", "proxy", "sims"},
     "faces": {"store", "observe", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness",
