@@ -258,6 +258,16 @@ class Settings(BaseSettings):
     """Deliveries of one outbox message before it is marked failed."""
     dispatch_backoff: Duration = timedelta(seconds=1)
     """First retry delay for a failed delivery; doubles each time."""
+    log_format: Literal["text", "json"] = "text"
+    """How the server's log lines are written to stderr: `text` for a terminal, `json` for a log pipeline (one object
+    per line: `time`, `level`, `logger`, `message`, `exception`). Secrets are redacted either way (docs/deploy.md)."""
+    metrics: bool = True
+    """Serve Prometheus metrics at `GET /metrics`, without a credential: aggregate numbers only, no user's ID or name
+    (docs/deploy.md). Off: the route answers 404."""
+    drain_seconds: float = Field(default=0.0, ge=0, le=600)
+    """After the first SIGTERM, how long the server keeps answering, with `GET /readyz` already 503, before it stops
+    listening: set it above the load balancer's health-check interval. A second SIGTERM or Ctrl-C stops it at once.
+    0: it stops listening at once."""
     crash_at: str = ""
     """Fault injection for tests only: `point[:probability],...` makes the process `os._exit` there."""
     echo_without_model: bool = False
@@ -340,6 +350,12 @@ class Settings(BaseSettings):
     def proxy_dir(self) -> Path:
         """The deployment CA (`ca.pem`, `ca.key.enc`)."""
         return self.data_dir / "proxy"
+
+    @property
+    def metrics_dir(self) -> Path:
+        """Where the processes `wakeful serve` starts keep their metrics, summed by `GET /metrics`
+        (`server.observe.metrics`); emptied when serve starts."""
+        return self.data_dir / "run" / "metrics"
 
     @property
     def decider_socket(self) -> Path:

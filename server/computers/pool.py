@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from wakeful.proxy.clock import Clock
 from wakeful.server.errors import BadRequest, WakefulError
+from wakeful.server.observe import metrics
 from wakeful.server.settings import Settings
 from wakeful.server.store.tables import Risk
 from wakeful.vm.observe import ACT_KINDS, Act, DesktopClick, DesktopKey, DesktopType
@@ -174,7 +175,9 @@ class VmComputers:
     def computer(self, user_id: str) -> ToolComputer:
         with self._user_lock(user_id):
             self._provisioned(user_id)
-            info = self._manager.ensure_running(user_id)
+            with metrics.restoring(self._manager.get(user_id).state == "suspended"):
+                info = self._manager.ensure_running(user_id)
+            metrics.computers(vm.state.value for vm in self._manager.vms())
             tc = self._computers.get(user_id)
             if tc is None:
                 tc = self._connect(info)
@@ -190,7 +193,9 @@ class VmComputers:
             yield
 
     def reap(self) -> list[str]:
-        return self._manager.reap()
+        reaped = self._manager.reap()
+        metrics.computers(vm.state.value for vm in self._manager.vms())
+        return reaped
 
 
 def _vm_error(exc: Exception) -> WakefulError:

@@ -28,7 +28,7 @@ __all__ = [
     "CODES", "ActionView", "ApprovalCard", "Decision", "Done", "EgressPage", "ErrorEnvelope", "EventView", "Health",
     "HookReceipt",
     "Ledger", "MemoryChanged", "MemoryDetail", "MemoryPage", "MemoryRecord", "MessagePage", "PreferencesView",
-    "MessageRecorded", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
+    "MessageRecorded", "Ready", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
     "TaskStateAnswer", "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
 ]
 
@@ -74,6 +74,7 @@ CODES: dict[str, int] = {
     "gone": 410,
     "payload_too_large": 413,
     "misdirected_request": 421,
+    "not_ready": 503,
 }
 """Every error code the API answers, and its status (a code always comes with the same one)."""
 
@@ -365,6 +366,14 @@ class ViewLink(_Answer):
 
 class Health(_Answer):
     status: Literal["ok"]
+
+
+class Ready(_Answer):
+    """`GET /readyz` when everything it checks answers; each check is `ok` (a `503 not_ready` names what failed)."""
+
+    status: Literal["ready"]
+    checks: dict[str, str] = Field(description="database, proxy (when on), libvirt (when tool computers are on), "
+                                               "draining: `ok` each")
 
 
 class Done(_Answer):

@@ -44,6 +44,8 @@ CONTROL_VERBS = ("approve", "deny", "pause", "resume", "revoke", "close", "reope
 
 OPEN: dict[tuple[str, str], str] = {
     ("GET", "/healthz"): "answers anyone: it says only that the server is up",
+    ("GET", "/readyz"): "answers anyone: whether the database, proxy and libvirt answer; it names no user",
+    ("GET", "/metrics"): "answers anyone on the listen address: aggregate numbers, no user's ID or name in a label",
     ("POST", "/v1/wake"): "takes no credential: it carries nothing and changes nothing",
     ("POST", "/v1/noop"): "takes no credential: the benchmarks' baseline",
     ("GET", "/v1/live/{token}"): "the one-time link is the credential",
@@ -62,7 +64,11 @@ def console_route(route: tuple[str, str]) -> bool:
     """A page of the console (`server.faces.console`): its credential is a signed-in session's cookie, which only a
     user credential opens (`test_the_console_does_not_sign_in_an_agent_credential`); a bearer header is not read."""
     path = route[1]
-    return not path.startswith(("/v1/", "/mcp", "/novnc/", "/.well-known/")) and path != "/healthz"
+    return not path.startswith(("/v1/", "/mcp", "/novnc/", "/.well-known/")) and path not in OPERATOR_PATHS
+
+
+OPERATOR_PATHS = {"/healthz", "/readyz", "/metrics"}
+"""For the operator's probes and scrapers, not for people: no console page."""
 
 
 @pytest.fixture
