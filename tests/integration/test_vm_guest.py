@@ -244,6 +244,14 @@ def test_clock_resync_sets_the_guest_clock_to_the_host_time(sshd: Sshd, tmp_path
     assert sync.applied is True
 
 
+def test_a_clock_that_cannot_be_set_is_reported_with_its_status(sshd: Sshd) -> None:
+    with _channel(sshd, set_clock="exit 9") as chan:
+        chan.connect()
+        with pytest.raises(GuestError) as failed:
+            chan.resync_clock()
+    assert failed.value.code == "guest_command_failed"
+
+
 def test_clock_resync_never_sets_the_clock_of_the_machine_it_runs_on(channel: GuestChannel) -> None:
     # The sshd here runs on this very host: the default `date -s` would step the host clock. It must be skipped.
     sync = channel.resync_clock()
