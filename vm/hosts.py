@@ -91,7 +91,11 @@ class HostFleet:
         self._hosts = {h.spec.name: h for h in hosts}
         self._marks = {h.spec.name: h.spec.mark for h in hosts}
         self._saved_dir = shared.resolve() / "saved"
-        self._saved_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            self._saved_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise HypervisorUnavailable(f"the shared directory {shared} is not usable ({exc.strerror}): mount it "
+                                        "at that path on this machine and every tool-computer host") from None
         self._placements_file = shared.resolve() / "placement.json"
         self._busy_wait = busy_wait
         self._monotonic = monotonic

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from wakeful.proxy.clock import FakeClock
-from wakeful.vm.errors import HostsBusy, NoHostAvailable
+from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, NoHostAvailable
 from wakeful.vm.fake import FakeDisks, FakeHypervisor
 from wakeful.vm.hosts import Host, HostFleet
 from wakeful.vm.hypervisor import DomainState, ProxyCredential
@@ -240,3 +240,11 @@ def test_destroying_a_computer_removes_it_from_every_host_and_the_shared_directo
     manager.destroy("alice")
     assert name not in a.names() and name not in b.names()
     assert not fleet.saved_path(name).exists() and fleet.home(name) is None
+
+
+def test_a_shared_directory_that_cannot_be_used_is_refused_naming_it(tmp_path: Path, a: FakeHypervisor,
+                                                                     b: FakeHypervisor) -> None:
+    not_a_dir = tmp_path / "nfs"
+    not_a_dir.write_text("not mounted")
+    with pytest.raises(HypervisorUnavailable, match=f"the shared directory {not_a_dir} is not usable"):
+        fleet_of(not_a_dir, a, b)
