@@ -76,3 +76,12 @@ def test_a_host_with_an_impossible_field_is_refused_naming_the_field(tmp_path: P
     host = {"name": "a", "uri": "qemu:///system", "memory_mib": 4096, field: value}
     with pytest.raises(ValidationError, match=f"computer_hosts.0.{field}"):
         Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[host])
+
+
+def test_the_example_in_the_infra_notes_is_a_registry_the_settings_accept(tmp_path: Path) -> None:
+    notes = (Path(__file__).resolve().parents[2] / "infra" / "README.md").read_text()
+    example = notes.split("## Several hosts", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "wakeful.toml").write_text(example)
+    settings = load_settings(data_dir=tmp_path)
+    assert [(h.name, h.mark) for h in settings.computer_hosts] == [("kvm1", "up"), ("kvm2", "full")]
+    assert settings.computer_shared_dir == Path("/srv/wakeful-shared")
