@@ -128,9 +128,7 @@ class FakeHypervisor:
 
     def restore_from(self, path: Path) -> str:
         with self._lock:
-            self.calls.append(("restore_from", path.name))
-            if (error := self._failures.pop("restore_from", None)) is not None:
-                raise error
+            self._enter("restore_from", path.name)
             spec: DomainSpec = pickle.loads(path.read_bytes().split(b"\n", 1)[1])  # the fake's own file
             dom = self.domains.get(spec.name)
             if dom is not None and dom.state is not DomainState.SHUT_OFF:

@@ -150,7 +150,10 @@ class HostFleet:
     def _save_placements(self) -> None:
         data = {"version": 1, "placements": {n: vars(p) for n, p in sorted(self._placements.items())}}
         staging = self._placements_file.with_name(f".{self._placements_file.name}.{os.getpid()}")
-        staging.write_text(json.dumps(data, indent=2) + "\n")
+        with staging.open("w") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         staging.replace(self._placements_file)
 
     def _set_home(self, name: str, host: str, memory_mib: int) -> None:
@@ -167,9 +170,10 @@ class HostFleet:
             raise VmNotFound(f"there is no VM named {name} on any host", vm=name)
         deadline = self._monotonic() + self._busy_wait
         while True:
-            loads = [h for h in self.loads() if h.name not in exclude]
-            with self._cond:
-                loads = [replace(h, arriving=self._arriving[h.name]) for h in loads]
+            measured = self.loads()
+            with self._cond:  # hosts that failed this very arrival count as unreachable
+                loads = [replace(h, arriving=self._arriving[h.name], reachable=h.reachable and h.name not in exclude)
+                         for h in measured]
                 try:
                     host = place(loads, placement.memory_mib, home=placement.host)
                 except HostsBusy:

@@ -248,3 +248,11 @@ def test_a_shared_directory_that_cannot_be_used_is_refused_naming_it(tmp_path: P
     not_a_dir.write_text("not mounted")
     with pytest.raises(HypervisorUnavailable, match=f"the shared directory {not_a_dir} is not usable"):
         fleet_of(not_a_dir, a, b)
+
+
+def test_a_host_that_fails_the_restore_itself_is_passed_over_for_the_next(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    name = suspended_on_a(manager, fleet, a)
+    a.fail_next("restore_from", HypervisorUnavailable("libvirtd went away mid-restore"))
+    manager.ensure_running("alice")
+    assert fleet.home(name) == "b" and b.state(name) is DomainState.RUNNING
