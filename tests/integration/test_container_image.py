@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 from tests.support.polling import wait_until
 
@@ -26,6 +25,7 @@ ENTRYPOINT = CONTAINER / "entrypoint"
 VENV_BIN = str(Path(sys.executable).parent)
 # This machine's kernel has hybrid cgroups (crun refuses them) and no CAP_SYS_RESOURCE (podman's default ulimits
 # cannot be set): runc with lowered limits works. A host of your own needs none of these flags.
+yaml = pytest.importorskip("yaml")  # PyYAML, which the dev tools bring
 PODMAN = ["podman", "--runtime", "runc"]
 LIMITS = ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
 
