@@ -6,12 +6,14 @@ its name, e.g. one imported from a debootstrap tree (docs/deploy.md, "A containe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -90,24 +92,48 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.skipif(not _has_image(BASE), reason="needs podman and a local Debian 12 base image named by "
-                                                  "WAKEFUL_CONTAINER_BASE (no registry is reached here)")
-def test_the_image_builds_from_local_wheels_and_serves_as_wakeful_on_a_private_volume(tmp_path: Path) -> None:
+needs_base = pytest.mark.skipif(not _has_image(BASE), reason="needs podman and a local Debian 12 base image named by "
+                                                                "WAKEFUL_CONTAINER_BASE (no registry is reached here)")
+
+
+@pytest.fixture(scope="module")
+def image() -> Iterator[str]:
+    """The image infra/container/Containerfile builds, from wheels made here, under a tag of this run's own."""
     wheels = ROOT / "build" / "wheels"
     made = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(wheels), str(ROOT),
                            "psycopg[binary]>=3.1"], capture_output=True, text=True, timeout=900)
     assert made.returncode == 0, made.stderr
     tag = f"localhost/wakeful-test:{uuid.uuid4().hex[:12]}"
-    name = f"wakeful-test-{uuid.uuid4().hex[:12]}"
     built = subprocess.run([*PODMAN, "build", *LIMITS, "--network", "none", "--build-arg", f"BASE={BASE}", "-f",
                             str(CONTAINER / "Containerfile"), "-t", tag, str(ROOT)],
                            capture_output=True, text=True, timeout=1800)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    port = _free_port()
     try:
-        started = subprocess.run([*PODMAN, "run", "-d", "--name", name, *LIMITS, "-p", f"127.0.0.1:{port}:8787",
-                                  tag], capture_output=True, text=True, timeout=120)
+        yield tag
+    finally:
+        subprocess.run([*PODMAN, "rmi", "--force", tag], capture_output=True, timeout=120)
+
+
+@contextlib.contextmanager
+def _container(*args: str) -> Iterator[str]:
+    name = f"wakeful-test-{uuid.uuid4().hex[:12]}"
+    try:
+        started = subprocess.run([*PODMAN, "run", "-d", "--name", name, *LIMITS, *args], capture_output=True,
+                                 text=True, timeout=120)
         assert started.returncode == 0, started.stderr
+        yield name
+    finally:
+        subprocess.run([*PODMAN, "rm", "--force", "--volumes", name], capture_output=True, timeout=120)
+
+
+def _exec(name: str, script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PODMAN, "exec", name, "sh", "-c", script], capture_output=True, text=True, timeout=120)
+
+
+@needs_base
+def test_the_image_builds_from_local_wheels_and_serves_as_wakeful_on_a_private_volume(image: str) -> None:
+    port = _free_port()
+    with _container("-p", f"127.0.0.1:{port}:8787", image) as name:
 
         def healthy() -> bool:
             try:
@@ -116,10 +142,59 @@ def test_the_image_builds_from_local_wheels_and_serves_as_wakeful_on_a_private_v
                 return False
 
         wait_until(healthy, 120, "the container answering /healthz", interval=0.5)
-        probe = subprocess.run([*PODMAN, "exec", name, "sh", "-c",
-                                "id -un; stat -c '%a %U' /var/lib/wakeful /var/lib/wakeful/wakeful.db"],
-                               capture_output=True, text=True, timeout=60)
+        probe = _exec(name, "id -un; stat -c '%a %U' /var/lib/wakeful /var/lib/wakeful/wakeful.db")
         assert probe.stdout.split("\n")[:3] == ["wakeful", "700 wakeful", "600 wakeful"], probe.stdout
+
+
+# Until `wakeful api` and `wakeful worker` exist, each unit runs `wakeful serve` in their place (the proxy unit runs
+# its own command): what is checked is that the sandbox lets a wakeful process start, serve and write its data.
+STAND_INS = {
+    "wakeful-api.service": "[Service]\nExecStart=\nExecStart=/opt/wakeful/.venv/bin/wakeful serve\n",
+    "wakeful-worker@.service": "[Service]\nEnvironment=WAKEFUL_PROXY=false WAKEFUL_PORT=8790\nExecStart=\n"
+                               "ExecStart=/opt/wakeful/.venv/bin/wakeful serve\n",
+    "wakeful-proxy.service": "[Service]\nEnvironment=WAKEFUL_PROXY_PORT=8789\n",
+}
+
+
+@needs_base
+def test_under_systemd_each_unit_runs_its_process_sandboxed_as_wakeful(image: str, tmp_path: Path) -> None:
+    """systemd as PID 1 in a container (privileged, so it can build each unit's namespaces), the shipped units
+    mounted in; Debian's systemd is added from its mirror."""
+    (tmp_path / "Containerfile").write_text(
+        f"FROM {image}\nUSER root\nRUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+        "--no-install-recommends systemd systemd-sysv && rm -rf /var/lib/apt/lists/* && /usr/sbin/groupadd -r libvirt\n"
+        'ENTRYPOINT []\nCMD ["/sbin/init"]\n')
+    tag = f"{image}-systemd"
+    built = subprocess.run([*PODMAN, "build", *LIMITS, "-t", tag, str(tmp_path)], capture_output=True, text=True,
+                           timeout=1800)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    mounts = [f"--volume={p}:/etc/systemd/system/{p.name}:ro" for p in sorted((ROOT / "infra" / "systemd").iterdir())]
+    for unit, text in STAND_INS.items():
+        (tmp_path / f"{unit}.d").mkdir()
+        (tmp_path / f"{unit}.d" / "stand-in.conf").write_text(text)
+        mounts.append(f"--volume={tmp_path / f'{unit}.d'}:/etc/systemd/system/{unit}.d:ro")
+    try:
+        with _container("--systemd=always", "--privileged", "--network=none", *mounts, tag) as name:
+            wait_until(lambda: _exec(name, "systemctl is-system-running").stdout.strip() in {"running", "degraded"},
+                       120, "systemd running in the container", interval=0.5)
+            started = _exec(name, "systemctl start wakeful-api.service && systemctl start wakeful-proxy.service "
+                                  "wakeful-worker@1.service")
+            assert started.returncode == 0, started.stderr
+            for port in (8787, 8790):
+                url = f"http://127.0.0.1:{port}/healthz"
+                wait_until(lambda url=url: _exec(name, f"python3 -c \"import urllib.request as u; "
+                                                       f"print(u.urlopen('{url}').read())\"").returncode == 0,
+                           120, f"{url} answering in the container", interval=0.5)
+            for unit in ("wakeful-api.service", "wakeful-proxy.service", "wakeful-worker@1.service"):
+                pid = _exec(name, f"systemctl show -p MainPID --value {unit}").stdout.strip()
+                assert pid not in {"", "0"}, f"{unit} is not running"
+                status = _exec(name, f"cat /proc/{pid}/status; stat -c %U /proc/{pid}").stdout
+                assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status, unit
+                assert "CapEff:\t0000000000000000" in status and status.rstrip().endswith("wakeful"), unit
+            writes = _exec(name, "nsenter -t $(systemctl show -p MainPID --value wakeful-api.service) -m "
+                                 "sh -c 'touch /usr/probe; touch /var/lib/wakeful/probe && echo data-writable'")
+            assert "Read-only file system" in writes.stderr and writes.stdout.strip() == "data-writable"
+            modes = _exec(name, "stat -c '%a %U' /var/lib/wakeful /var/lib/wakeful/wakeful.db").stdout.split("\n")
+            assert modes[:2] == ["700 wakeful", "600 wakeful"]
     finally:
-        subprocess.run([*PODMAN, "rm", "--force", "--volumes", name], capture_output=True, timeout=120)
         subprocess.run([*PODMAN, "rmi", "--force", tag], capture_output=True, timeout=120)
