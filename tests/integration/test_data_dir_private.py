@@ -85,3 +85,17 @@ def test_in_a_data_directory_made_open_beforehand_the_secrets_are_still_owner_on
     for name in SECRETS:
         read = _as_nobody("cat", str(data_dir / name))
         assert read.returncode != 0 and "Permission denied" in read.stderr, name
+
+
+def test_a_database_directory_the_engine_creates_itself_is_owner_only(open_parent: Path) -> None:
+    """A process that opens its engine without the CLI's data-directory step (a new command, a test) still makes
+    the SQLite file's directory 0700, whatever the umask."""
+    from wakeful.server.store.db import make_engine
+
+    old = os.umask(0o022)
+    try:
+        engine = make_engine(f"sqlite:///{open_parent / 'fresh' / 'wakeful.db'}")
+        engine.dispose()
+    finally:
+        os.umask(old)
+    assert (open_parent / "fresh").stat().st_mode & 0o777 == 0o700
