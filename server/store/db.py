@@ -32,7 +32,8 @@ def make_engine(url: str) -> Engine:
     if not url.startswith("sqlite"):
         return create_engine(url, pool_pre_ping=True)
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        # Owner-only: the database is the records, token digests and the ledger (docs/security.md).
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 60}, pool_size=8)
 
     @event.listens_for(engine, "connect")
