@@ -86,9 +86,9 @@ def console(engine: Engine, clock: FakeClock, owner: str, settings: Settings, tm
                 browser.close()
 
 
-def run_a_cancellation(w: World, settings: Settings) -> Binding:
-    """A new task, and one real run of a scripted model that lists the subscriptions and asks to cancel the first:
-    the run ends waiting for the user's approval."""
+def a_cancellation(w: World, settings: Settings) -> tuple[Binding, Worker]:
+    """A new task, and a worker whose scripted model lists the subscriptions and asks to cancel the first: its run
+    ends waiting for the user's approval."""
     task = w.task(completion=CANCEL_VERIFIED)
 
     def cancel_first(request: ModelRequest) -> ModelReply:
@@ -97,7 +97,13 @@ def run_a_cancellation(w: World, settings: Settings) -> Binding:
 
     model = ScriptedModel([calls(("merchant__list_subscriptions", {})), cancel_first])
     harness = Harness(model, registry=w.tools.registry, instructions=None, max_tokens_per_run=100_000)
-    assert Worker(w.engine, settings, w.clock, harness, tools=w.tools).run_once()
+    return task, Worker(w.engine, settings, w.clock, harness, tools=w.tools)
+
+
+def run_a_cancellation(w: World, settings: Settings) -> Binding:
+    """A cancellation's one real run, ended waiting for the user's approval."""
+    task, worker = a_cancellation(w, settings)
+    assert worker.run_once()
     return task
 
 
@@ -255,15 +261,7 @@ def test_an_admin_stops_everything_a_run_is_held_until_start_and_a_plain_user_ca
     c.shot("admin-stopped", admin)
 
     # The owner's new delegation is held: no worker claims it while the STOP is in force.
-    task = w.task(completion=CANCEL_VERIFIED)
-
-    def cancel_first(request: ModelRequest) -> ModelReply:
-        listed = json.loads(request.messages[-1]["content"][0]["content"])
-        return calls(("merchant__cancel_renewal", {"subscription": listed["objects"][0]["id"]}))
-
-    model = ScriptedModel([calls(("merchant__list_subscriptions", {})), cancel_first])
-    harness = Harness(model, registry=w.tools.registry, instructions=None, max_tokens_per_run=100_000)
-    worker = Worker(w.engine, settings, w.clock, harness, tools=w.tools)
+    task, worker = a_cancellation(w, settings)
     assert not worker.run_once()
     c.open("/")
     assert "an admin lifts it" in c.page.inner_text("#stop-banner")
