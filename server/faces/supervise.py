@@ -106,18 +106,18 @@ class _Child:
         self.code = os.waitstatus_to_exitcode(status)
         return self.code
 
-    def wait(self, timeout: float) -> int | None:
-        """Its exit code once it ended, waiting up to `timeout` seconds (None if it still runs then). A signal
-        handler that runs meanwhile (serve's: a second SIGTERM) runs, and the wait goes on."""
-        deadline = time.monotonic() + timeout
+    def wait(self, timeout: float | None) -> int | None:
+        """Its exit code once it ended, waiting up to `timeout` seconds (None: until it does; the result is None if
+        it still runs then). A signal handler that runs meanwhile (serve's: a second SIGTERM) runs; the wait goes on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 return None
             if self.pidfd is not None:
                 select.select([self.pidfd], [], [], left)
-            else:
-                select.select([], [], [], min(left, 0.05))  # no pidfds (not Linux): look every 50 ms
+            else:  # no pidfds (not Linux): look every 50 ms
+                select.select([], [], [], 0.05 if left is None else min(left, 0.05))
         return code
 
     def signal(self, sig: int) -> None:
@@ -308,7 +308,7 @@ class Supervisor:
             if (code := child.wait(grace)) is None:
                 log.error("%s (pid %d) did not stop within %g s: killing it", child.name, child.pid, grace)
                 child.signal(signal.SIGKILL)
-                code = child.wait(float("inf"))
+                code = child.wait(None)
         finally:
             self._terminating = None
         assert code is not None
@@ -319,7 +319,7 @@ class Supervisor:
             if child.pid is None:
                 continue
             child.signal(signal.SIGKILL)
-            child.wait(float("inf"))
+            child.wait(None)
             self._forget(child)
 
     def _stop_all(self) -> None:
