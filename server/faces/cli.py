@@ -7,6 +7,7 @@ everything else (logs, progress, explanations) to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -147,6 +148,17 @@ def _one_process(settings: Settings) -> bool:
     return settings.computers
 
 
+def _observe(settings: Settings) -> None:
+    """Log lines in the settings' format; metrics kept in the shared directory the api's /metrics sums (serve
+    emptied it when it started them; started on their own, as the systemd units do, they add to what is there)."""
+    from wakeful.server.observe import metrics
+    from wakeful.server.observe.logs import configure_logging
+
+    configure_logging(settings)
+    if metrics.ENV not in os.environ:
+        metrics.share_across_processes(settings.metrics_dir, clean=False)
+
+
 @app.command()
 def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None, port: Port = None) -> None:
     """Run wakeful on one data directory: prepare the database (the owner's token is printed once, on the first
@@ -155,26 +167,63 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
     are in the log and in <data_dir>/run/*.pid. With tool computers on (computers = true), the API runs the worker
     in its own process and no worker child starts."""
     from wakeful.server.faces.supervise import Supervisor
+    from wakeful.server.observe import metrics
+    from wakeful.server.observe.logs import configure_logging
 
-    # Only what preparing needs is imported here (not the runtime): each child imports what it runs, and a start
-    # is the two in sequence. A setting a child refuses (a connector declaration, say) stops serve with exit 2.
     _log_to_stderr()
     settings = _settings(data_dir, database_url, host=host, port=port)
+    configure_logging(settings)
     try:
         _refuse_taken_ports(settings, proxy=True)
     except WakefulError as exc:
         _fail(exc)
     engine = _engine(settings)  # migrates: its logs on stderr, before the token on stdout
     with write(engine) as conn:
-        _, token = users.ensure_user(conn, name="owner", now=SystemClock().now())
+        _, token = users.ensure_user(conn, name=users.OWNER, now=SystemClock().now(), admin=True)
     engine.dispose()
+    # Before the children start (they inherit the directory) and before anything is observed: the api's /metrics
+    # sums what every child observed since serve started.
+    metrics.share_across_processes(settings.metrics_dir, clean=True)
     _show_token(token)
     names: tuple[str, ...] = ("api",) if _one_process(settings) else ("api", "worker")
     if _one_process(settings):
         logging.getLogger("wakeful.serve").info("tool computers are on: the api runs the worker in its process")
     if settings.proxy:
         names += ("proxy",)
-    raise typer.Exit(Supervisor(settings, names=names).run())
+    # The children are forks of this process: what they run is imported once, here, so a child's (re)start costs
+    # a fork and not an interpreter's start. A setting a child refuses (a connector declaration, say) stops serve
+    # with exit 2.
+    _preload(settings)
+    raise typer.Exit(Supervisor(settings, _child_main, names=names).run())
+
+
+_PRELOAD = ("uvicorn", "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl",
+            "uvicorn.protocols.http.httptools_impl",
+            "uvicorn.loops.asyncio", "uvicorn.loops.uvloop", "wakeful.server.faces.http", "wakeful.server.runtime",
+            "wakeful.server.egress.proxyctl", "wakeful.proxy.server", "wakeful.proxy.config",
+            "wakeful.proxy.channel", "wakeful.proxy.tls")
+
+
+def _preload(settings: Settings) -> None:
+    """Import what `wakeful api`, `worker` and `proxy` run (optional parts that are not installed are skipped).
+    Imports only: no thread, connection, socket or event loop is made, which a fork would not carry well."""
+    import importlib
+
+    modules = list(_PRELOAD)
+    if settings.anthropic_api_key is not None:
+        modules += ["wakeful.server.harness.model_anthropic", "wakeful.server.harness.wake"]
+    for name in modules:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+def _child_main(argv: list[str]) -> int:
+    """A child of serve runs `wakeful <argv>` (`server.faces.supervise`); its exit code."""
+    try:
+        app(args=argv, prog_name="wakeful")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
 
 
 @app.command()
@@ -198,6 +247,7 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
     # per request. At 0.5 ms: ack p99 at 1,000/s and throughput at saturation both improve (bench/ingest.py).
     sys.setswitchinterval(0.0005)
     settings = _settings(data_dir, database_url, host=host, port=port)
+    _observe(settings)
     try:
         registry = load_registry(settings)
         _refuse_taken_ports(settings, proxy=False)
@@ -249,6 +299,7 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
 
     _log_to_stderr()
     settings = _settings(data_dir, database_url, workers=workers)
+    _observe(settings)
     if _one_process(settings):
         _fail(WakefulError("computers_in_one_process", "tool computers are on (computers = true): `wakeful api` "
                                                         "runs the worker in its own process; set computers = false "
@@ -314,19 +365,21 @@ def token(user: Annotated[str, typer.Option(help="Whose token.")] = "owner",
     engine = _engine(_settings(data_dir, database_url))
     with write(engine) as conn:
         try:
-            user_id, _ = users.ensure_user(conn, name="owner", now=SystemClock().now()) if user == "owner" else (
-                users.user_id_by_name(conn, user), None)
+            user_id, _ = users.ensure_user(conn, name=users.OWNER, now=SystemClock().now(), admin=True) \
+                if user == users.OWNER else (users.user_id_by_name(conn, user), None)
         except WakefulError as exc:
             _fail(exc)
         typer.echo(users.issue_token(conn, user_id=user_id))
 
 
 @app.command("user-add")
-def user_add(name: str, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def user_add(name: str, admin: Annotated[bool, typer.Option(
+                 "--admin", help="Also let this user STOP / START the whole deployment from the console.")] = False,
+             data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Create a user and print its API token (shown once)."""
     engine = _engine(_settings(data_dir, database_url))
     with write(engine) as conn:
-        _, new = users.ensure_user(conn, name=name, now=SystemClock().now())
+        _, new = users.ensure_user(conn, name=name, now=SystemClock().now(), admin=admin)
     if new is None:
         say("user_exists", f"{name!r} exists; `wakeful token --user {name}` re-issues its token")
         raise typer.Exit(2)
