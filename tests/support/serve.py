@@ -52,7 +52,8 @@ if os.getppid() != int(sys.argv[1]):
 os.execv(sys.argv[2], sys.argv[2:])
 """
 READY_TIMEOUT = 60.0
-"""serve prepares the database, then its api child imports and starts: two starts in sequence on a busy machine."""
+"""serve prepares the database and imports what its children run, then forks them: one Python start, on a busy
+machine."""
 KILL_GRACE = 60.0
 """serve stops its children in order (the api drains, then the worker finishes its runs, then the proxy)."""
 
