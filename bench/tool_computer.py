@@ -4,7 +4,8 @@ One VM from the real guest image (`wakeful image build`; the system tests build 
 the real egress proxy in front of a page on the host's loopback. It boots cold once (to the first observation),
 opens the page, then alternates our suspend (managed save) and restore-to-first-fresh-observation with a bare
 `virsh save FILE` / `virsh restore FILE` of the same guest, which is the baseline for our overhead.
-Targets (issue 5): restore to the first observation ≥ 10× faster than a cold boot to it; no RAM held while suspended.
+Targets (issues 5 and 19): restore to the first observation within 4 s under TCG and ≥ 25× faster than a cold boot
+to it; no RAM held while suspended.
 Needs root, libvirtd (scripts/libvirtd) and the built image.
 """
 
@@ -34,7 +35,9 @@ from wakeful.vm.toolcomputer import RestoreReport  # noqa: E402
 
 IMAGE = ROOT / ".cache" / "image-build" / "data" / "images" / "guest"
 URI = "qemu:///system"
-TARGET_SPEEDUP = 10.0
+TARGET_SPEEDUP = 25.0
+TARGET_RESTORE = 4.0
+"""Seconds from `ensure_running` on a suspended VM to its first fresh observation, under TCG (issue 19)."""
 GB = 1000**3
 MIB = 2**20
 
@@ -170,7 +173,7 @@ def run(quick: bool = False) -> list[Table]:
             f"{_s(med([b.save for b in f.bares]))} (virsh save)"),
         Row("restore → first fresh observation", _s(restore),
             f"{_s(med([b.restore for b in f.bares]))} (virsh restore)",
-            f"≤ {_s(f.boot_first_observation / TARGET_SPEEDUP)}", verdict(speedup >= TARGET_SPEEDUP)),
+            f"≤ {_s(TARGET_RESTORE)}", verdict(restore <= TARGET_RESTORE)),
         Row("  libvirt restore (start from managed save)", _s(step(lambda c: c.libvirt_restore)), "-"),
         Row("  SSH reconnect", _s(med([x.ssh_reconnect for x in t])), "-"),
         Row("  CDP reconnect (beside SSH)", _s(med([x.cdp_reconnect or 0.0 for x in t])), "-"),

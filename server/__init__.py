@@ -1,11 +1,12 @@
 """wakeful's server (`wakeful.server`), in rooms that follow one wake from the outside in:
 
     store      tables, database, migrations, IDs, users                         imports: errors
+    observe    health, readiness, metrics, log lines: what an operator watches  + store, wakeful.vm (libvirt's answer)
     audit      the verifiable ledger: chain, seal, signed checkpoints, verify     + store
-    core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, settings
+    core       inbox, sessions, waits, timers, control, outbox, worker, sweeper  + store, observe, settings
     memory     what the agent learnt about its user: records, rules, recall      + store (never read to authorize)
     acting     objects, actions, admission, approvals, policy, connectors, ledger  + core, wakeful.proxy.contract
-    computers  the tool-computer pool and the handoff state                      + store, wakeful.vm
+    computers  the tool-computer pool and the handoff state                      + store, observe, wakeful.vm
     egress     dispatch, connector requests through the proxy, grants, the proxy + acting, computers, wakeful.proxy
     tools      the agent's tools (implements core's `Tools`)                     + egress
     harness    context, model, the run (implements core's `RunHandler`), replay  + tools

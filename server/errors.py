@@ -6,7 +6,8 @@
      ├── BadRequest          malformed_body, invalid_schedule ...             400
      ├── PayloadTooLarge     payload_too_large                                413
      ├── Conflict            invalid_transition, stale_token, wait_terminal   409
-     └── Refused             stopped, paused, cap_exceeded, budget_exhausted  403 / 429
+     ├── Refused             stopped, paused, cap_exceeded, budget_exhausted  403 / 429
+     └── Unavailable         not_ready                                        503
 
 Mapped to HTTP in exactly one place (`server.http.error_response`).
 """
@@ -23,6 +24,7 @@ __all__ = [
     "Refused",
     "StaleToken",
     "Unauthorized",
+    "Unavailable",
     "WakefulError",
 ]
 
@@ -66,6 +68,12 @@ class Conflict(WakefulError):
 
 class Refused(WakefulError):
     http_status = 403
+
+
+class Unavailable(WakefulError):
+    """Not now: the server or what it depends on cannot answer at the moment (`GET /readyz`)."""
+
+    http_status = 503
 
 
 class StaleToken(Conflict):

@@ -73,7 +73,7 @@ def prepare(engine: Engine, now: datetime) -> str | None:
     """Migrate, and create the owner on first start: returns its token, to be shown once (None after that)."""
     migrate(engine)
     with write(engine) as conn:
-        _, token = users.ensure_user(conn, name="owner", now=now)
+        _, token = users.ensure_user(conn, name=users.OWNER, now=now, admin=True)
     return token
 
 

@@ -30,8 +30,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-__all__ = ["RESOLVED_ENV", "ConfigFileError", "Settings", "SourceSettings", "child_environment", "config_file",
-           "load_settings", "parse_listen"]
+__all__ = ["RESOLVED_ENV", "ComputerHost", "ConfigFileError", "Settings", "SourceSettings", "child_environment",
+           "config_file", "load_settings", "parse_listen"]
 
 RESOLVED_ENV = "WAKEFUL_RESOLVED_SETTINGS"
 """The parent's resolved settings as JSON, for its children (never set it by hand: use `WAKEFUL_CONFIG`)."""
@@ -111,6 +111,23 @@ class SourceSettings(BaseModel):
         return self.session_key or _DEFAULT_SESSION_KEY[self.kind]
 
 
+class ComputerHost(BaseModel):
+    """One KVM host tool computers may run on (`computer_hosts`); see docs/configuration.md."""
+
+    model_config = {"extra": "forbid"}
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$")
+    """A short name for logs and errors: lowercase letters, digits, `-` and `_`."""
+    uri: str = Field(min_length=1)
+    """Its libvirt connection, e.g. `qemu+ssh://root@kvm2/system` (`qemu:///system` for this machine)."""
+    memory_mib: int = Field(ge=256)
+    """Memory tool computers may take there in all, in MiB (leave the host its own)."""
+    max_restores: int = Field(default=2, ge=1, le=64)
+    """Restores and cold boots in flight there at once; more wait (`computer_busy_wait`) or go to another host."""
+    mark: Literal["up", "full", "gone"] = "up"
+    """`full`: takes no computer that is not running there already; `gone`: treated as unreachable."""
+
+
 def _default_data_dir() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "wakeful"
 
@@ -176,6 +193,16 @@ class Settings(BaseSettings):
     (ignored on KVM). Smaller thrashes: at 64 MiB a page took the guest's Chromium 107-164 s to load, not 14-29 s."""
     libvirt_uri: str = "qemu:///system"
     """Where tool computers run."""
+    computer_hosts: list[ComputerHost] = Field(default_factory=list)
+    """Several KVM hosts for tool computers (then `libvirt_uri` is unused). A computer starts on the host with most
+    free memory, stays there while it runs, and when suspended resumes there again, or on another host when its own
+    is full or gone: its saved state and disks are in `computer_shared_dir`, which every host must see."""
+    computer_shared_dir: Path | None = None
+    """With `computer_hosts`: a directory every host sees at this same path (NFS in production) holding each
+    computer's disk overlay, seed disk, keys and saved memory. The image (`<data_dir>/images/`) must be at its path
+    on every host too."""
+    computer_busy_wait: Duration = timedelta(minutes=2)
+    """With `computer_hosts`: how long a restore waits when every host with room is at its `max_restores`."""
     computer_network: str | None = None
     """For production hosts: the isolated libvirt network (no `<forward>`, see infra/README.md) tool computers join
     instead of QEMU user-mode networking. Each VM gets a fixed address (a DHCP reservation, held against spoofing by
@@ -258,6 +285,16 @@ class Settings(BaseSettings):
     """Deliveries of one outbox message before it is marked failed."""
     dispatch_backoff: Duration = timedelta(seconds=1)
     """First retry delay for a failed delivery; doubles each time."""
+    log_format: Literal["text", "json"] = "text"
+    """How the server's log lines are written to stderr: `text` for a terminal, `json` for a log pipeline (one object
+    per line: `time`, `level`, `logger`, `message`, `exception`). Secrets are redacted either way (docs/deploy.md)."""
+    metrics: bool = True
+    """Serve Prometheus metrics at `GET /metrics`, without a credential: aggregate numbers only, no user's ID or name
+    (docs/deploy.md). Off: the route answers 404."""
+    drain_seconds: float = Field(default=0.0, ge=0, le=600)
+    """After the first SIGTERM, how long the server keeps answering, with `GET /readyz` already 503, before it stops
+    listening: set it above the load balancer's health-check interval. A second SIGTERM or Ctrl-C stops it at once.
+    0: it stops listening at once."""
     crash_at: str = ""
     """Fault injection for tests only: `point[:probability],...` makes the process `os._exit` there."""
     computer_fakes: bool = False
@@ -298,6 +335,16 @@ class Settings(BaseSettings):
         if value is not None:
             parse_listen(value)
         return value
+
+    @model_validator(mode="after")
+    def _hosts_need_a_shared_dir(self) -> Settings:
+        if self.computer_hosts and self.computer_shared_dir is None:
+            raise ValueError("computer_hosts needs computer_shared_dir: a directory every host sees, where a "
+                             "suspended computer's memory and disks wait for whichever host resumes it")
+        names = [h.name for h in self.computer_hosts]
+        for name in dict.fromkeys(n for n in names if names.count(n) > 1):
+            raise ValueError(f"computer_hosts names {name} twice: give each host its own name")
+        return self
 
     @model_validator(mode="after")
     def _network_needs_a_bridge_listener(self) -> Settings:
@@ -343,6 +390,12 @@ class Settings(BaseSettings):
     def proxy_dir(self) -> Path:
         """The deployment CA (`ca.pem`, `ca.key.enc`)."""
         return self.data_dir / "proxy"
+
+    @property
+    def metrics_dir(self) -> Path:
+        """Where the processes `wakeful serve` starts keep their metrics, summed by `GET /metrics`
+        (`server.observe.metrics`); emptied when serve starts."""
+        return self.data_dir / "run" / "metrics"
 
     @property
     def decider_socket(self) -> Path:

@@ -8,8 +8,10 @@
     ├── HypervisorUnavailable    hypervisor_unavailable  libvirtd / QEMU / qemu-img not reachable or failing
     ├── LimitExceeded            limit_exceeded          a per-user limit (RAM, vCPUs, disk, ports) would be exceeded
     ├── SnapshotNotFound         snapshot_not_found      no such disk snapshot
-    └── NetworkUnusable          network_unusable        the libvirt network for tool computers is missing,
-                                                         inactive, not isolated or full
+    ├── NetworkUnusable          network_unusable        the libvirt network for tool computers is missing,
+    │                                                    inactive, not isolated or full
+    ├── NoHostAvailable          no_host_available       no tool-computer host has room (or all are marked or gone)
+    └── HostsBusy                hosts_busy              the hosts with room are all at their cap of restores in flight
 
 Other `vm/` modules (guest channel, browser) subclass `VmError` with their own codes.
 """
@@ -19,11 +21,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "HostsBusy",
     "HypervisorUnavailable",
     "IllegalTransition",
     "ImageMissing",
     "LimitExceeded",
     "NetworkUnusable",
+    "NoHostAvailable",
     "SnapshotNotFound",
     "VmDead",
     "VmError",
@@ -72,3 +76,11 @@ class SnapshotNotFound(VmError):
 
 class NetworkUnusable(VmError):
     code = "network_unusable"
+
+
+class NoHostAvailable(VmError):
+    code = "no_host_available"
+
+
+class HostsBusy(VmError):
+    code = "hosts_busy"

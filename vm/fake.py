@@ -7,11 +7,20 @@ code that checks files (destroy removes everything) sees what it would see with 
 from __future__ import annotations
 
 import ipaddress
+import pickle
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wakeful.vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmError, VmNotFound
+from wakeful.vm.errors import (
+    HypervisorUnavailable,
+    IllegalTransition,
+    ImageMissing,
+    NetworkUnusable,
+    SnapshotNotFound,
+    VmError,
+    VmNotFound,
+)
 from wakeful.vm.hypervisor import BridgePlace, DomainSpec, DomainState, NetworkInfo, SnapshotInfo
 
 __all__ = ["FakeDisks", "FakeHypervisor"]
@@ -23,6 +32,8 @@ class _Domain:
     state: DomainState = DomainState.SHUT_OFF
     saved: bool = False
     boots: int = 0
+    restores: int = 0
+    """Restores from a saved file (`restore_from`)."""
     layers: list[Path] = field(default_factory=list)  # bottom (the VM's overlay) to top
     snapshots: list[SnapshotInfo] = field(default_factory=list)
 
@@ -38,6 +49,10 @@ class FakeHypervisor:
         """Isolated networks by name: the host's address on each (add one to use it)."""
         self.reservations: dict[str, dict[str, str]] = {}
         """DHCP reservations per network: MAC → address."""
+        self.down = False
+        """True: every call fails with `HypervisorUnavailable`, like a host whose libvirtd is gone."""
+        self.host_free_mib: int | None = None
+        """What `free_mib` reports (None: nothing, like a driver that does not say)."""
 
     def fail_next(self, operation: str, error: VmError) -> None:
         """Make the next call of `operation` (a method name) raise `error` without doing anything."""
@@ -45,6 +60,8 @@ class FakeHypervisor:
 
     def _enter(self, operation: str, name: str) -> _Domain | None:
         self.calls.append((operation, name))
+        if self.down:
+            raise HypervisorUnavailable(f"libvirt does not answer ({operation} {name})", vm=name)
         if (error := self._failures.pop(operation, None)) is not None:
             raise error
         return self.domains.get(name)
@@ -70,6 +87,7 @@ class FakeHypervisor:
                 dom.spec = spec
 
     def names(self) -> list[str]:
+        self._enter("names", "*")
         return sorted(self.domains)
 
     def start(self, name: str) -> None:
@@ -98,6 +116,38 @@ class FakeHypervisor:
     def discard_saved_state(self, name: str) -> None:
         with self._lock:
             self._get("discard_saved_state", name).saved = False
+
+    def save_to(self, name: str, path: Path) -> None:
+        """Like `LibvirtHypervisor.save_to`: the file holds the domain's definition (pickled: a fake's own file)."""
+        with self._lock:
+            dom = self._get("save_to", name)
+            if dom.state not in (DomainState.RUNNING, DomainState.PAUSED):
+                raise IllegalTransition(f"cannot save {name}: it is not running", vm=name)
+            path.write_bytes(b"fake saved state\n" + pickle.dumps(dom.spec))
+            dom.state = DomainState.SHUT_OFF
+
+    def restore_from(self, path: Path) -> str:
+        with self._lock:
+            self._enter("restore_from", path.name)
+            spec: DomainSpec = pickle.loads(path.read_bytes().split(b"\n", 1)[1])  # the fake's own file
+            dom = self.domains.get(spec.name)
+            if dom is not None and dom.state is not DomainState.SHUT_OFF:
+                raise IllegalTransition(f"{spec.name} is running here: it cannot be restored here too", vm=spec.name)
+            if dom is None:
+                dom = self.domains[spec.name] = _Domain(spec=spec, layers=[spec.disk])
+            dom.spec, dom.state, dom.saved = spec, DomainState.RUNNING, False
+            dom.restores += 1
+            return spec.name
+
+    def allocated_mib(self) -> int:
+        with self._lock:
+            self._enter("allocated_mib", "*")
+            return sum(d.spec.memory_mib for d in self.domains.values() if d.state is not DomainState.SHUT_OFF)
+
+    def free_mib(self) -> int | None:
+        with self._lock:
+            self._enter("free_mib", "*")
+            return self.host_free_mib
 
     def pause(self, name: str) -> None:
         with self._lock:

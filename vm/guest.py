@@ -106,6 +106,7 @@ class ClockSync:
     """Guest clock minus host clock before the resync."""
     after: timedelta
     round_trip: timedelta
+    """From sending the guest command until the guest first answered with its clock (the shell's start included)."""
     applied: bool = True
     """False when the clock was left alone because the "guest" is this very machine (see `resync_clock`)."""
 

@@ -146,6 +146,50 @@ class LibvirtHypervisor:
             if dom.hasManagedSaveImage(0):
                 dom.managedSaveRemove(0)
 
+    # ------------------------------------------------------------------------------------------ several hosts
+
+    def save_to(self, name: str, path: Path) -> None:
+        """Save memory to `path` (a file every host sees) and end the QEMU process; no managed-save state is left
+        here, so any host's `restore_from` can take it."""
+        dom = self._dom(name)
+        with self._calling(name, "save"):
+            dom.save(str(path))
+
+    def restore_from(self, path: Path) -> str:
+        """Start the domain saved in `path` on this host and return its name. The definition comes from the saved
+        image itself (its UUID, disks, forwards and proxy credential), replacing a stopped local one of that name."""
+        conn = self._connection()
+        with self._calling(path.name, "read the saved state"):
+            xml = conn.saveImageGetXMLDesc(str(path), 0)
+        root = ET.fromstring(xml)
+        name, uuid = root.findtext("name", ""), root.findtext("uuid", "")
+        if name in self.names():
+            dom = self._dom(name)
+            with self._calling(name, "replace the definition of"):
+                if dom.UUIDString() != uuid:
+                    if dom.isActive():
+                        raise IllegalTransition(f"{name} is running on {self.uri}: it cannot be restored there too",
+                                                vm=name)
+                    dom.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+                                      | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA)
+        with self._calling(name, "restore"):
+            conn.defineXML(xml)
+            conn.restore(str(path))
+        return name
+
+    def allocated_mib(self) -> int:
+        """Memory of every domain running on this connection (ours and anyone else's), in MiB."""
+        conn = self._connection()
+        with self._calling("*", "list"):
+            kib = sum(int(d.maxMemory()) for d in conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE))
+        return kib // 1024
+
+    def free_mib(self) -> int | None:
+        """Free memory the host reports, in MiB."""
+        conn = self._connection()
+        with self._calling("*", "read the free memory of"):
+            return int(conn.getFreeMemory()) // (1024 * 1024)
+
     def pause(self, name: str) -> None:
         dom = self._dom(name)
         with self._calling(name, "pause"):

@@ -39,6 +39,7 @@ from wakeful.vm.guest import (
     BadKey,
     ChannelClosed,
     ClockSync,
+    CommandFailed,
     GuestError,
     GuestTimeout,
     GuestUnreachable,
@@ -49,7 +50,7 @@ from wakeful.vm.guest import (
     RunResult,
 )
 
-__all__ = ["GuestChannel", "parse_public_key"]
+__all__ = ["SET_CLOCK", "GuestChannel", "parse_public_key"]
 
 _CHUNK = 65536
 
@@ -108,17 +109,31 @@ def _local_boot_id() -> str:
         return ""
 
 
-def _default_set_clock(ns: int) -> list[str]:
-    return ["date", "-u", "-s", f"@{ns // 10**9}.{ns % 10**9:09d}"]
+SET_CLOCK = 'date -u -s "@$t"'
+"""The guest shell command that sets the clock to `$t` (epoch seconds with nine decimals)."""
+# One guest shell reads the clock, waits for the host's time on stdin, sets it and reads it again: a single command
+# (each one costs a fork and an exec of the shell, slow in a guest whose translated code a restore threw away), and
+# the host sends its time only once the shell is up, so the clock lands close to it. bash's $EPOCHREALTIME reads
+# the clock without another exec; `date` stands in under a shell without it. With stdin closed and nothing read,
+# the shell exits 0 and the clock is left alone.
+_CLOCK_SCRIPT = (
+    'read -r b < /proc/sys/kernel/random/boot_id; echo "$b ${{EPOCHREALTIME:-$(date +%s.%N)}}"; '
+    'read -r t || exit 0; {{ {setter}; }} >/dev/null || exit 3; echo "set ${{EPOCHREALTIME:-$(date +%s.%N)}}"')
+
+
+def _epoch_ns(text: bytes) -> int:
+    """`1733162400.123456` (any number of decimals, either separator) as nanoseconds."""
+    seconds, _, fraction = text.decode().replace(",", ".").partition(".")
+    return int(seconds) * 10**9 + int((fraction + "000000000")[:9])
 
 
 class GuestChannel:
     def __init__(self, *, host: str = "127.0.0.1", port: int, user: str, client_key_path: Path | str,
                  pinned_host_key: str, keepalive: float = 15.0, forward_wait: float = 20.0,
                  max_output: int = 64 * 1024 * 1024, wall_ns: Callable[[], int] = time.time_ns,
-                 set_clock: Callable[[int], Sequence[str]] = _default_set_clock) -> None:
+                 set_clock: str = SET_CLOCK) -> None:
         """`forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
-        `set_clock`: the guest command that sets its clock to an epoch in ns (tests on a host replace it)."""
+        `set_clock`: the guest shell command that sets its clock to `$t` (tests on a host replace it)."""
         self.host, self.port, self.user = host, port, user
         self._pinned = parse_public_key(pinned_host_key)
         try:
@@ -289,27 +304,63 @@ class GuestChannel:
             select.select([chan], [], [], min(remaining, 0.05))
 
     def resync_clock(self, *, timeout: float = 10.0) -> ClockSync:
-        """Set the guest clock from the host's (two round trips): measure, then set and measure again.
+        """Set the guest clock from the host's in one guest command: the shell reports its boot id and clock, the
+        host answers with its own time on stdin, the shell sets the clock and reports it again.
 
         Refuses to set it (`applied=False`) when the "guest" shares this machine's boot id: pointed at the host's own
         sshd (as in tests), `date -s` would step the host clock that every other process relies on."""
+        deadline = time.monotonic() + timeout
+        transport = self._live_transport()
         t0 = self._wall_ns()
-        first = self.run("cat /proc/sys/kernel/random/boot_id && date +%s%N", timeout=timeout)
-        t1 = self._wall_ns()
-        boot_id, guest_ns = first.check("reading the guest clock").stdout.split()
-        before = int(guest_ns) - (t0 + t1) // 2
-        rtt = t1 - t0
-        if boot_id.decode() == _local_boot_id() and self._set_clock is _default_set_clock:
-            offset = timedelta(microseconds=before / 1000)
-            return ClockSync(before=offset, after=offset, round_trip=timedelta(microseconds=rtt / 1000),
-                             applied=False)
-        t2 = self._wall_ns()
-        setter = shlex.join(self._set_clock(t2 + rtt // 2))  # aim at the moment the command lands
-        second = self.run(f"{setter} >/dev/null && date +%s%N", timeout=timeout).check("setting the guest clock")
-        t3 = self._wall_ns()
-        after = int(second.stdout.split()[-1]) - (t2 + t3) // 2
+        try:
+            chan = transport.open_session(timeout=timeout)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise NotConnected(f"cannot open a session on the guest: {exc}") from None
+        try:
+            chan.exec_command(_CLOCK_SCRIPT.format(setter=self._set_clock))
+            first, pending = self._line(chan, bytearray(), deadline, timeout)
+            t1 = self._wall_ns()
+            try:
+                boot_id, guest_text = first.split()
+                before = _epoch_ns(guest_text) - t1
+            except ValueError:
+                raise CommandFailed(f"reading the guest clock gave {first[:200]!r}", status=-1) from None
+            rtt = timedelta(microseconds=(t1 - t0) / 1000)
+            if boot_id.decode() == _local_boot_id() and self._set_clock == SET_CLOCK:
+                chan.shutdown_write()  # nothing to read: the shell leaves the clock alone
+                offset = timedelta(microseconds=before / 1000)
+                return ClockSync(before=offset, after=offset, round_trip=rtt, applied=False)
+            now = self._wall_ns()
+            chan.sendall(f"{now // 10**9}.{now % 10**9:09d}\n".encode())
+            chan.shutdown_write()
+            second, _ = self._line(chan, pending, deadline, timeout)
+            t3 = self._wall_ns()
+            if not second.startswith(b"set "):
+                status = chan.recv_exit_status() if chan.exit_status_ready() else -1
+                raise CommandFailed(f"setting the guest clock failed with status {status}", status=status)
+            after = _epoch_ns(second.split()[1]) - t3
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise NotConnected(f"the SSH connection dropped while setting the clock: {exc}") from None
+        finally:
+            chan.close()
         return ClockSync(before=timedelta(microseconds=before / 1000), after=timedelta(microseconds=after / 1000),
-                         round_trip=timedelta(microseconds=rtt / 1000), applied=True)
+                         round_trip=rtt, applied=True)
+
+    def _line(self, chan: paramiko.Channel, pending: bytearray, deadline: float,
+              timeout: float) -> tuple[bytes, bytearray]:
+        """The next line on `chan`'s stdout (and what came after it), waiting until `deadline`."""
+        while b"\n" not in pending:
+            if chan.recv_ready():
+                pending += chan.recv(_CHUNK)
+                continue
+            if chan.closed or chan.eof_received:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GuestTimeout(f"no answer from the guest clock within {timeout:g} s")
+            select.select([chan], [], [], min(remaining, 0.05))
+        line, _, rest = bytes(pending).partition(b"\n")
+        return line.strip(), bytearray(rest)
 
     # ------------------------------------------------------------------------------------------ forwards
 

@@ -387,7 +387,7 @@ class ToolComputer:
         optionally take the first fresh observation. Every step is timed.
 
         A browser observation does not wait for the clock: it runs on the CDP side while the SSH side resyncs
-        (two command round trips, seconds under TCG), so the restore costs max(SSH + clock, CDP + observation).
+        (one guest command, a second or more under TCG), so the restore costs max(SSH + clock, CDP + observation).
         A CDP attach that failed while SSH was still coming back is made once more after it is back."""
         with self._lock:
             start = self._timer()

@@ -93,7 +93,7 @@ def load_or_create_key(path: Path) -> LedgerKey:
         key = Ed25519PrivateKey.generate()
         pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         # Written whole under a name of its own, then linked in place: a process starting at the same moment
         # either sees no key or the whole of one, and a link never replaces a key already there.
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

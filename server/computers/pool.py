@@ -21,19 +21,21 @@ import operator
 import re
 import threading
 import types
-from datetime import timedelta
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 
 from wakeful.proxy.clock import Clock
 from wakeful.server.errors import BadRequest, WakefulError
+from wakeful.server.observe import metrics
 from wakeful.server.settings import Settings
 from wakeful.server.store.tables import Risk
 from wakeful.vm.observe import ACT_KINDS, Act, DesktopClick, DesktopKey, DesktopType
 
 if TYPE_CHECKING:
+    from wakeful.vm.hosts import HostHypervisor
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
     from wakeful.vm.lifecycle import VmInfo, VmManager
     from wakeful.vm.observe import Accepted, HandoffLease, LeaseGrant, Refused, Surface
@@ -41,8 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "ActArgs", "Computer", "Computers", "LazyVmComputers",
-           "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "execute", "network_settings", "observe"]
+__all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "ActArgs", "Computer", "Computers",
+           "LazyVmComputers", "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "execute",
+           "hypervisor_for", "network_settings", "observe"]
 
 OBSERVE_TOOL: Final = "computer__observe"
 ACT_TOOL: Final = "computer__act"
@@ -190,7 +193,9 @@ class VmComputers:
     def computer(self, user_id: str) -> ToolComputer:
         with self._user_lock(user_id):
             self._provisioned(user_id)
-            info = self._manager.ensure_running(user_id)
+            with metrics.restoring(self._manager.get(user_id).state == "suspended"):
+                info = self._manager.ensure_running(user_id)
+            metrics.computers(vm.state.value for vm in self._manager.vms())
             tc = self._computers.get(user_id)
             if tc is None:
                 tc = self._connect(info)
@@ -206,7 +211,9 @@ class VmComputers:
             yield
 
     def reap(self) -> list[str]:
-        return self._manager.reap()
+        reaped = self._manager.reap()
+        metrics.computers(vm.state.value for vm in self._manager.vms())
+        return reaped
 
 
 def _vm_error(exc: Exception) -> WakefulError:
@@ -281,6 +288,22 @@ def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, An
     return {"network": network.name, "network_proxy_port": listen[1], "address_book": settings.address_book}
 
 
+def hypervisor_for(settings: Settings, connect: Callable[[str], HostHypervisor]) -> Hypervisor:
+    """Where tool computers run: `connect(libvirt_uri)` alone, or a fleet over `computer_hosts` (each connected with
+    `connect(uri)`) with saved state in `computer_shared_dir` (`vm.hosts.HostFleet`, placing each computer by the
+    rules of `vm.placement`)."""
+    if not settings.computer_hosts:
+        return connect(settings.libvirt_uri)
+    from wakeful.vm.hosts import Host, HostFleet
+    from wakeful.vm.placement import HostMark, HostSpec
+
+    assert settings.computer_shared_dir is not None, "Settings requires computer_shared_dir with computer_hosts"
+    hosts = [Host(spec=HostSpec(name=h.name, uri=h.uri, memory_mib=h.memory_mib, max_restores=h.max_restores,
+                                mark=HostMark(h.mark)), hypervisor=connect(h.uri))
+             for h in settings.computer_hosts]
+    return HostFleet(hosts, settings.computer_shared_dir, busy_wait=settings.computer_busy_wait.total_seconds())
+
+
 VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
 """What the `computers` extra installs (`./scripts/install --computers`)."""
 
@@ -320,9 +343,9 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
     try:
         accel = choose_accel(kernel, data_dir=settings.data_dir, force=settings.computer_accel)
         log.info("tool computers run under %s", accel.describe())
-        hypervisor = LibvirtHypervisor(settings.libvirt_uri)
+        hypervisor = hypervisor_for(settings, LibvirtHypervisor)
         manager = VmManager(VmSettings(
-            data_dir=settings.data_dir, base_image=image / "base.qcow2", kernel=kernel,
+            data_dir=settings.computer_shared_dir or settings.data_dir, base_image=image / "base.qcow2", kernel=kernel,
             initrd=image / "initrd.img" if (image / "initrd.img").exists() else None, accel=accel.accel,
             proxy_port=settings.proxy_port if settings.proxy else None, idle_after=settings.computer_idle_after,
             tb_cache_mib=settings.computer_tcg_cache,

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel, ConfigDict, create_model
 
-from wakeful.server.computers.pool import Computer, Computers, act_from_args, act_json
+from wakeful.server.computers.pool import Computers, act_from_args, act_json
 from wakeful.server.errors import Conflict, WakefulError
 
 if TYPE_CHECKING:

@@ -4,7 +4,14 @@ Each pass, in one write transaction: runs whose lease expired are marked abandon
 freed; poison events past the attempt cap are failed and the user told; a pending event without a todo gets one;
 a todo whose session has nothing pending is dropped.
 
-The last three look through every pending event or todo (a millisecond per thousand here), and there is almost
+It also clears what expired and is no longer of use: console sessions past their expiry (the console already
+treats them as signed out; the row only kept a CSRF token alive), and approval links `LINK_KEPT` past theirs. A link
+is kept that long after it expired (used or not) so that a late click is told why it no longer opens
+(`link_expired`, `link_used`) rather than `unknown_link`; after that it refuses all the same, and one row per approval
+request would otherwise pile up for as long as the deployment lives. Neither is history: the approval itself, its
+use and the action stay in the ledger.
+
+The event checks look through every pending event or todo (a millisecond per thousand here), and there is almost
 never anything to find: they look on a snapshot first, and search again under the write lock only when that found
 something, so that a backlog of events does not hold the inbox's commits up for as long as it takes to read it.
 """
@@ -12,17 +19,20 @@ something, so that a backlog of events does not hold the inbox's commits up for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import Engine, and_, delete, exists, or_, select, update
 
 from wakeful.server.core import sessions
 from wakeful.server.core.worker import any_poison_unheld, fail_poison_events
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import EventStatus, RunOutcome, events, runs, todos
+from wakeful.server.store.tables import EventStatus, RunOutcome, approval_links, console_sessions, events, runs, todos
 from wakeful.server.store.tables import sessions as sessions_table
 
-__all__ = ["SweepReport", "sweep"]
+__all__ = ["LINK_KEPT", "SweepReport", "sweep"]
+
+LINK_KEPT = timedelta(days=7)
+"""How long an approval link is kept after it expired, so that opening it late still says why it refuses."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +41,8 @@ class SweepReport:
     failed_events: int
     rescheduled: int
     dropped_todos: int
+    expired_sessions: int = 0
+    expired_links: int = 0
 
 
 def sweep(engine: Engine, *, now: datetime, event_max_attempts: int) -> SweepReport:
@@ -61,4 +73,9 @@ def sweep(engine: Engine, *, now: datetime, event_max_attempts: int) -> SweepRep
         for o in orphans:
             sessions.wake(conn, session_id=o.session_id, user_id=o.user_id, due_at=now)
         dropped = 0 if found_idle is None else conn.execute(delete(todos).where(idle)).rowcount
-    return SweepReport(abandoned_runs=abandoned, failed_events=failed, rescheduled=len(orphans), dropped_todos=dropped)
+        # Both by their `expires_at` index: a pass that finds nothing reads nothing.
+        signed_out = conn.execute(delete(console_sessions).where(console_sessions.c.expires_at <= now)).rowcount
+        stale_links = conn.execute(delete(approval_links)
+                                   .where(approval_links.c.expires_at <= now - LINK_KEPT)).rowcount
+    return SweepReport(abandoned_runs=abandoned, failed_events=failed, rescheduled=len(orphans), dropped_todos=dropped,
+                       expired_sessions=signed_out, expired_links=stale_links)

@@ -33,6 +33,7 @@ from wakeful.server.core.authority import of_source
 from wakeful.server.core.schedule import Misfire, Recurrence
 from wakeful.server.core.speaking import Level, Urgency
 from wakeful.server.errors import Refused, StaleToken
+from wakeful.server.observe import metrics
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.db import read, upsert, write, write_lock_time
@@ -434,6 +435,7 @@ class Worker:
         if outcome is RunOutcome.COMPLETED or outcome is RunOutcome.BUDGET_EXHAUSTED:
             faults.crash_point("after_outbox_write")
         self._on_commit()
+        metrics.run_ended(outcome.value)
         return True
 
     # -- claim -----------------------------------------------------------------------------------------------------
@@ -472,6 +474,7 @@ class Worker:
                               corr_key=e.corr_key, payload=json.loads(e.payload), received_at=e.received_at)
                     for e in pending
                 )
+                metrics.run_started(now, views)
                 return RunContext(run_id=run_id, session_id=session_id, user_id=user_id, token=token, events=views,
                                   todo_version=sessions.todo_version(conn, session_id),
                                   lease_until=now + self.settings.lease, _worker=self, _started=time.monotonic(),

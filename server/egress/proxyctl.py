@@ -33,6 +33,7 @@ from wakeful.proxy.contract import DecisionRequest, Verdict
 from wakeful.proxy.vault import KEY_ENV, KeyRing, Vault, init_key, keys_from_env
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import WakefulError
+from wakeful.server.observe import metrics
 from wakeful.server.settings import Settings, child_environment
 from wakeful.server.store.db import read, write
 
@@ -198,6 +199,7 @@ class DeciderService:
     def record_now(self, records: list[EgressRecord]) -> None:
         with write(self._engine) as conn:
             egress.store_audit(conn, records, now=self._clock.now())
+        metrics.egress_recorded(records)
 
     async def decide(self, req: DecisionRequest) -> Verdict:
         verdict = self.decide_inline(req)

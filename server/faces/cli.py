@@ -140,6 +140,17 @@ def _show_token(token: str | None) -> None:
         typer.echo(token)
 
 
+def _observe(settings: Settings) -> None:
+    """Log lines in the settings' format; metrics kept in the shared directory the api's /metrics sums (serve
+    emptied it when it started them; started on their own, as the systemd units do, they add to what is there)."""
+    from wakeful.server.observe import metrics
+    from wakeful.server.observe.logs import configure_logging
+
+    configure_logging(settings)
+    if metrics.ENV not in os.environ:
+        metrics.share_across_processes(settings.metrics_dir, clean=False)
+
+
 @app.command()
 def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None, port: Port = None) -> None:
     """Run wakeful on one data directory: prepare the database (the owner's token is printed once, on the first
@@ -151,16 +162,23 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
 
     # Only what preparing needs is imported here (not the runtime): each child imports what it runs, and a start
     # is the two in sequence. A setting a child refuses (a connector declaration, say) stops serve with exit 2.
+    from wakeful.server.observe import metrics
+    from wakeful.server.observe.logs import configure_logging
+
     _log_to_stderr()
     settings = _settings(data_dir, database_url, host=host, port=port)
+    configure_logging(settings)
     try:
         _refuse_taken_ports(settings, proxy=True)
     except WakefulError as exc:
         _fail(exc)
     engine = _engine(settings)  # migrates: its logs on stderr, before the token on stdout
     with write(engine) as conn:
-        _, token = users.ensure_user(conn, name="owner", now=SystemClock().now())
+        _, token = users.ensure_user(conn, name=users.OWNER, now=SystemClock().now(), admin=True)
     engine.dispose()
+    # Before the children start (they inherit the directory) and before anything is observed: the api's /metrics
+    # sums what every child observed since serve started.
+    metrics.share_across_processes(settings.metrics_dir, clean=True)
     _show_token(token)
     names: tuple[str, ...] = ("api", "worker")
     if settings.proxy:
@@ -175,7 +193,8 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
     """Serve HTTP: /v1, /mcp, the console and webhooks (each delivery committed before it is acknowledged), and the
     egress proxy's policy decisions. Runs no runs: every commit wakes `wakeful worker` (a socket in <data_dir>/run on
     SQLite, LISTEN/NOTIFY on PostgreSQL). It holds the tool computers (computers = true) and serves them to the worker
-    on <data_dir>/run/computers.sock. Start `wakeful proxy` beside it when proxy = true (`wakeful serve` does all of that)."""
+    on <data_dir>/run/computers.sock. Start `wakeful proxy` beside it when proxy = true (`wakeful serve` does all of
+    that)."""
     import uvicorn
 
     from wakeful.server.egress.proxyctl import abort_proxy_start
@@ -189,6 +208,7 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
     # per request. At 0.5 ms: ack p99 at 1,000/s and throughput at saturation both improve (bench/ingest.py).
     sys.setswitchinterval(0.0005)
     settings = _settings(data_dir, database_url, host=host, port=port)
+    _observe(settings)
     try:
         registry = load_registry(settings)
         _refuse_taken_ports(settings, proxy=False)
@@ -240,6 +260,7 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
 
     _log_to_stderr()
     settings = _settings(data_dir, database_url, workers=workers)
+    _observe(settings)
     try:
         registry = load_registry(settings)
     except WakefulError as exc:
@@ -301,19 +322,21 @@ def token(user: Annotated[str, typer.Option(help="Whose token.")] = "owner",
     engine = _engine(_settings(data_dir, database_url))
     with write(engine) as conn:
         try:
-            user_id, _ = users.ensure_user(conn, name="owner", now=SystemClock().now()) if user == "owner" else (
-                users.user_id_by_name(conn, user), None)
+            user_id, _ = users.ensure_user(conn, name=users.OWNER, now=SystemClock().now(), admin=True) \
+                if user == users.OWNER else (users.user_id_by_name(conn, user), None)
         except WakefulError as exc:
             _fail(exc)
         typer.echo(users.issue_token(conn, user_id=user_id))
 
 
 @app.command("user-add")
-def user_add(name: str, data_dir: DataDir = None, database_url: DbUrl = None) -> None:
+def user_add(name: str, admin: Annotated[bool, typer.Option(
+                 "--admin", help="Also let this user STOP / START the whole deployment from the console.")] = False,
+             data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Create a user and print its API token (shown once)."""
     engine = _engine(_settings(data_dir, database_url))
     with write(engine) as conn:
-        _, new = users.ensure_user(conn, name=name, now=SystemClock().now())
+        _, new = users.ensure_user(conn, name=name, now=SystemClock().now(), admin=admin)
     if new is None:
         say("user_exists", f"{name!r} exists; `wakeful token --user {name}` re-issues its token")
         raise typer.Exit(2)

@@ -63,10 +63,12 @@ def proxy(ctx: typer.Context, data_dir: DataDir = None) -> None:
     import logging
 
     from wakeful.server.egress.proxyctl import run_proxy
+    from wakeful.server.observe.logs import configure_logging
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_or_exit(data_dir, None)
+    configure_logging(settings)  # `log_format`, secrets redacted: the same lines as the server's
     try:
         run_proxy(settings)
     except WakefulError as exc:

@@ -7,7 +7,8 @@ failure answers `{"error": {"code", "message", ...}}` with a stable code (docs/h
     POST /v1/noop                  does nothing: the baseline the benchmarks compare ingest against
     /mcp                           the MCP server over streamable HTTP (an agent credential, or the user's token)
     GET  /openapi.json             the OpenAPI document of all of it (bearer token; `server.faces.openapi`)
-    GET  /healthz
+    GET  /healthz, /readyz         alive; ready (database, proxy, libvirt answer; not draining) — no credential
+    GET  /metrics                  Prometheus metrics, aggregate numbers only (`server.observe.metrics`)
     GET  /, /signin, /approvals, /tasks, …   the console: pages for people (`server.faces.console`)
 """
 
@@ -19,6 +20,7 @@ import gc
 import json
 import logging
 import re
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -26,6 +28,7 @@ from contextlib import asynccontextmanager
 from email.utils import formatdate
 from functools import partial
 from http import HTTPStatus
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -44,7 +47,7 @@ from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.inbox import Delivery
 from wakeful.server.core.signatures import SignatureError, Signed, verify_signature
 from wakeful.server.egress.proxyctl import serve_egress
-from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, WakefulError
+from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, Unavailable, WakefulError
 from wakeful.server.faces import bodies
 from wakeful.server.faces.auth import BearerGate, current_user, user_of
 from wakeful.server.faces.console import console_routers
@@ -54,11 +57,13 @@ from wakeful.server.faces.mcpserver import WakefulMCP
 from wakeful.server.faces.memory_routes import memory_router
 from wakeful.server.faces.openapi import MCP, NOVNC, WEBHOOKS, openapi_document
 from wakeful.server.faces.routes import router
-from wakeful.server.faces.schemas import Done, Health
+from wakeful.server.faces.schemas import Done, Health, Ready, refusals
+from wakeful.server.observe import logs, metrics
+from wakeful.server.observe.health import Drain, readiness
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.tables import events
 
-__all__ = ["QuietServer", "WebhookInbox", "create_app", "error_response"]
+__all__ = ["ExactPath", "QuietServer", "WebhookInbox", "create_app", "error_response"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,23 @@ class QuietServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.server_state.connections = _Connections(self._connection_opened)
+        self._draining: asyncio.TimerHandle | None = None
+        logs.route_uvicorn_to_root()  # uvicorn set its own handlers up in `config`; ours write its lines too
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """The first SIGTERM starts the drain (`server.observe.health`): `/readyz` answers 503 from now on, and the
+        server stops listening `drain_seconds` later (at once when 0). Ctrl-C, or a second signal, stops it now."""
+        app = self.config.app
+        if isinstance(app, WebhookInbox) and not app.drain.draining:
+            app.drain.begin()
+            delay = app.runtime.settings.drain_seconds
+            if sig == signal.SIGTERM and delay > 0 and self.started and self._loop is not None:
+                log.info("SIGTERM: draining for %g s (/readyz answers 503), then stopping", delay)
+                self._draining = self._loop.call_later(delay, super().handle_exit, sig, frame)
+                return
+        if self._draining is not None:
+            self._draining.cancel()
+        super().handle_exit(sig, frame)
 
     @property
     def should_exit(self) -> bool:
@@ -173,6 +195,37 @@ def error_response(exc: BaseException) -> JSONResponse:
     else:
         error, status = WakefulError("internal_error", "the server failed to answer; the error is in its log"), 500
     return JSONResponse(error.to_json(), status_code=status, headers=headers)
+
+
+class ExactPath:
+    """One exact path answered by `route` in front of `app` (FastAPI, whose routing matched every other route and
+    router before reaching it, and whose middleware wrapped it: ~13% of an MCP call's server CPU in a profile of
+    `bench/mcp_roundtrip.py`); every other request goes to `app`. What FastAPI's stack gave the route is kept here:
+    an unexpected error before the answer started is logged and answered 500 through `error_response`."""
+
+    def __init__(self, app: ASGIApp, *, path: str, route: ASGIApp) -> None:
+        self.app = app
+        self.path = path
+        self.route = route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.route(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("%s %s failed", scope["method"], self.path)
+            await error_response(exc)(scope, receive, send)
 
 
 class JsonErrors:
@@ -276,30 +329,43 @@ class WebhookInbox:
     def __init__(self, app: ASGIApp, *, runtime: Runtime) -> None:
         self.app = app
         self.runtime = runtime
+        self.drain = Drain()
+        """Set by the first SIGTERM (`QuietServer.handle_exit`); `/readyz` answers 503 from then on."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         source = self._source(scope)
         if source is None:
             await self.app(scope, receive, send)
             return
+        started = time.perf_counter()
+        result = await self._answer(source, scope, receive, send)
+        # A source the deployment did not configure is named by whoever sent it: never a label of its own.
+        metrics.delivery(source if source in self.runtime.settings.sources else "unknown", result,
+                         time.perf_counter() - started)
+
+    async def _answer(self, source: str, scope: Scope, receive: Receive, send: Send) -> str:
+        """Answer one delivery; returns what became of it: recorded, duplicate, or the refusal's code."""
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed("method_not_allowed", "webhook deliveries are POSTed")
             answer = await self.receive(source, Headers(scope=scope), receive)
         except bodies.Disconnected:
-            return  # nobody to answer; nothing was recorded
+            return "disconnected"  # nobody to answer; nothing was recorded
         except WakefulError as exc:
             await self._refuse(exc, scope, receive, send)
-            return
+            return exc.code
         except Exception:
             log.exception("webhook delivery to source %r failed", source)
             await self._refuse(WakefulError("internal_error", "the delivery could not be recorded; send it again"),
                                scope, receive, send)
-            return
+            return "internal_error"
         body = json.dumps(answer, separators=(",", ":")).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
         await send({"type": "http.response.body", "body": body})
+        if "challenge" in answer:
+            return "challenge"
+        return "duplicate" if answer["duplicate"] else "recorded"
 
     @staticmethod
     async def _refuse(exc: WakefulError, scope: Scope, receive: Receive, send: Send) -> None:
@@ -357,8 +423,10 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
     mcp = WakefulMCP(engine=runtime.engine, clock=clock, settings=settings, tools=runtime.tools, local_user=None,
                      on_write=runtime.signals.wake_all)
     # No SDK auth: its resource metadata would send clients to an OAuth server wakeful does not run. `BearerGate`
-    # checks the token once per request, and the handlers read the user it found (`server.faces.auth`).
-    mcp_app = mcp.server.streamable_http_app(streamable_http_path="/mcp", host=settings.host)
+    # checks the token once per request, and the handlers read the user it found (`server.faces.auth`). A call is
+    # answered as one JSON body, not an SSE stream: no handler sends what only a request's stream could carry (a
+    # progress or log notification, a request of its own), and the stream's machinery was ~25% of a call's CPU.
+    mcp_app = mcp.server.streamable_http_app(streamable_http_path="/mcp", host=settings.host, json_response=True)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -394,9 +462,32 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
     for caught in (WakefulError, RequestValidationError, HTTPException, Exception):
         app.add_exception_handler(caught, _error)
 
+
     @app.get("/healthz", response_model=Health)
     async def healthz() -> dict[str, str]:
+        """Alive: the process answers (while it drains too). No credential; it says nothing else."""
         return {"status": "ok"}
+
+    @app.get("/readyz", response_model=Ready, responses=refusals("not_ready"))
+    async def readyz() -> dict[str, Any]:
+        """Ready for traffic: the database, the egress proxy (`proxy`), libvirt (`computers`) answer, and the process
+        is not draining after a SIGTERM. No credential; it names no user."""
+        checks = await readiness(settings, runtime.engine, inbox.drain)
+        said = {check.name: check.problem or "ok" for check in checks}
+        failed = [f"{check.name}: {check.problem}" for check in checks if check.problem is not None]
+        if failed:
+            raise Unavailable("not_ready", "not ready: " + "; ".join(failed), checks=said)
+        return {"status": "ready", "checks": said}
+
+    @app.get("/metrics", response_class=Response, responses=refusals("not_found") | {
+        200: {"description": "Prometheus text exposition", "content": {metrics.CONTENT_TYPE.split(";")[0]: {}}}})
+    async def prometheus() -> Response:
+        """Prometheus metrics: counts, latencies and depths, never a user's ID or name (`server.observe.metrics`).
+        No credential: read it from the listen address, and keep it from the outside at the reverse proxy."""
+        if not settings.metrics:
+            raise NotFound("not_found", "metrics are off on this server (metrics = false)")
+        body = await asyncio.to_thread(metrics.exposition, runtime.engine)
+        return Response(body, media_type=metrics.CONTENT_TYPE)
 
     @app.get("/openapi.json", dependencies=[Depends(current_user)])
     def openapi() -> dict[str, Any]:
@@ -426,4 +517,5 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
         assert isinstance(route, Route), route
         app.router.add_route(route.path, mcp_errors_as_ours, methods=route.methods)  # type: ignore[arg-type]
     gate = ControlGate(app, authenticate=partial(user_of, runtime.engine), respond=error_response)
-    return WebhookInbox(gate, runtime=runtime)
+    inbox = WebhookInbox(ExactPath(gate, path="/mcp", route=mcp_errors_as_ours), runtime=runtime)
+    return inbox

@@ -1,6 +1,7 @@
 """The user's control channel over HTTP (bearer token): tasks, approvals, STOP, the ledger, the message feed.
 
     POST /v1/control/stop|start                 STOP / START for the caller
+    POST /v1/control/everything/stop|start      STOP / START over the whole deployment: admins only
     GET  /v1/control
     POST /v1/tasks                              delegate: title, goal, constraints, completion conditions, keys
     POST /v1/tasks/{id}/steer                   a new task version
@@ -40,7 +41,7 @@ from wakeful.server.core import control, holds, sessions, speaking, steers
 from wakeful.server.core import outbox as outbox_core
 from wakeful.server.core.keys import MAX_KEYS
 from wakeful.server.egress import grants as egress
-from wakeful.server.errors import BadRequest, NotFound
+from wakeful.server.errors import BadRequest, NotFound, Refused
 from wakeful.server.faces.auth import User, current_user
 from wakeful.server.faces.pages import Cursor, Limit, decode_cursor, encode_cursor
 from wakeful.server.faces.schemas import (
@@ -62,11 +63,12 @@ from wakeful.server.faces.schemas import (
     refusals,
 )
 from wakeful.server.runtime import Runtime
+from wakeful.server.store import users
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, events, outbox
 from wakeful.server.tools.layer import Completion
 
-__all__ = ["ControlIn", "decide", "router", "set_stop", "transition"]
+__all__ = ["ControlIn", "decide", "router", "set_everything_stop", "set_stop", "transition"]
 
 router = APIRouter(dependencies=[Depends(current_user)])
 """Every route here is the user's: the router itself asks for a user credential (an agent's is 403
@@ -137,7 +139,7 @@ def start(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
 
 def set_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str, Any]:
     """Record the caller's STOP or START and answer what is true afterwards: a START does not lift a STOP over
-    everything, which only the deployment's operator records (`wakeful start`)."""
+    everything, which only an admin (`set_everything_stop`) or the operator (`wakeful start`) records."""
     with write(rt.engine) as conn:
         record = control.set_stop(conn, stopped=stopped, user_id=user, actor=f"user:{user}", reason=reason,
                                   now=rt.clock.now())
@@ -146,8 +148,34 @@ def set_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str,
     answer: dict[str, Any] = {"stopped": state.blocks(user), "global_stop": state.everything, "record_id": record}
     if not stopped and state.everything:
         answer["note"] = "your START is recorded, but a STOP over everything is in force: nothing goes out until " \
-                         "the operator lifts it with `wakeful start`"
+                         "an admin lifts it (on the console's home page, or `wakeful start`)"
     return answer
+
+
+@router.post("/v1/control/everything/stop", response_model=StopRecorded, response_model_exclude_unset=True,
+             responses=refusals("admin_required"))
+def stop_everything(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
+    return set_everything_stop(user, rt, stopped=True, reason=body.reason if body else "")
+
+
+@router.post("/v1/control/everything/start", response_model=StopRecorded, response_model_exclude_unset=True,
+             responses=refusals("admin_required"))
+def start_everything(user: User, rt: Rt, body: ControlIn | None = None) -> dict[str, Any]:
+    return set_everything_stop(user, rt, stopped=False, reason=body.reason if body else "")
+
+
+def set_everything_stop(user: str, rt: Runtime, *, stopped: bool, reason: str) -> dict[str, Any]:
+    """An admin's STOP or START over the whole deployment (what `wakeful stop` without `--user` records); anyone
+    else is refused `admin_required`. Answers what is true for the caller afterwards."""
+    with write(rt.engine) as conn:
+        if not users.is_admin(conn, user):
+            raise Refused("admin_required", "only an admin stops or starts the whole deployment; your own STOP / "
+                                            "START is on the home page")
+        record = control.set_stop(conn, stopped=stopped, user_id=None, actor=f"admin:{user}", reason=reason,
+                                  now=rt.clock.now())
+        state = control.stop_state(conn)
+    rt.signals.wake_all()
+    return {"stopped": state.blocks(user), "global_stop": state.everything, "record_id": record}
 
 
 @router.get("/v1/control", response_model=StopAnswer)

@@ -28,7 +28,7 @@ __all__ = [
     "CODES", "ActionView", "ApprovalCard", "Decision", "Done", "EgressPage", "ErrorEnvelope", "EventView", "Health",
     "HookReceipt",
     "Ledger", "MemoryChanged", "MemoryDetail", "MemoryPage", "MemoryRecord", "MessagePage", "PreferencesView",
-    "MessageRecorded", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
+    "MessageRecorded", "Ready", "SlackChallenge", "SteerDecision", "StopAnswer", "StopRecorded", "TaskCreated",
     "TaskStateAnswer", "TaskStatus", "TaskVersionAnswer", "ViewLink", "refusals",
 ]
 
@@ -64,6 +64,7 @@ CODES: dict[str, int] = {
     "missing_token": 401, "signed_out": 401, "bad_token": 401, "signature_missing": 401, "signature_malformed": 401,
     "signature_mismatch": 401, "signature_expired": 401,
     "forbidden": 403, "user_credential_required": 403, "third_party_directive": 403, "bad_csrf_token": 403,
+    "admin_required": 403,
     "not_found": 404, "unknown_task": 404, "unknown_event": 404, "unknown_action": 404, "unknown_steer": 404,
     "unknown_operation": 404, "unknown_source": 404, "unknown_tool": 404, "unknown_memory": 404, "unknown_link": 404,
     "unknown_run": 404, "no_tool_computer": 404,
@@ -73,6 +74,7 @@ CODES: dict[str, int] = {
     "gone": 410,
     "payload_too_large": 413,
     "misdirected_request": 421,
+    "not_ready": 503,
 }
 """Every error code the API answers, and its status (a code always comes with the same one)."""
 
@@ -364,6 +366,14 @@ class ViewLink(_Answer):
 
 class Health(_Answer):
     status: Literal["ok"]
+
+
+class Ready(_Answer):
+    """`GET /readyz` when everything it checks answers; each check is `ok` (a `503 not_ready` names what failed)."""
+
+    status: Literal["ready"]
+    checks: dict[str, str] = Field(description="database, proxy (when on), libvirt (when tool computers are on), "
+                                               "draining: `ok` each")
 
 
 class Done(_Answer):

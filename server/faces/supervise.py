@@ -45,7 +45,7 @@ BACKOFF = (0.5, 30.0)
 STEADY = 60.0
 """A child that ran this long before it exited starts again after the shortest wait."""
 GRACE = {"api": 20.0, "worker": 40.0, "proxy": 10.0}
-"""Seconds each child has to stop after SIGTERM before it is killed."""
+"""Seconds each child has to stop after SIGTERM before it is killed (the api has its `drain_seconds` on top)."""
 REFUSED = 2
 
 
@@ -92,6 +92,8 @@ class Supervisor:
         self._run_dir = settings.data_dir / "run"
         self._signal_r, self._signal_w = os.pipe()
         self._stopping = False
+        self._terminating: _Child | None = None
+        """The child being stopped (a second SIGTERM or SIGINT to serve is passed on to it)."""
 
     # -- the loop ----------------------------------------------------------------------------------------------------
 
@@ -113,6 +115,10 @@ class Supervisor:
     def _asked_to_stop(self, signum: int, _frame: object) -> None:
         if not self._stopping:
             log.info("%s: stopping the api, then the worker, then the proxy", signal.Signals(signum).name)
+        elif self._terminating is not None and self._terminating.proc is not None:
+            # A second signal while a child stops is passed on: the api draining (drain_seconds) stops now.
+            with contextlib.suppress(ProcessLookupError):
+                self._terminating.proc.send_signal(signal.SIGTERM)
         self._stopping = True
 
     def _loop(self) -> int:
@@ -218,14 +224,17 @@ class Supervisor:
         proc = child.proc
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGTERM)  # by its PID, never a name
+        grace = GRACE.get(child.name, 20.0) + (self._settings.drain_seconds if child.name == "api" else 0.0)
+        self._terminating = child
         try:
-            proc.wait(timeout=GRACE.get(child.name, 20.0))
+            proc.send_signal(signal.SIGTERM)  # by its PID, never a name
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            log.error("%s (pid %d) did not stop within %g s: killing it", child.name, proc.pid,
-                      GRACE.get(child.name, 20.0))
+            log.error("%s (pid %d) did not stop within %g s: killing it", child.name, proc.pid, grace)
             proc.kill()
             proc.wait()
+        finally:
+            self._terminating = None
 
     def _kill_all(self) -> None:
         for child in self._children.values():

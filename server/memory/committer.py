@@ -183,8 +183,8 @@ def propose(conn: Connection, *, user_id: str, actor: Actor, proposal: Proposal,
     links and change. A refusal is recorded (`memory_changes`, memory_id NULL) and raised: `BadRequest` for a
     malformed proposal (`invalid_memory`, `invalid_scope`), `Refused` otherwise (`unknown_evidence`,
     `evidence_disowned`, `third_party_source`, `third_party_directive`, `user_only`, `user_owned`,
-    `needs_user_words`, `contradicts_confirmed`). The refusal's record is in the caller's transaction: raised
-    through it, it is rolled back with everything else (use `try_propose` to keep it)."""
+    `needs_user_words`, `needs_evidence`, `contradicts_confirmed`). The refusal's record is in the caller's
+    transaction: raised through it, it is rolled back with everything else (use `try_propose` to keep it)."""
     out = try_propose(conn, user_id=user_id, actor=actor, proposal=proposal, now=now)
     if isinstance(out, WakefulError):
         raise out

@@ -8,7 +8,8 @@ form, speaker, scope) or why it is refused, over a snapshot the committer read. 
     3. source      a third party's content is only ever a sourced fact, never a directive   third_party_source,
                                                                                              third_party_directive
     4. authority   the agent never writes an instruction                                    user_only
-    5. the user    what needs the user is stored pending; a statement needs their words     needs_user_words
+    5. the user    what needs the user is stored pending; a statement needs their words;    needs_user_words,
+                   an agent's inference names what it was inferred from                     needs_evidence
     6. contradiction  same subject, relation, scope and ref, another value: retire the old  contradicts_confirmed,
                    one (never a wider scope; never the user's own, by the agent)             user_owned
 """
@@ -259,6 +260,9 @@ def check(proposal: Proposal, actor: Actor, facts: Facts) -> Verdict | Refusal:
             speaker, speaker_name = Speaker.USER, facts.user_name
         elif form == MemoryForm.SOURCED_FACT:
             speaker, speaker_name = Speaker.THIRD_PARTY, third[0]
+        if form in (MemoryForm.HYPOTHESIS, MemoryForm.SKILL) and not facts.evidence and not p.derived_from:
+            return Refusal(code="needs_evidence", message=f"a {form.value} is inferred from something: name at least "
+                                                          "one evidence ref or a record in derived_from")
     elif form == MemoryForm.SOURCED_FACT:
         speaker, speaker_name = Speaker.THIRD_PARTY, (p.speaker_name or (third[0] if third else "")).strip()
         if not speaker_name:

@@ -29,6 +29,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     event,
+    false,
     text,
 )
 
@@ -348,6 +349,8 @@ users = Table(
     Column("attention_budget", Integer),
     # The last `seq` given to one of the user's messages: taken under this row's lock, so seq order is commit order.
     Column("message_seq", BigInteger, nullable=False, server_default="0"),
+    # An admin may also STOP / START the whole deployment from the console; the owner `wakeful serve` creates is one.
+    Column("admin", Boolean, nullable=False, server_default=false()),
 )
 
 agent_credentials = Table(
@@ -500,6 +503,7 @@ events = Table(
     Index(None, "status", "attempts"),  # pending events and poison ones, without reading the settled ones
     Index(None, "user_id", "corr_key"),
     Index(None, "user_id", "received_at"),  # the console's activity, newest first
+    Index(None, "user_id", "status", "received_at"),  # ... filtered by status
     _check("status", EventStatus),
     _check("kind", EventKind),
     _authority_check(Authority.USER, Authority.AGENT, Authority.SYSTEM),
@@ -1020,6 +1024,7 @@ console_sessions = Table(
     _now_col("created_at", nullable=False),
     _now_col("expires_at", nullable=False),
     Index(None, "user_id"),
+    Index(None, "expires_at"),  # the sweeper deletes expired sessions
 )
 """The console's signed-in browsers (`server.faces.console.signin`): a row per sign-in, deleted at sign-out."""
 
@@ -1034,6 +1039,7 @@ approval_links = Table(
     _now_col("expires_at", nullable=False),
     _now_col("used_at"),  # set once, when the signed-in user opened it: the link is good once
     Index(None, "action_id"),
+    Index(None, "expires_at"),  # the sweeper deletes links long expired
 )
 """One-time links in approval requests that open the action's card in the console (`server.faces.console.links`)."""
 

@@ -1,4 +1,8 @@
-"""Users and their API tokens. Only a token's SHA-256 digest is stored; the token itself is shown once."""
+"""Users and their API tokens. Only a token's SHA-256 digest is stored; the token itself is shown once.
+
+An admin user may also STOP / START the whole deployment from the console (`is_admin`); the owner `wakeful serve`
+creates is one, `wakeful user-add --admin` makes another.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +15,27 @@ from wakeful.server.errors import BadRequest, NotFound, Unauthorized
 from wakeful.server.store.ids import new_id, new_token, token_digest
 from wakeful.server.store.tables import users
 
-__all__ = ["authenticate", "ensure_user", "issue_token", "name_of", "set_zone", "user_id_by_name", "zone"]
+__all__ = ["OWNER", "authenticate", "ensure_user", "is_admin", "issue_token", "name_of", "set_zone",
+           "user_id_by_name", "zone"]
+
+OWNER = "owner"
+"""The user `wakeful serve` creates on its first start (and `wakeful token` without `--user` names): an admin."""
 
 
-def ensure_user(conn: Connection, *, name: str, now: datetime) -> tuple[str, str | None]:
-    """(user_id, token): the token is new (shown once) only when the user was just created."""
+def ensure_user(conn: Connection, *, name: str, now: datetime, admin: bool = False) -> tuple[str, str | None]:
+    """(user_id, token): the token is new (shown once) only when the user was just created. `admin` is given to a
+    user created here; an existing user is left as they are."""
     existing = conn.execute(select(users.c.id).where(users.c.name == name)).scalar_one_or_none()
     if existing is not None:
         return existing, None
     user_id = new_id("usr")
-    conn.execute(users.insert().values(id=user_id, name=name, created_at=now))
+    conn.execute(users.insert().values(id=user_id, name=name, created_at=now, admin=admin))
     return user_id, issue_token(conn, user_id=user_id)
+
+
+def is_admin(conn: Connection, user_id: str) -> bool:
+    """Whether the user may STOP / START the whole deployment (an unknown user is not)."""
+    return bool(conn.execute(select(users.c.admin).where(users.c.id == user_id)).scalar())
 
 
 def issue_token(conn: Connection, *, user_id: str) -> str:

@@ -29,7 +29,7 @@ from tests.integration.test_cli import run
 from tests.support.serve import serving
 from wakeful.server.faces.auth import Kind, Principal
 from wakeful.server.faces.gate import ControlGate
-from wakeful.server.faces.http import WebhookInbox, create_app
+from wakeful.server.faces.http import ExactPath, WebhookInbox, create_app
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read
 from wakeful.server.store.ids import new_id
@@ -44,6 +44,8 @@ CONTROL_VERBS = ("approve", "deny", "pause", "resume", "revoke", "close", "reope
 
 OPEN: dict[tuple[str, str], str] = {
     ("GET", "/healthz"): "answers anyone: it says only that the server is up",
+    ("GET", "/readyz"): "answers anyone: whether the database, proxy and libvirt answer; it names no user",
+    ("GET", "/metrics"): "answers anyone on the listen address: aggregate numbers, no user's ID or name in a label",
     ("POST", "/v1/wake"): "takes no credential: it carries nothing and changes nothing",
     ("POST", "/v1/noop"): "takes no credential: the benchmarks' baseline",
     ("GET", "/v1/live/{token}"): "the one-time link is the credential",
@@ -62,7 +64,11 @@ def console_route(route: tuple[str, str]) -> bool:
     """A page of the console (`server.faces.console`): its credential is a signed-in session's cookie, which only a
     user credential opens (`test_the_console_does_not_sign_in_an_agent_credential`); a bearer header is not read."""
     path = route[1]
-    return not path.startswith(("/v1/", "/mcp", "/novnc/", "/.well-known/")) and path != "/healthz"
+    return not path.startswith(("/v1/", "/mcp", "/novnc/", "/.well-known/")) and path not in OPERATOR_PATHS
+
+
+OPERATOR_PATHS = {"/healthz", "/readyz", "/metrics"}
+"""For the operator's probes and scrapers, not for people: no console page."""
 
 
 @pytest.fixture
@@ -107,8 +113,9 @@ def _routes(routes: list[BaseRoute], prefix: str = "") -> Iterator[tuple[str, st
 
 
 def served_routes(app: Any) -> set[tuple[str, str]]:
-    assert isinstance(app, WebhookInbox) and isinstance(app.app, ControlGate) and isinstance(app.app.app, FastAPI)
-    return set(_routes(app.app.app.router.routes)) | {("POST", WebhookInbox.PREFIX + "{source}")}
+    assert isinstance(app, WebhookInbox) and isinstance(app.app, ExactPath)  # `/mcp` first, then the rest
+    assert isinstance(app.app.app, ControlGate) and isinstance(app.app.app.app, FastAPI)
+    return set(_routes(app.app.app.app.router.routes)) | {("POST", WebhookInbox.PREFIX + "{source}")}
 
 
 def _concrete(path: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,15 @@ def test_user_add_prints_a_token_once_and_refuses_a_second_time(tmp_path: Path) 
     assert run(tmp_path, "user-add", "alice").stdout.startswith("wk_")
     again = run(tmp_path, "user-add", "alice", check=False)
     assert again.returncode == 2 and "user_exists" in again.stderr
+
+
+def test_user_add_admin_makes_an_admin_and_the_owner_the_token_command_creates_is_one(tmp_path: Path) -> None:
+    run(tmp_path, "token")
+    run(tmp_path, "user-add", "alice")
+    assert run(tmp_path, "user-add", "--admin", "root").stdout.startswith("wk_")
+    with sqlite3.connect(tmp_path / "wakeful.db") as db:
+        admins = dict(db.execute("SELECT name, admin FROM users").fetchall())
+    assert admins == {"owner": 1, "alice": 0, "root": 1}
 
 
 def test_a_typo_in_the_config_file_is_reported_with_the_field(tmp_path: Path) -> None:

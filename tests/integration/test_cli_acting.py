@@ -12,6 +12,7 @@ from sqlalchemy import Engine
 
 from tests.integration.test_cli import run
 from tests.support.acting import World, world
+from tests.support.templates import copy_template
 from wakeful.proxy.clock import FakeClock, SystemClock
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.store.db import make_engine, migrate, write
@@ -22,7 +23,8 @@ DOC = (Path(__file__).resolve().parents[2] / "docs" / "acting.md").read_text()
 
 
 @pytest.fixture
-def data(tmp_path: Path) -> Iterator[tuple[Path, World]]:
+def data(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[Path, World]]:
+    copy_template(sqlite_template, tmp_path / "wakeful.db")
     engine: Engine = make_engine(f"sqlite:///{tmp_path / 'wakeful.db'}")
     migrate(engine)
     clock = FakeClock()

@@ -1,6 +1,7 @@
 """The console in real headless Chromium (Playwright over Debian's chromium) against the real HTTP stack: sign in,
 approval cards raised by real runs of a scripted model, approve and watch the dispatch appear, deny, pause a task
-while its approval is open (approving then refuses, and says why), STOP and START, the activity pages. A screenshot
+while its approval is open (approving then refuses, and says why), STOP and START, an admin's STOP / START over
+everything (a plain user is refused it), the activity pages. A screenshot
 of each page is saved under the test's tmp dir, and copied to the folder `WAKEFUL_SCREENSHOTS` names when it is set."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tests.support.chromium import CHROMIUM
 from tests.support.serve import serving
 from wakeful.proxy.clock import FakeClock
 from wakeful.server import memory
+from wakeful.server.core import inbox
 from wakeful.server.core.worker import Binding, Worker
 from wakeful.server.faces.console import listing
 from wakeful.server.faces.http import create_app
@@ -31,7 +33,9 @@ from wakeful.server.harness.wake import Harness
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, write
-from wakeful.server.store.users import issue_token
+from wakeful.server.store.ids import new_id
+from wakeful.server.store.tables import EventKind
+from wakeful.server.store.users import ensure_user, issue_token
 
 pytestmark = pytest.mark.browser
 SHOTS = os.environ.get("WAKEFUL_SCREENSHOTS")
@@ -46,9 +50,9 @@ class Console:
     page: Page
     shots: Path
 
-    def shot(self, name: str) -> None:
+    def shot(self, name: str, page: Page | None = None) -> None:
         path = self.shots / f"console-{name}.png"
-        self.page.screenshot(path=str(path), full_page=True)
+        (page or self.page).screenshot(path=str(path), full_page=True)
         if SHOTS:
             Path(SHOTS).mkdir(parents=True, exist_ok=True)
             shutil.copy(path, Path(SHOTS) / path.name)
@@ -82,9 +86,9 @@ def console(engine: Engine, clock: FakeClock, owner: str, settings: Settings, tm
                 browser.close()
 
 
-def run_a_cancellation(w: World, settings: Settings) -> Binding:
-    """A new task, and one real run of a scripted model that lists the subscriptions and asks to cancel the first:
-    the run ends waiting for the user's approval."""
+def a_cancellation(w: World, settings: Settings) -> tuple[Binding, Worker]:
+    """A new task, and a worker whose scripted model lists the subscriptions and asks to cancel the first: its run
+    ends waiting for the user's approval."""
     task = w.task(completion=CANCEL_VERIFIED)
 
     def cancel_first(request: ModelRequest) -> ModelReply:
@@ -93,7 +97,13 @@ def run_a_cancellation(w: World, settings: Settings) -> Binding:
 
     model = ScriptedModel([calls(("merchant__list_subscriptions", {})), cancel_first])
     harness = Harness(model, registry=w.tools.registry, instructions=None, max_tokens_per_run=100_000)
-    assert Worker(w.engine, settings, w.clock, harness, tools=w.tools).run_once()
+    return task, Worker(w.engine, settings, w.clock, harness, tools=w.tools)
+
+
+def run_a_cancellation(w: World, settings: Settings) -> Binding:
+    """A cancellation's one real run, ended waiting for the user's approval."""
+    task, worker = a_cancellation(w, settings)
+    assert worker.run_once()
     return task
 
 
@@ -214,15 +224,78 @@ def test_stop_and_start_and_a_forged_post_in_a_real_browser(console: Console, se
     c.shot("run")
 
 
+def test_an_admin_stops_everything_a_run_is_held_until_start_and_a_plain_user_cannot(console: Console,
+                                                                                      settings: Settings) -> None:
+    c, w = console, console.w
+    with write(w.engine) as conn:
+        _, root_token = ensure_user(conn, name="root", now=w.clock.now(), admin=True)
+    assert root_token is not None
+
+    # The owner here is a plain user: no deployment-wide control, and a form forged in their own signed-in page
+    # (with its CSRF token) is refused.
+    sign_in(c)
+    assert c.page.locator("#stop-everything").count() == 0 and c.page.locator("#stop").count() == 1
+    c.page.evaluate("""() => { const f = document.createElement('form'); f.method = 'post';
+        f.action = '/everything/stop'; const t = document.querySelector('input[name=csrf]').cloneNode();
+        f.appendChild(t); document.body.appendChild(f); f.submit(); }""")
+    c.page.wait_for_selector("#code")
+    assert c.page.inner_text("#code") == "admin_required"
+    c.shot("admin-required")
+    auth = {"Authorization": f"Bearer {c.token}"}
+    assert httpx.get(f"{c.url}/v1/control", headers=auth).json() == {"stopped": False, "global_stop": False}
+
+    # The admin, in a browser of their own, stops everything.
+    browser = c.page.context.browser
+    assert browser is not None
+    admin = browser.new_context(viewport={"width": 420, "height": 860}).new_page()
+    admin.set_default_timeout(15_000)
+    admin.goto(c.url + "/")
+    admin.fill("#token", root_token)
+    admin.click("button[type=submit]")
+    admin.wait_for_selector("text=Hello, root")
+    c.shot("admin-home", admin)
+    admin.fill("#everything input[name=reason]", "incident: the merchant double-charges")
+    admin.click("#stop-everything")
+    admin.wait_for_selector("text=STOP recorded over everything")
+    assert "lift it on the home page" in admin.inner_text("#stop-banner")
+    c.shot("admin-stopped", admin)
+
+    # The owner's new delegation is held: no worker claims it while the STOP is in force.
+    task, worker = a_cancellation(w, settings)
+    assert not worker.run_once()
+    c.open("/")
+    assert "an admin lifts it" in c.page.inner_text("#stop-banner")
+    assert c.page.locator("#nothing-pending").count() == 1
+    assert c.page.locator("#start").count() == 0  # their own START would not lift it: their STOP is offered
+    c.shot("held-by-admin-stop")
+
+    # START everything: the run proceeds, and its approval request reaches the owner.
+    admin.goto(c.url + "/")
+    admin.click("#start-everything")
+    admin.wait_for_selector("text=START recorded over everything")
+    assert admin.locator("#stop-banner").count() == 0
+    assert worker.run_once()
+    c.open("/")
+    assert c.page.locator("#stop-banner").count() == 0
+    c.pending(task)  # exactly one action waits for the owner's approval
+    assert c.page.locator("main li").count() == 1
+    c.shot("after-admin-start")
+
+
 def test_the_memory_page_confirms_a_candidate_and_corrects_it_in_a_real_browser(console: Console) -> None:
     c = console
     task = c.w.task("book the flight to Hong Kong")
     actor = memory.Actor(kind=memory.ActorKind.AGENT, task_id=task.task_id, name="run")
     with write(c.w.engine) as conn:
+        choice = inbox.record(conn, inbox.Delivery(  # what it was inferred from: the user picked the 07:10 flight
+            user_id=c.w.owner, source="chat", source_id=new_id("chat"), kind=EventKind.MESSAGE, trust="user",
+            authority="user", session_id=task.session_id, payload={"text": "the 07:10 one, please"}),
+            now=c.w.clock.now()).event_id
         inferred = memory.propose(conn, user_id=c.w.owner, actor=actor, now=c.w.clock.now(), proposal=(
             memory.parse_proposal({"form": "hypothesis", "text": "the user seems to prefer early flights",
                                    "subject": "flight.departure", "relation": "prefers", "value": "early",
-                                   "scope": "always", "confidence": 0.6})))
+                                   "scope": "always", "confidence": 0.6,
+                                   "evidence": [{"type": "event", "id": choice}]})))
     sign_in(c)
     c.open("/memory")
     c.page.wait_for_selector(f"#memory-{inferred.memory_id}")

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from tests.support.acting import World, world
 from tests.support.docs import DOCS
 from wakeful.proxy.clock import FakeClock
-from wakeful.server.core import outbox, sessions
+from wakeful.server.core import control, outbox, sessions
 from wakeful.server.core.outbox import linked
 from wakeful.server.core.speaking import Level
 from wakeful.server.core.worker import Binding
@@ -25,8 +25,9 @@ from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import write
+from wakeful.server.store.tables import control as control_table
 from wakeful.server.store.tables import decisions, runs
-from wakeful.server.store.users import ensure_user, issue_token
+from wakeful.server.store.users import ensure_user, is_admin, issue_token, user_id_by_name
 
 BOTH = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
@@ -241,3 +242,61 @@ def test_the_handoff_page_lists_the_links_sent_and_opens_a_view_only_live_view(
         assert page.status_code == 200 and "https://agent.example.org/v1/live/tok" in page.text
         watched = client.post("/handoff/view", data={"csrf": csrf})
         assert watched.status_code == 200 and "view only" in watched.text
+
+
+@BOTH
+def test_the_owner_serve_creates_is_an_admin_and_no_other_user_is_unless_made_one(
+        engine: Engine, clock: FakeClock, settings: Settings) -> None:
+    runtime = Runtime(settings, handler=EchoHandler(), clock=clock, engine=engine)
+    token = runtime.prepare()
+    assert token is not None
+    with write(engine) as conn:
+        owner_id = user_id_by_name(conn, "owner")
+        alice, _ = ensure_user(conn, name="alice", now=clock.now())
+        root, _ = ensure_user(conn, name="root", now=clock.now(), admin=True)
+        assert (is_admin(conn, owner_id), is_admin(conn, alice), is_admin(conn, root)) == (True, False, True)
+    assert runtime.prepare() is None  # a second start neither re-creates the owner nor touches who is admin
+    with write(engine) as conn:
+        assert is_admin(conn, owner_id) and not is_admin(conn, alice)
+
+
+@BOTH
+def test_only_an_admin_stops_and_starts_everything_and_a_forged_global_form_is_refused(
+        setup: tuple[World, TestClient, str]) -> None:
+    w, client, token = setup  # the owner made by the fixture is a plain user
+    auth = {"Authorization": f"Bearer {token}"}
+    csrf = sign_in(client, token)
+    assert 'id="stop-everything"' not in client.get("/").text
+    for path in ("/everything/stop", "/everything/start"):
+        refused = client.post(path, data={"csrf": csrf, "reason": "forged"})
+        assert refused.status_code == 403 and 'id="code">admin_required<' in refused.text, refused.text
+        answer = client.post(f"/v1/control{path}", json={"reason": "forged"}, headers=auth)
+        assert answer.status_code == 403 and answer.json()["error"]["code"] == "admin_required"
+    assert client.get("/v1/control", headers=auth).json() == {"stopped": False, "global_stop": False}
+
+    with write(w.engine) as conn:
+        _, root_token = ensure_user(conn, name="root", now=w.clock.now(), admin=True)
+    assert root_token is not None
+    admin = TestClient(client.app, base_url="https://testserver")  # a second browser (the app is already started)
+    admin_csrf = sign_in(admin, root_token)
+    home = admin.get("/")
+    assert 'id="stop-everything"' in home.text and 'action="/everything/stop"' in home.text
+    stopped = admin.post("/everything/stop", data={"csrf": admin_csrf, "reason": "incident"})
+    assert stopped.status_code == 200 and "STOP recorded over everything" in stopped.text
+    assert 'id="start-everything"' in admin.get("/").text
+    assert client.get("/v1/control", headers=auth).json() == {"stopped": True, "global_stop": True}
+    assert "an admin lifts it" in client.get("/").text
+    own_start = client.post("/v1/control/start", headers=auth).json()
+    assert own_start["global_stop"] is True and "an admin lifts it" in own_start["note"]
+    started = admin.post("/everything/start", data={"csrf": admin_csrf})
+    assert started.status_code == 200 and "START recorded over everything" in started.text
+    assert client.get("/v1/control", headers=auth).json() == {"stopped": False, "global_stop": False}
+    # The API follows the same rule: an admin's bearer token records it, named as the admin's.
+    api = client.post("/v1/control/everything/stop", json={"reason": "drill"},
+                      headers={"Authorization": f"Bearer {root_token}"})
+    assert api.status_code == 200 and api.json()["global_stop"] is True
+    with write(w.engine) as conn:
+        assert control.stop_state(conn).everything
+        assert conn.execute(select(control_table.c.actor).where(control_table.c.user_id.is_(None))
+                            .order_by(control_table.c.created_at.desc(), control_table.c.id.desc())
+                            ).scalars().first().startswith("admin:")

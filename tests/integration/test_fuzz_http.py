@@ -174,6 +174,7 @@ def _known(values: dict[str, Any] | None, served: Served) -> dict[str, Any] | No
 
 BODIES = {  # a body each route takes, with a slot (@) for one JSON value
     "/v1/control/stop": b'{"reason": @}', "/v1/control/start": b'{"reason": @}', "/v1/tasks": b'{"title": @}',
+    "/v1/control/everything/stop": b'{"reason": @}', "/v1/control/everything/start": b'{"reason": @}',
     "/v1/tasks/{task_id}/steer": b'{"goal": @}', "/v1/tasks/{task_id}/{operation}": b'{"reason": @}',
     "/v1/tasks/{task_id}/messages": b'{"text": @}',
     "/v1/actions/{action_id}/{decision}": b'{"reason": @}', "/v1/live/view": b'{"minutes": @}',

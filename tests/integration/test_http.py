@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 
 from tests.support.polling import wait_until
 from tests.support.records import event_rows, run_rows
+from tests.support.templates import copy_template
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.core import control, outbox
 from wakeful.server.core.signatures import SignatureKind, sign
@@ -42,7 +43,8 @@ def app_settings(tmp_path: Path) -> Settings:
 
 
 @pytest.fixture
-def app_engine(app_settings: Settings) -> Iterator[Engine]:
+def app_engine(app_settings: Settings, sqlite_template: Path) -> Iterator[Engine]:
+    copy_template(sqlite_template, app_settings.db_url)
     engine = make_engine(app_settings.db_url)
     migrate(engine)
     yield engine

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import IntegrityError
 
+from tests.support.templates import copy_template
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.core.inbox import Delivery, GroupCommitter, Recorded, record, record_many
 from wakeful.server.store.db import (
@@ -33,7 +34,8 @@ deliveries = st.lists(
     min_size=1, max_size=12)
 
 
-def fresh(path: Path) -> tuple[Engine, str]:
+def fresh(path: Path, template: Path) -> tuple[Engine, str]:
+    copy_template(template, path)
     engine = make_engine(f"sqlite:///{path}")
     migrate(engine)
     with write(engine) as conn:
@@ -51,12 +53,13 @@ def shape(engine: Engine) -> tuple[int, int, int, list[tuple[str, str, str]]]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(before=deliveries, batch=deliveries)
-def test_a_batch_is_recorded_exactly_as_one_by_one(tmp_path_factory: object, before: list, batch: list) -> None:
+def test_a_batch_is_recorded_exactly_as_one_by_one(tmp_path_factory: object, sqlite_template: Path, before: list,
+                                                   batch: list) -> None:
     base = tmp_path_factory.mktemp("batch")  # type: ignore[attr-defined]
     clock = FakeClock()
     results = []
     for name, many in (("one.db", False), ("many.db", True)):
-        engine, user = fresh(base / name)
+        engine, user = fresh(base / name, sqlite_template)
         with write(engine) as conn:
             for s, i, k in before:
                 record(conn, Delivery(user_id=user, source=s, source_id=i, payload={}, corr_key=k), now=clock.now())
@@ -74,8 +77,8 @@ async def _persist_all(committer: GroupCommitter, batch: list[Delivery]) -> list
     return await asyncio.gather(*(committer.persist(d) for d in batch), return_exceptions=True)
 
 
-def test_every_caller_of_a_group_commit_gets_its_own_answer(tmp_path: Path) -> None:
-    engine, user = fresh(tmp_path / "inbox.db")
+def test_every_caller_of_a_group_commit_gets_its_own_answer(tmp_path: Path, sqlite_template: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db", sqlite_template)
     committer = GroupCommitter(engine, FakeClock())
     committer.start()
     try:
@@ -90,8 +93,8 @@ def test_every_caller_of_a_group_commit_gets_its_own_answer(tmp_path: Path) -> N
     assert shape(engine)[:3] == (40, 1, 1) and committer.received == 60  # keyless: all to the triage session
 
 
-def test_a_delivery_that_cannot_be_written_fails_alone(tmp_path: Path) -> None:
-    engine, user = fresh(tmp_path / "inbox.db")
+def test_a_delivery_that_cannot_be_written_fails_alone(tmp_path: Path, sqlite_template: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db", sqlite_template)
     committer = GroupCommitter(engine, FakeClock())
     committer.start()
     try:
@@ -105,8 +108,9 @@ def test_a_delivery_that_cannot_be_written_fails_alone(tmp_path: Path) -> None:
     assert [sid for _, sid, _ in shape(engine)[3]] == [f"d{i}" for i in range(8) if i != 3]
 
 
-def test_insert_many_writes_more_rows_than_one_sqlite_statement_can_carry(tmp_path: Path) -> None:
-    engine, user = fresh(tmp_path / "inbox.db")
+def test_insert_many_writes_more_rows_than_one_sqlite_statement_can_carry(
+        tmp_path: Path, sqlite_template: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db", sqlite_template)
     at = FakeClock().now()
     with write(engine) as conn:
         rows = [(f"ses_{i:05d}", user, 0, bound(conn, sessions.c.created_at, at)) for i in range(9_000)]
@@ -116,8 +120,9 @@ def test_insert_many_writes_more_rows_than_one_sqlite_statement_can_carry(tmp_pa
         assert conn.execute(select(sessions.c.created_at).limit(1)).scalar_one() == at
 
 
-def test_the_event_loop_commits_without_waiting_for_another_process_holding_the_database(tmp_path: Path) -> None:
-    engine, user = fresh(tmp_path / "inbox.db")
+def test_the_event_loop_commits_without_waiting_for_another_process_holding_the_database(
+        tmp_path: Path, sqlite_template: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db", sqlite_template)
     other = sqlite3.connect(tmp_path / "inbox.db", isolation_level=None)  # another process's write lock
     other.execute("BEGIN IMMEDIATE")
     committer = GroupCommitter(engine, FakeClock())
@@ -143,8 +148,9 @@ def test_the_event_loop_commits_without_waiting_for_another_process_holding_the_
     assert not recorded.duplicate and shape(engine)[:3] == (1, 1, 1)
 
 
-def test_a_loop_waiting_for_the_write_lock_goes_before_threads_that_asked_after_it(tmp_path: Path) -> None:
-    engine, _ = fresh(tmp_path / "inbox.db")
+def test_a_loop_waiting_for_the_write_lock_goes_before_threads_that_asked_after_it(
+        tmp_path: Path, sqlite_template: Path) -> None:
+    engine, _ = fresh(tmp_path / "inbox.db", sqlite_template)
     loop_conn = connect_nowait(engine)
     holding, release, freed = threading.Event(), threading.Event(), threading.Event()
     order: list[str] = []

@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.server import MCPServer
+from mcp.server.mcpserver import Context
 
 from tests.support.computers import FakeComputers
 from tests.support.records import messages
@@ -23,7 +25,7 @@ from wakeful.server.faces.http import create_app
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
-from wakeful.server.store import users
+from wakeful.server.store import agents, users
 from wakeful.server.store.db import write
 
 pytestmark = pytest.mark.anyio
@@ -158,3 +160,47 @@ async def test_a_handoff_link_made_through_the_bridge_still_opens_after_the_brid
         opened = httpx.get(f"{url}{path}", follow_redirects=False)
     assert opened.status_code == 303, opened.text
     assert opened.headers["location"].startswith("/v1/live/s/")
+
+
+# -- what the bridge relays besides a call and its answer -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"], ids=["the 2026 protocol", "the handshake era"])
+async def test_progress_a_server_streams_during_a_call_reaches_the_client_before_the_answer(mode: Any) -> None:
+    # wakeful's own /mcp answers JSON (no handler streams), so a bare SDK server that does: the bridge relays any.
+    streaming = MCPServer("streams")
+
+    @streaming.tool()
+    async def count(ctx: Context, upto: int) -> dict[str, int]:
+        """Report progress, then answer."""
+        for i in range(1, upto + 1):
+            await ctx.report_progress(i, upto)
+        return {"counted": upto}
+
+    seen: list[float] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append(progress)
+
+    with serving(streaming.streamable_http_app(streamable_http_path="/mcp", host="127.0.0.1")) as url:
+        async with Client(bridge(url, "unused"), mode=mode) as client:
+            result = await client.call_tool("count", {"upto": 3}, progress_callback=on_progress)
+    assert not result.is_error and result.structured_content == {"counted": 3}
+    assert seen == [1, 2, 3]
+
+
+async def test_a_credential_revoked_while_the_bridge_runs_fails_the_next_call_plainly_instead_of_hanging(
+        runtime_with_computers: Runtime) -> None:
+    runtime = runtime_with_computers
+    with write(runtime.engine) as conn:
+        owner = users.user_id_by_name(conn, "owner")
+        token = agents.add(conn, user_id=owner, name="bridge-test", now=runtime.clock.now())
+    with serving(create_app(runtime, manage_runtime=False)) as url:
+        async with Client(bridge(url, token)) as client:
+            created = await client.call_tool("create_responsibility", {"title": "before the revocation"})
+            with write(runtime.engine) as conn:
+                agents.revoke(conn, user_id=owner, name="bridge-test", now=runtime.clock.now())
+            with pytest.raises(MCPError) as refused:
+                await client.call_tool("task_status", {"task_id": created.structured_content["task_id"]})  # type: ignore[index]
+    assert not created.is_error
+    assert "refused the credential (401)" in str(refused.value)

@@ -26,7 +26,7 @@ from wakeful.server.harness.wake import Harness
 from wakeful.server.memory.recall import LIMIT, focus
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import ControlKind, memory_uses, runs, task_versions
+from wakeful.server.store.tables import ControlKind, EventKind, memory_uses, runs, task_versions
 from wakeful.server.store.users import ensure_user
 
 pytestmark = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
@@ -160,11 +160,16 @@ def test_a_preference_past_its_valid_until_is_not_recalled_and_a_replay_of_an_ea
 def test_a_pending_hypothesis_is_never_recalled(w: World) -> None:
     task = w.task(title="fly to Hong Kong")
     with write(w.engine) as conn:
+        choice = inbox.record(conn, inbox.Delivery(  # what it was inferred from: the user picked the 07:10 flight
+            user_id=w.owner, source="chat", source_id="chat-0710", kind=EventKind.MESSAGE, trust="user",
+            authority="user", session_id=task.session_id, payload={"text": "the 07:10 one, please"}),
+            now=w.clock.now()).event_id
         stored = memory.propose(conn, user_id=w.owner, actor=memory.Actor(kind=memory.ActorKind.AGENT, name="test"),
                                 proposal=memory.Proposal.model_validate({
                                     "form": "hypothesis", "text": "The user may prefer early flights.",
                                     "subject": "flight.departure", "relation": "prefers", "value": "early",
-                                    "scope": "always", "confidence": 0.6, "topics": ["airline"]}),
+                                    "scope": "always", "confidence": 0.6, "topics": ["airline"],
+                                    "evidence": [{"type": "event", "id": choice}]}),
                                 now=w.clock.now())
     assert stored.state == "pending"
     w.clock.advance(timedelta(minutes=1))

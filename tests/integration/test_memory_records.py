@@ -228,7 +228,7 @@ def test_contradiction_retires_only_the_same_subject_and_relation(home: Home) ->
                                                                                                  True)
     with pytest.raises(Refused) as inferred:
         home.propose(form="hypothesis", value="window", text="seems to like windows", scope="always",
-                     confidence=0.8)
+                     confidence=0.8, evidence=[{"type": "event", "id": home.said}])
     assert inferred.value.code == "contradicts_confirmed"
 
 

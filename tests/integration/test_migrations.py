@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
+from alembic.config import Config
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, insert, inspect, select, text
 from sqlalchemy.exc import DatabaseError
 
@@ -17,7 +21,7 @@ from wakeful.proxy.audit import EgressRecord
 from wakeful.proxy.clock import FakeClock
 from wakeful.proxy.contract import RefusalCode
 from wakeful.server.egress import grants as egress
-from wakeful.server.store.db import make_engine, migrate, read, write
+from wakeful.server.store.db import current_revision, make_engine, migrate, newest_revision, read, write
 from wakeful.server.store.tables import (
     control,
     event_attachments,
@@ -74,6 +78,29 @@ def test_migrating_twice_changes_nothing(tmp_path: Path) -> None:
     before = schema(engine)
     migrate(engine)
     assert schema(engine) == before
+
+
+def test_the_newest_revision_read_from_the_files_is_alembics_head() -> None:
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrate.__code__.co_filename).parent / "migrations"))
+    assert newest_revision() == ScriptDirectory.from_config(config).get_current_head()
+
+
+def test_starting_on_a_database_at_the_newest_revision_does_not_load_alembic(tmp_path: Path) -> None:
+    # Every `wakeful serve` and CLI start migrates: at the head that must cost one query, not alembic's import.
+    url = f"sqlite:///{tmp_path / 'db.db'}"
+    migrate(make_engine(url))
+    probe = ("import sys; from wakeful.server.store.db import make_engine, migrate; "
+             f"migrate(make_engine({url!r})); print('alembic' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_database_behind_the_newest_revision_is_still_migrated_to_it(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'db.db'}")
+    migrate(engine, "0020")
+    migrate(engine)
+    assert current_revision(engine) == newest_revision() != "0020"
 
 
 def test_control_history_refuses_update_and_delete(engine: Engine, clock: FakeClock) -> None:

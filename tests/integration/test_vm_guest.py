@@ -228,17 +228,28 @@ def test_reconnect_retries_until_the_guest_answers(sshd: Sshd, channel: GuestCha
 
 def test_clock_resync_sets_the_guest_clock_to_the_host_time(sshd: Sshd, tmp_path: Path) -> None:
     # On a host the real `date -s` would set this machine's clock: record the command's argument instead.
+    # The setter runs in the same guest shell that read the clock, given the host's time as "$t" (seconds.nanos).
     target = tmp_path / "clock"
-    chan = _channel(sshd, set_clock=lambda ns: ["sh", "-c", f"echo {ns} > {target}"])
+    chan = _channel(sshd, set_clock=f'echo "$t" > {target}')
     with chan:
         chan.connect()
         sync = chan.resync_clock()
         host_now = time.time_ns()
-    set_to = int(target.read_text())
+    seconds, _, nanos = target.read_text().strip().partition(".")
+    assert len(nanos) == 9
+    set_to = int(seconds) * 10**9 + int(nanos)
     assert abs(host_now - set_to) < 60 * 10**9  # it was set to the host's time, not something else
     assert abs(sync.before.total_seconds()) < 60 and abs(sync.after.total_seconds()) < 60
     assert sync.round_trip.total_seconds() >= 0
     assert sync.applied is True
+
+
+def test_a_clock_that_cannot_be_set_is_reported_with_its_status(sshd: Sshd) -> None:
+    with _channel(sshd, set_clock="exit 9") as chan:
+        chan.connect()
+        with pytest.raises(GuestError) as failed:
+            chan.resync_clock()
+    assert failed.value.code == "guest_command_failed"
 
 
 def test_clock_resync_never_sets_the_clock_of_the_machine_it_runs_on(channel: GuestChannel) -> None:

@@ -1,7 +1,9 @@
 """A throwaway PostgreSQL server on loopback for the tests that must hold on PostgreSQL too.
 
 One cluster per test session, in a temporary folder, listening on 127.0.0.1 only, with trust authentication (it is
-reachable from this machine alone and holds nothing but test data); each test gets a database of its own. Run as
+reachable from this machine alone and holds nothing but test data); each test gets a database of its own, a copy of
+one migrated once per session (`CREATE DATABASE … TEMPLATE`: migrating every test's database cost more than most
+tests). Run as
 root (as CI is), the server runs as the `postgres` user, which refuses nothing but root. Where PostgreSQL is not
 installed (`scripts/install --all` installs it), the tests that need it are skipped and say why.
 """
@@ -16,14 +18,14 @@ import socket
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
 import pytest
 
-__all__ = ["postgres_cluster", "postgres_database"]
+__all__ = ["postgres_cluster", "postgres_database", "postgres_template"]
 
 
 def _bin() -> Path | None:
@@ -69,9 +71,20 @@ def postgres_cluster() -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def postgres_database(server: str) -> str:
-    """A new, empty database on `server`; returns its URL."""
+def postgres_database(server: str, template: str | None = None) -> str:
+    """A new database on `server`, empty or a copy of the database named `template`; returns its URL."""
     name = f"t_{uuid.uuid4().hex[:16]}"
     with psycopg.connect(f"{server.replace('postgresql+psycopg', 'postgresql')}/postgres", autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
+        conn.execute(f"CREATE DATABASE {name}" + (f" TEMPLATE {template}" if template else ""))
     return f"{server}/{name}"
+
+
+def postgres_template(server: str, prepare: Callable[[str], None]) -> str:
+    """A database on `server` that `prepare(url)` fills, then marked a template; returns its name, for
+    `postgres_database(server, template=name)`. `prepare` must leave no connection to it open (a copy needs none)."""
+    url = postgres_database(server)
+    prepare(url)
+    name = url.rpartition("/")[2]
+    with psycopg.connect(f"{server.replace('postgresql+psycopg', 'postgresql')}/postgres", autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {name} WITH IS_TEMPLATE true ALLOW_CONNECTIONS false")
+    return name

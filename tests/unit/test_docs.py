@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.signatures import sign, verify_signature
 from wakeful.server.faces.gate import ControlGate
-from wakeful.server.faces.http import WebhookInbox, create_app
+from wakeful.server.faces.http import ExactPath, WebhookInbox, create_app
 from wakeful.server.faces.schemas import CODES
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
@@ -81,8 +81,9 @@ def _served_routes(routes: list[BaseRoute], prefix: str = "") -> Iterator[tuple[
 def test_the_http_api_doc_lists_every_route_the_app_serves_and_no_other(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, proxy=False, computers=True, sources={})  # live-view routes included
     inbox = create_app(Runtime(settings, handler=EchoHandler()), manage_runtime=False)
-    assert isinstance(inbox, WebhookInbox) and isinstance(inbox.app, ControlGate)
-    served = set(_served_routes(inbox.app.app.router.routes)) | {("POST", _shape(inbox.PREFIX + "{source}"))}
+    assert isinstance(inbox, WebhookInbox) and isinstance(inbox.app, ExactPath)  # `/mcp` first, then the rest
+    assert isinstance(inbox.app.app, ControlGate)
+    served = set(_served_routes(inbox.app.app.app.router.routes)) | {("POST", _shape(inbox.PREFIX + "{source}"))}
     if not NOVNC_DIR.is_dir():  # the noVNC files are served only where noVNC is installed
         served.add(("GET", _shape("/novnc/{path}")))
     documented = _documented_routes()

@@ -23,19 +23,22 @@ ALLOWED: dict[str, set[str]] = {
     "settings": set(),
     "sims": set(),
     "store": set(),
+    "observe": {"store", "vm"},  # health, metrics, logs: every room above may report to it (vm: to ask libvirt)
     "audit": {"store"},
-    "core": {"store"},
+    "core": {"store", "observe"},
     "memory": {"store"},  # knowledge: informs plans, never authorizes (no room of an authorization path imports it)
-    "acting": {"store", "core", "proxy"},  # the proxy's contract only: a connector request is an `EgressRequest`
-    "computers": {"store", "vm"},
-    "egress": {"store", "core", "acting", "computers", "vm", "proxy"},
-    "tools": {"store", "memory", "core", "acting", "computers", "egress", "vm"},
-    "harness": {"store", "memory", "core", "acting", "computers", "egress", "tools", "vm"},
-    "runtime": {"store", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness", "vm", "proxy"},
-    "evals": {"store", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime", "vm",
-              "proxy", "sims"},
-    "faces": {"store", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness", "runtime",
-              "evals", "vm", "proxy", "sims"},
+    # the proxy's contract only: a connector request is an `EgressRequest`
+    "acting": {"store", "observe", "core", "proxy"},
+    "computers": {"store", "observe", "vm"},
+    "egress": {"store", "observe", "core", "acting", "computers", "vm", "proxy"},
+    "tools": {"store", "observe", "memory", "core", "acting", "computers", "egress", "vm"},
+    "harness": {"store", "observe", "memory", "core", "acting", "computers", "egress", "tools", "vm"},
+    "runtime": {"store", "observe", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness",
+                "vm", "proxy"},
+    "evals": {"store", "observe", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness",
+              "runtime", "vm", "proxy", "sims"},
+    "faces": {"store", "observe", "audit", "memory", "core", "acting", "computers", "egress", "tools", "harness",
+              "runtime", "evals", "vm", "proxy", "sims"},
 }
 
 

@@ -193,9 +193,19 @@ def test_a_trip_only_preference_in_the_users_words_is_active() -> None:
 
 
 def test_a_preference_without_the_users_words_in_this_task_becomes_a_pending_hypothesis() -> None:
-    for f in (facts(), facts(OTHER_TASK_WORDS)):
-        out = stored(check(proposal(scope="task"), AGENT, f))
-        assert (out.form, out.state) == (MemoryForm.HYPOTHESIS, MemoryState.PENDING)
+    out = stored(check(proposal(scope="task"), AGENT, facts(OTHER_TASK_WORDS)))
+    assert (out.form, out.state) == (MemoryForm.HYPOTHESIS, MemoryState.PENDING)
+
+
+@pytest.mark.parametrize("form", ["hypothesis", "skill", "preference"])
+def test_an_agents_inference_from_nothing_is_refused(form: str) -> None:
+    assert refused(check(proposal(form=form, confidence=0.6, scope="always"), AGENT, facts())) == "needs_evidence"
+    derived = proposal(form=form, confidence=0.6, scope="always", derived_from=["mem_old"])
+    assert stored(check(derived, AGENT, facts())).state == MemoryState.PENDING
+
+
+def test_the_user_may_state_a_skill_without_evidence() -> None:
+    assert stored(check(proposal(form="skill"), USER, facts())).state == MemoryState.ACTIVE
 
 
 def test_a_wide_preference_from_the_agent_needs_stronger_confirmation() -> None:
@@ -244,7 +254,7 @@ def test_the_users_own_contradiction_needs_no_review() -> None:
 def test_inference_yields_to_a_confirmed_preference() -> None:
     confirmed = existing(scope=MemoryScope.ALWAYS)
     p = proposal(form="hypothesis", confidence=0.9, value="aisle", scope="always")
-    assert refused(check(p, AGENT, facts(same_key=(confirmed,)))) == "contradicts_confirmed"
+    assert refused(check(p, AGENT, facts(OTHER_TASK_WORDS, same_key=(confirmed,)))) == "contradicts_confirmed"
     trip = existing(scope=MemoryScope.TASK, scope_ref="task_1")
     assert refused(check(proposal(value="aisle", scope="task"), AGENT, facts(USER_WORDS, same_key=(trip,)))) \
         == "contradicts_confirmed"

@@ -5,6 +5,8 @@
     POST /signin       → a console session cookie, then the page asked for (`next`, a path on this server only)
     POST /signout      ends the session
     POST /stop|start   the user's STOP / START, through the same function as `POST /v1/control/stop|start`
+    POST /everything/stop|start   an admin's STOP / START over the whole deployment, as
+                       `POST /v1/control/everything/stop|start`: anyone else is refused `403 admin_required`
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from wakeful.server.errors import Refused, Unauthorized
 from wakeful.server.faces.console import listing
 from wakeful.server.faces.console.signin import SESSION_TTL, sign_in, sign_out
 from wakeful.server.faces.console.web import COOKIE, Form, Me, Posted, console_router, page, runtime_of
-from wakeful.server.faces.routes import set_stop
+from wakeful.server.faces.routes import set_everything_stop, set_stop
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import TaskState, tasks
 
@@ -113,3 +115,15 @@ def stop(request: Request, me: Posted, form: Form) -> HTMLResponse:
 def start(request: Request, me: Posted, form: Form) -> HTMLResponse:
     answer = set_stop(me.user_id, me.rt, stopped=False, reason=form.get("reason", "")[:2000])
     return page(request, "stopped.html", me=me, answer=answer, stopped=False)
+
+
+@router.post("/everything/stop")
+def stop_everything(request: Request, me: Posted, form: Form) -> HTMLResponse:
+    answer = set_everything_stop(me.user_id, me.rt, stopped=True, reason=form.get("reason", "")[:2000])
+    return page(request, "stopped.html", me=me, answer=answer, stopped=True, everything=True)
+
+
+@router.post("/everything/start")
+def start_everything(request: Request, me: Posted, form: Form) -> HTMLResponse:
+    answer = set_everything_stop(me.user_id, me.rt, stopped=False, reason=form.get("reason", "")[:2000])
+    return page(request, "stopped.html", me=me, answer=answer, stopped=False, everything=True)

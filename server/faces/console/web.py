@@ -62,6 +62,8 @@ class Signed:
     name: str
     csrf_token: str
     rt: Runtime
+    admin: bool = False
+    """An admin also sees the STOP / START over the whole deployment (the forms refuse anyone else all the same)."""
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -81,11 +83,12 @@ def signed_or_none(request: Request) -> Signed | None:
     rt = runtime_of(request)
     with read(rt.engine) as conn:
         session: ConsoleSession | None = session_of(conn, request.cookies.get(COOKIE), now=rt.clock.now())
-        name = None if session is None else conn.execute(
-            users.select().with_only_columns(users.c.name).where(users.c.id == session.user_id)).scalar()
-    if session is None or name is None:
+        user = None if session is None else conn.execute(
+            users.select().with_only_columns(users.c.name, users.c.admin).where(users.c.id == session.user_id)).first()
+    if session is None or user is None:
         return None
-    return Signed(user_id=session.user_id, name=name, csrf_token=session.csrf_token, rt=rt)
+    return Signed(user_id=session.user_id, name=user.name, csrf_token=session.csrf_token, rt=rt,
+                  admin=bool(user.admin))
 
 
 Me = Annotated[Signed, Depends(_signed)]
@@ -127,7 +130,8 @@ def page(request: Request, template: str, *, me: Signed | None, status_code: int
     if me is not None:
         with read(me.rt.engine) as conn:
             state = control.stop_state(conn)
-        stop = {"stopped": state.blocks(me.user_id), "global_stop": state.everything}
+        stop = {"stopped": state.blocks(me.user_id), "global_stop": state.everything,
+                "own": me.user_id in state.users}  # the user's own STOP, which their START lifts
     response = TEMPLATES.TemplateResponse(request, template, {"me": me, "stop": stop, **context},
                                           status_code=status_code)
     response.headers["Cache-Control"] = "no-store"

@@ -1,0 +1,201 @@
+"""The container files of infra/container/: the compose file's shape, the entrypoint run in a plain directory, and,
+where podman and a local Debian 12 base image are at hand, the image built and serving.
+
+The build test needs a base image already in local storage (no registry is reached): set WAKEFUL_CONTAINER_BASE to
+its name, e.g. one imported from a debootstrap tree (docs/deploy.md, "A container")."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.polling import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+CONTAINER = ROOT / "infra" / "container"
+ENTRYPOINT = CONTAINER / "entrypoint"
+VENV_BIN = str(Path(sys.executable).parent)
+# This machine's kernel has hybrid cgroups (crun refuses them) and no CAP_SYS_RESOURCE (podman's default ulimits
+# cannot be set): runc with lowered limits works. A host of your own needs none of these flags.
+yaml = pytest.importorskip("yaml")  # PyYAML, which the dev tools bring
+PODMAN = ["podman", "--runtime", "runc"]
+LIMITS = ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+
+
+def _entrypoint(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "WAKEFUL_DATA_DIR": str(data_dir)}
+    return subprocess.run([str(ENTRYPOINT), *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_compose_file_runs_wakeful_on_the_postgres_service_and_publishes_on_loopback_only() -> None:
+    compose = yaml.safe_load((CONTAINER / "compose.yaml").read_text())
+    db, app = compose["services"]["db"], compose["services"]["wakeful"]
+    assert db["image"].startswith("docker.io/library/postgres:")
+    assert db["environment"]["POSTGRES_USER"] == db["environment"]["POSTGRES_DB"] == "wakeful"
+    assert app["command"][0] == "serve"
+    assert app["depends_on"] == {"db": {"condition": "service_healthy"}}
+    assert app["environment"]["WAKEFUL_DATABASE_URL"].startswith("postgresql+psycopg://wakeful:")
+    assert app["environment"]["WAKEFUL_DATABASE_URL"].endswith("@db/wakeful")
+    assert app["volumes"] == ["data:/var/lib/wakeful"]
+    assert all(port.startswith("127.0.0.1:") for port in app["ports"])
+    assert set(compose["volumes"]) == {"data", "db"}
+
+
+def test_the_entrypoint_closes_an_open_data_directory_and_runs_wakeful(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir(mode=0o755)
+    data_dir.chmod(0o755)
+    result = _entrypoint(data_dir, "token")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("wk_")
+    assert "was open to others (mode 755): made it 0700" in result.stderr
+    assert data_dir.stat().st_mode & 0o777 == 0o700
+    assert (data_dir / "wakeful.db").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_entrypoint_refuses_a_missing_data_directory(tmp_path: Path) -> None:
+    result = _entrypoint(tmp_path / "absent", "status")
+    assert result.returncode == 2 and "does not exist: mount a volume there" in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chowns a directory to another user")
+def test_the_entrypoint_refuses_a_data_directory_another_user_owns(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir(mode=0o700)
+    os.chown(data_dir, 65534, 65534)
+    result = _entrypoint(data_dir, "status")
+    assert result.returncode == 2 and "belongs to uid 65534" in result.stderr
+    assert not (data_dir / "wakeful.db").exists()
+
+
+BASE = os.environ.get("WAKEFUL_CONTAINER_BASE", "")
+
+
+def _has_image(name: str) -> bool:
+    return bool(name) and shutil.which("podman") is not None and subprocess.run(
+        [*PODMAN, "image", "exists", name], capture_output=True, timeout=60).returncode == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+needs_base = pytest.mark.skipif(not _has_image(BASE), reason="needs podman and a local Debian 12 base image named by "
+                                                                "WAKEFUL_CONTAINER_BASE (no registry is reached here)")
+
+
+@pytest.fixture(scope="module")
+def image() -> Iterator[str]:
+    """The image infra/container/Containerfile builds, from wheels made here, under a tag of this run's own."""
+    wheels = ROOT / "build" / "wheels"
+    made = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(wheels), str(ROOT),
+                           "psycopg[binary]>=3.1"], capture_output=True, text=True, timeout=900)
+    assert made.returncode == 0, made.stderr
+    tag = f"localhost/wakeful-test:{uuid.uuid4().hex[:12]}"
+    built = subprocess.run([*PODMAN, "build", *LIMITS, "--network", "none", "--build-arg", f"BASE={BASE}", "-f",
+                            str(CONTAINER / "Containerfile"), "-t", tag, str(ROOT)],
+                           capture_output=True, text=True, timeout=1800)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    try:
+        yield tag
+    finally:
+        subprocess.run([*PODMAN, "rmi", "--force", tag], capture_output=True, timeout=120)
+
+
+@contextlib.contextmanager
+def _container(*args: str) -> Iterator[str]:
+    name = f"wakeful-test-{uuid.uuid4().hex[:12]}"
+    try:
+        started = subprocess.run([*PODMAN, "run", "-d", "--name", name, *LIMITS, *args], capture_output=True,
+                                 text=True, timeout=120)
+        assert started.returncode == 0, started.stderr
+        yield name
+    finally:
+        subprocess.run([*PODMAN, "rm", "--force", "--volumes", name], capture_output=True, timeout=120)
+
+
+def _exec(name: str, script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PODMAN, "exec", name, "sh", "-c", script], capture_output=True, text=True, timeout=120)
+
+
+@needs_base
+def test_the_image_builds_from_local_wheels_and_serves_as_wakeful_on_a_private_volume(image: str) -> None:
+    port = _free_port()
+    with _container("-p", f"127.0.0.1:{port}:8787", image) as name:
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 120, "the container answering /healthz", interval=0.5)
+        probe = _exec(name, "id -un; stat -c '%a %U' /var/lib/wakeful /var/lib/wakeful/wakeful.db")
+        assert probe.stdout.split("\n")[:3] == ["wakeful", "700 wakeful", "600 wakeful"], probe.stdout
+
+
+# The units run their own commands; no libvirtd answers in the container, so tool computers are off (with them on,
+# the API runs the worker's loops itself and `wakeful worker` refuses to start).
+DROP_INS = {
+    "wakeful-api.service": "[Service]\nEnvironment=WAKEFUL_COMPUTERS=false\n",
+    "wakeful-worker@.service": "[Service]\nEnvironment=WAKEFUL_COMPUTERS=false\n",
+    "wakeful-proxy.service": "[Service]\nEnvironment=WAKEFUL_PROXY_PORT=8789\n",
+}
+
+
+@needs_base
+def test_under_systemd_each_unit_runs_its_process_sandboxed_as_wakeful(image: str, tmp_path: Path) -> None:
+    """systemd as PID 1 in a container (privileged, so it can build each unit's namespaces), the shipped units
+    mounted in; Debian's systemd is added from its mirror."""
+    (tmp_path / "Containerfile").write_text(
+        f"FROM {image}\nUSER root\nRUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+        "--no-install-recommends systemd systemd-sysv && rm -rf /var/lib/apt/lists/* && /usr/sbin/groupadd -r libvirt\n"
+        'ENTRYPOINT []\nCMD ["/sbin/init"]\n')
+    tag = f"{image}-systemd"
+    built = subprocess.run([*PODMAN, "build", *LIMITS, "-t", tag, str(tmp_path)], capture_output=True, text=True,
+                           timeout=1800)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    mounts = [f"--volume={p}:/etc/systemd/system/{p.name}:ro" for p in sorted((ROOT / "infra" / "systemd").iterdir())]
+    for unit, text in DROP_INS.items():
+        (tmp_path / f"{unit}.d").mkdir()
+        (tmp_path / f"{unit}.d" / "test.conf").write_text(text)
+        mounts.append(f"--volume={tmp_path / f'{unit}.d'}:/etc/systemd/system/{unit}.d:ro")
+    try:
+        with _container("--systemd=always", "--privileged", "--network=none", *mounts, tag) as name:
+            wait_until(lambda: _exec(name, "systemctl is-system-running").stdout.strip() in {"running", "degraded"},
+                       120, "systemd running in the container", interval=0.5)
+            started = _exec(name, "systemctl start wakeful-api.service && systemctl start wakeful-proxy.service "
+                                  "wakeful-worker@1.service")
+            assert started.returncode == 0, started.stderr
+            url = "http://127.0.0.1:8787/healthz"
+            wait_until(lambda: _exec(name, f"python3 -c \"import urllib.request as u; "
+                                           f"print(u.urlopen('{url}').read())\"").returncode == 0,
+                       120, f"{url} answering in the container", interval=0.5)
+            worker = "journalctl -u wakeful-worker@1.service -o cat"
+            wait_until(lambda: "wakeful worker running" in _exec(name, worker).stdout, 120,
+                       "the worker saying it runs", interval=0.5)
+            for unit in ("wakeful-api.service", "wakeful-proxy.service", "wakeful-worker@1.service"):
+                pid = _exec(name, f"systemctl show -p MainPID --value {unit}").stdout.strip()
+                assert pid not in {"", "0"}, f"{unit} is not running"
+                status = _exec(name, f"cat /proc/{pid}/status; stat -c %U /proc/{pid}").stdout
+                assert "NoNewPrivs:\t1" in status and "Seccomp:\t2" in status, unit
+                assert "CapEff:\t0000000000000000" in status and status.rstrip().endswith("wakeful"), unit
+            writes = _exec(name, "nsenter -t $(systemctl show -p MainPID --value wakeful-api.service) -m "
+                                 "sh -c 'touch /usr/probe; touch /var/lib/wakeful/probe && echo data-writable'")
+            assert "Read-only file system" in writes.stderr and writes.stdout.strip() == "data-writable"
+            modes = _exec(name, "stat -c '%a %U' /var/lib/wakeful /var/lib/wakeful/wakeful.db").stdout.split("\n")
+            assert modes[:2] == ["700 wakeful", "600 wakeful"]
+    finally:
+        subprocess.run([*PODMAN, "rmi", "--force", tag], capture_output=True, timeout=120)

@@ -1,0 +1,82 @@
+"""A second libvirtd on this machine, standing in for a second KVM host in the multi-host tests.
+
+It runs as root in its own mount namespace, where libvirt's state, run, cache and log directories (and qemu.conf)
+are bind-mounted from a temporary directory, so it shares nothing with the system daemon but the kernel, the
+files it is given and the CPU; its socket lives in that directory too (`qemu+unix:///system?socket=…`), reachable
+from outside the namespace. What this cannot show: a real network between hosts (latency, bandwidth, NFS
+semantics), a host that loses power with a guest running, different CPUs or QEMU versions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.polling import wait_until
+
+__all__ = ["SecondLibvirtd", "start_second_libvirtd"]
+
+START = """#!/bin/sh
+set -e
+for d in run lib cache log; do mkdir -p "$ROOT/$d"; done
+mount --bind "$ROOT/run" /var/run/libvirt
+mount --bind "$ROOT/lib" /var/lib/libvirt
+mount --bind "$ROOT/cache" /var/cache/libvirt
+mount --bind "$ROOT/log" /var/log/libvirt
+mount --bind "$ROOT/qemu.conf" /etc/libvirt/qemu.conf
+mkdir -p /var/lib/libvirt/qemu /var/log/libvirt/qemu /var/cache/libvirt
+exec libvirtd --config "$ROOT/libvirtd.conf" -p "$ROOT/libvirtd.pid"
+"""
+
+
+@dataclass
+class SecondLibvirtd:
+    root: Path
+    process: subprocess.Popen[bytes]
+
+    @property
+    def uri(self) -> str:
+        return f"qemu+unix:///system?socket={self.root / 'sock' / 'libvirt-sock'}"
+
+    def answers(self) -> bool:
+        try:
+            return subprocess.run(["virsh", "-c", self.uri, "version"], capture_output=True,
+                                  timeout=30).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM to the daemon this test started (its QEMU processes, if any, are the caller's to destroy)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def start_second_libvirtd(root: Path) -> SecondLibvirtd:
+    (root / "sock").mkdir(parents=True, exist_ok=True)
+    shutil.copy("/etc/libvirt/qemu.conf", root / "qemu.conf")
+    (root / "libvirtd.conf").write_text(f'unix_sock_dir = "{root / "sock"}"\nlisten_tls = 0\nlisten_tcp = 0\n')
+    script = root / "start.sh"
+    script.write_text(START)
+    script.chmod(0o755)
+    log = (root / "libvirtd.log").open("wb")
+    process = subprocess.Popen(["unshare", "--mount", "--propagation", "private", str(script)], stdout=log,
+                               stderr=subprocess.STDOUT, env={**os.environ, "ROOT": str(root)})
+    daemon = SecondLibvirtd(root=root, process=process)
+    try:
+        wait_until(lambda: daemon.process.poll() is not None or daemon.answers(), 120, "the second libvirtd",
+                   interval=0.5)
+    except AssertionError:
+        daemon.stop()
+        raise
+    if process.poll() is not None:
+        raise AssertionError(f"the second libvirtd exited: {(root / 'libvirtd.log').read_text()[-2000:]}")
+    return daemon

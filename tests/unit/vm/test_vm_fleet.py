@@ -1,0 +1,258 @@
+"""Tool computers on several hosts: the VM manager over a `HostFleet` of two fake hypervisors, saved state in a
+shared directory. A suspended computer resumes on another host when its own is full or gone, as the same VM."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from wakeful.proxy.clock import FakeClock
+from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, NoHostAvailable
+from wakeful.vm.fake import FakeDisks, FakeHypervisor
+from wakeful.vm.hosts import Host, HostFleet
+from wakeful.vm.hypervisor import DomainState, ProxyCredential
+from wakeful.vm.lifecycle import VmManager, VmSettings
+from wakeful.vm.lifecycle_rules import VmSize, VmState
+from wakeful.vm.placement import HostMark, HostSpec
+
+CREDENTIAL = ProxyCredential(user_id="alice", token="s3cret-token")
+
+
+@pytest.fixture
+def images(tmp_path: Path) -> Path:
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("vmlinux", "initrd.img"):
+        (images / name).write_bytes(b"\x7fELF")
+    (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
+    return images
+
+
+@pytest.fixture
+def a() -> FakeHypervisor:
+    return FakeHypervisor()
+
+
+@pytest.fixture
+def b() -> FakeHypervisor:
+    return FakeHypervisor()
+
+
+def fleet_of(shared: Path, a: FakeHypervisor, b: FakeHypervisor, *, a_mib: int = 4096, b_mib: int = 2048,
+             max_restores: int = 2, busy_wait: float = 0.0) -> HostFleet:
+    return HostFleet([Host(spec=HostSpec(name="a", uri="fake://a", memory_mib=a_mib, max_restores=max_restores),
+                           hypervisor=a),
+                      Host(spec=HostSpec(name="b", uri="fake://b", memory_mib=b_mib, max_restores=max_restores),
+                           hypervisor=b)], shared, busy_wait=busy_wait)
+
+
+def manager_on(fleet: HostFleet, shared: Path, images: Path, **more: object) -> VmManager:
+    settings = VmSettings(data_dir=shared, base_image=images / "base.qcow2", kernel=images / "vmlinux",
+                          initrd=images / "initrd.img", size=VmSize(memory_mib=1024, vcpus=1, disk_gib=4),
+                          port_range=(21000, 21099), proxy_port=3129, domain_prefix="wkt-", **more)  # type: ignore[arg-type]
+    return VmManager(settings, fleet, clock=FakeClock(), disks=FakeDisks(), port_free=lambda port: True)
+
+
+@pytest.fixture
+def shared(tmp_path: Path) -> Path:
+    return tmp_path / "shared"
+
+
+@pytest.fixture
+def fleet(shared: Path, a: FakeHypervisor, b: FakeHypervisor) -> HostFleet:
+    return fleet_of(shared, a, b)
+
+
+@pytest.fixture
+def manager(fleet: HostFleet, shared: Path, images: Path) -> VmManager:
+    return manager_on(fleet, shared, images)
+
+
+def suspended_on_a(manager: VmManager, fleet: HostFleet, a: FakeHypervisor) -> str:
+    vm = manager.provision("alice", proxy_credential=CREDENTIAL)
+    manager.ensure_running("alice")
+    assert fleet.home(vm.name) == "a" and a.state(vm.name) is DomainState.RUNNING
+    manager.suspend("alice")
+    return vm.name
+
+
+def test_a_new_computer_is_defined_on_every_host_and_runs_on_the_one_with_most_free_memory(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    vm = manager.provision("alice", proxy_credential=CREDENTIAL)
+    assert vm.name in a.names() and vm.name in b.names()
+    manager.ensure_running("alice")
+    assert fleet.home(vm.name) == "a"
+    assert a.state(vm.name) is DomainState.RUNNING and b.state(vm.name) is DomainState.SHUT_OFF
+
+
+def test_a_suspended_computer_is_saved_to_the_shared_directory_not_to_its_host(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, shared: Path) -> None:
+    name = suspended_on_a(manager, fleet, a)
+    assert manager.get("alice").state is VmState.SUSPENDED
+    assert fleet.saved_path(name).parent == (shared / "saved").resolve() and fleet.saved_path(name).exists()
+    assert not a.domains[name].saved  # no managed-save state that only host a could restore
+
+
+def test_a_suspended_computer_resumes_on_its_own_host_while_it_has_room(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    name = suspended_on_a(manager, fleet, a)
+    manager.ensure_running("alice")
+    assert fleet.home(name) == "a" and a.domains[name].restores == 1 and b.state(name) is DomainState.SHUT_OFF
+    assert not fleet.saved_path(name).exists()
+
+
+@pytest.mark.parametrize("how", ["marked full", "marked gone", "not answering", "out of memory"])
+def test_a_suspended_computer_resumes_on_another_host_as_the_same_vm(
+        how: str, manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    name = suspended_on_a(manager, fleet, a)
+    before = manager.get("alice")
+    if how == "marked full":
+        fleet.mark("a", HostMark.FULL)
+    elif how == "marked gone":
+        fleet.mark("a", HostMark.GONE)
+    elif how == "not answering":
+        a.down = True
+    else:
+        a.host_free_mib = 512
+
+    after = manager.ensure_running("alice")
+
+    assert fleet.home(name) == "b" and b.state(name) is DomainState.RUNNING and b.domains[name].restores == 1
+    assert b.boots(name) == 0  # restored with its memory, not booted
+    assert after == before.__class__(**{**vars(before), "state": VmState.RUNNING})  # disk, keys, ports, credential
+    assert b.domains[name].spec.proxy_credential == CREDENTIAL and b.domains[name].spec.disk == before.disk
+    assert b.domains[name].spec.seed == before.seed  # the seed disk carries the SSH host key the channel pins
+
+
+def test_a_running_computer_stays_on_its_host_when_that_host_is_marked_full(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    vm = manager.provision("alice")
+    manager.ensure_running("alice")
+    fleet.mark("a", HostMark.FULL)
+    with manager.activity("alice", "act"):
+        pass
+    assert a.state(vm.name) is DomainState.RUNNING and b.state(vm.name) is DomainState.SHUT_OFF
+    assert fleet.home(vm.name) == "a"
+
+
+def test_a_computer_whose_host_is_gone_while_it_ran_boots_cold_elsewhere_from_its_disk(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    vm = manager.provision("alice")
+    manager.ensure_running("alice")
+    a.down = True
+    manager.ensure_running("alice")  # its memory was on a: lost; the disk overlay is on shared storage
+    assert fleet.home(vm.name) == "b" and b.boots(vm.name) == 1
+
+
+def test_its_address_book_entry_and_reservation_follow_a_computer_to_another_host(
+        fleet: HostFleet, shared: Path, images: Path, a: FakeHypervisor, b: FakeHypervisor, tmp_path: Path) -> None:
+    for hv in (a, b):
+        hv.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/24")
+    book = tmp_path / "proxy" / "address-book.json"
+    manager = manager_on(fleet, shared, images, network="wakeful", address_book=book)
+    vm = manager.provision("alice", proxy_credential=CREDENTIAL)
+    assert vm.bridge is not None
+    manager.ensure_running("alice")
+    manager.suspend("alice")
+    entry = json.loads(book.read_text())["addresses"]
+    fleet.mark("a", HostMark.FULL)
+    manager.ensure_running("alice")
+    assert fleet.home(vm.name) == "b"
+    assert json.loads(book.read_text())["addresses"] == entry == {
+        vm.bridge.address: {"user_id": "alice", "token": "s3cret-token"}}
+    assert b.reservations["wakeful"] == {vm.bridge.mac: vm.bridge.address}
+    assert b.domains[vm.name].spec.bridge == vm.bridge
+
+
+def test_no_host_with_room_is_a_clear_refusal(manager: VmManager, fleet: HostFleet, a: FakeHypervisor) -> None:
+    suspended_on_a(manager, fleet, a)
+    fleet.mark("a", HostMark.GONE)
+    fleet.mark("b", HostMark.FULL)
+    with pytest.raises(NoHostAvailable) as caught:
+        manager.ensure_running("alice")
+    assert "a: marked gone; b: marked full" in caught.value.message
+    assert manager.get("alice").state is VmState.SUSPENDED  # still resumable once a host has room
+
+
+class SlowRestores(FakeHypervisor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def restore_from(self, path: Path) -> str:
+        self.entered.set()
+        assert self.release.wait(10)
+        return super().restore_from(path)
+
+
+def test_restores_past_a_hosts_cap_go_to_another_host_or_wait(shared: Path, images: Path) -> None:
+    a, b = SlowRestores(), FakeHypervisor()
+    fleet = fleet_of(shared, a, b, a_mib=8192, b_mib=2048, max_restores=1)
+    manager = manager_on(fleet, shared, images)
+    names = {}
+    for user in ("u1", "u2", "u3"):
+        names[user] = manager.provision(user).name
+        manager.ensure_running(user)
+        manager.suspend(user)
+    assert {fleet.home(n) for n in names.values()} == {"a"}
+    a.release.clear()
+    first = threading.Thread(target=manager.ensure_running, args=("u1",))
+    first.start()
+    try:
+        assert a.entered.wait(10)
+        manager.ensure_running("u2")  # a has room but one restore in flight already: b takes it
+        assert fleet.home(names["u2"]) == "b"
+        b.host_free_mib = 0  # now only a has room, and it is at its cap
+        with pytest.raises(HostsBusy):
+            manager.ensure_running("u3")
+    finally:
+        a.release.set()
+        first.join(10)
+    assert fleet.home(names["u1"]) == "a" and a.state(names["u1"]) is DomainState.RUNNING
+    manager.ensure_running("u3")  # the cap is free again
+    assert fleet.home(names["u3"]) == "a"
+
+
+def test_homes_survive_a_restart_of_the_server(shared: Path, images: Path, a: FakeHypervisor,
+                                               b: FakeHypervisor) -> None:
+    fleet = fleet_of(shared, a, b)
+    manager = manager_on(fleet, shared, images)
+    name = suspended_on_a(manager, fleet, a)
+    fleet.mark("a", HostMark.FULL)
+    manager.ensure_running("alice")
+    manager.suspend("alice")
+
+    again = fleet_of(shared, a, b)
+    reloaded = manager_on(again, shared, images)
+    assert again.home(name) == "b" and reloaded.get("alice").state is VmState.SUSPENDED
+    reloaded.ensure_running("alice")
+    assert again.home(name) == "b" and b.domains[name].restores == 2
+
+
+def test_destroying_a_computer_removes_it_from_every_host_and_the_shared_directory(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    name = suspended_on_a(manager, fleet, a)
+    manager.destroy("alice")
+    assert name not in a.names() and name not in b.names()
+    assert not fleet.saved_path(name).exists() and fleet.home(name) is None
+
+
+def test_a_shared_directory_that_cannot_be_used_is_refused_naming_it(tmp_path: Path, a: FakeHypervisor,
+                                                                     b: FakeHypervisor) -> None:
+    not_a_dir = tmp_path / "nfs"
+    not_a_dir.write_text("not mounted")
+    with pytest.raises(HypervisorUnavailable, match=f"the shared directory {not_a_dir} is not usable"):
+        fleet_of(not_a_dir, a, b)
+
+
+def test_a_host_that_fails_the_restore_itself_is_passed_over_for_the_next(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    name = suspended_on_a(manager, fleet, a)
+    a.fail_next("restore_from", HypervisorUnavailable("libvirtd went away mid-restore"))
+    manager.ensure_running("alice")
+    assert fleet.home(name) == "b" and b.state(name) is DomainState.RUNNING

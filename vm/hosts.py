@@ -1,0 +1,348 @@
+"""Tool computers on several KVM hosts: `HostFleet`, one `Hypervisor` over many libvirt connections.
+
+    fleet = HostFleet([Host(spec=HostSpec(name="a", uri=..., memory_mib=16384), hypervisor=LibvirtHypervisor(...)),
+                       Host(spec=HostSpec(name="b", ...), hypervisor=...)], shared=Path("/srv/wakeful-shared"))
+    VmManager(VmSettings(data_dir=shared, ...), fleet)   # the manager does not know there are several hosts
+
+What it does that one host does not:
+
+* a domain is defined on every reachable host (defining costs no memory), and runs on one, its *home*;
+  a running computer is never moved;
+* a suspend saves memory to `<shared>/saved/<domain>.save` — a directory every host sees (NFS in production) —
+  instead of libvirt's per-host managed save, so any host can restore it; `has_saved_state` is that file;
+* start and restore ask `vm.placement.place` for the host: the home while it has room and is not marked full or
+  gone, else the host with most free memory; at most `max_restores` arrivals in flight per host (more wait up to
+  `busy_wait`, then `HostsBusy`);
+* a restore elsewhere takes the definition from the saved image itself: the same UUID, disk overlay, seed disk
+  (SSH host key), forwards and proxy credential — the VM's identity follows it, because all of it lives in the
+  shared directory and the image, never on a host;
+* a host that does not answer counts as gone: a computer that was running there is lost to its last saved state
+  (or boots cold from its disk); one saved from it resumes elsewhere.
+
+Homes and each domain's memory persist in `<shared>/placement.json`. Snapshots and reverts act on the home only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, IllegalTransition, VmNotFound
+from wakeful.vm.hypervisor import BridgePlace, DomainSpec, DomainState, Hypervisor, NetworkInfo, SnapshotInfo
+from wakeful.vm.placement import HostLoad, HostMark, HostSpec, place
+
+__all__ = ["Host", "HostFleet", "HostHypervisor"]
+
+log = logging.getLogger("wakeful.vm")
+
+T = TypeVar("T")
+
+
+class HostHypervisor(Hypervisor, Protocol):
+    """What the fleet needs of each host beyond `Hypervisor` (`LibvirtHypervisor` and `FakeHypervisor` have it)."""
+
+    def save_to(self, name: str, path: Path) -> None:
+        """Save memory to `path` and end the QEMU process, leaving no per-host saved state."""
+        ...
+
+    def restore_from(self, path: Path) -> str:
+        """Define the domain saved in `path` from the image's own definition and start it; its name."""
+        ...
+
+    def allocated_mib(self) -> int:
+        """Memory of all domains running on the host."""
+        ...
+
+    def free_mib(self) -> int | None:
+        """Free memory the host reports, if it does."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Host:
+    spec: HostSpec
+    hypervisor: HostHypervisor
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Placement:
+    host: str
+    memory_mib: int
+
+
+class HostFleet:
+    """`Hypervisor` over several hosts with saved state on shared storage (see the module docstring)."""
+
+    def __init__(self, hosts: Sequence[Host], shared: Path, *, busy_wait: float = 120.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        if not hosts:
+            raise ValueError("a fleet needs at least one host")
+        if len({h.spec.name for h in hosts}) != len(hosts):
+            raise ValueError("host names must be unique")
+        self._hosts = {h.spec.name: h for h in hosts}
+        self._marks = {h.spec.name: h.spec.mark for h in hosts}
+        self._saved_dir = shared.resolve() / "saved"
+        try:
+            self._saved_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise HypervisorUnavailable(f"the shared directory {shared} is not usable ({exc.strerror}): mount it "
+                                        "at that path on this machine and every tool-computer host") from None
+        self._placements_file = shared.resolve() / "placement.json"
+        self._busy_wait = busy_wait
+        self._monotonic = monotonic
+        self._specs: dict[str, DomainSpec] = {}
+        self._arriving: Counter[str] = Counter()
+        self._arriving_mib: Counter[str] = Counter()
+        self._cond = threading.Condition()
+        self._placements: dict[str, _Placement] = {}
+        if self._placements_file.exists():
+            data = json.loads(self._placements_file.read_text())
+            self._placements = {name: _Placement(**p) for name, p in data["placements"].items()}
+
+    # ------------------------------------------------------------------------------------------ the fleet itself
+
+    def hosts(self) -> list[HostSpec]:
+        return [replace(h.spec, mark=self._marks[name]) for name, h in self._hosts.items()]
+
+    def mark(self, host: str, mark: HostMark) -> None:
+        """Mark a host up, full (takes nothing new) or gone (treated as unreachable)."""
+        if host not in self._hosts:
+            raise VmNotFound(f"there is no tool-computer host named {host}")
+        with self._cond:
+            self._marks[host] = mark
+            self._cond.notify_all()
+
+    def home(self, name: str) -> str | None:
+        """The host the domain runs on, or last ran on."""
+        with self._cond:
+            placement = self._placements.get(name)
+        return placement.host if placement else None
+
+    def saved_path(self, name: str) -> Path:
+        return self._saved_dir / f"{name}.save"
+
+    def loads(self) -> list[HostLoad]:
+        """Each host as it is now (asks every host; one that does not answer is unreachable)."""
+        loads = []
+        for name, host in self._hosts.items():
+            reachable, allocated, free = True, 0, None
+            if self._marks[name] is not HostMark.GONE:
+                try:
+                    allocated, free = host.hypervisor.allocated_mib(), host.hypervisor.free_mib()
+                except HypervisorUnavailable:
+                    reachable = False
+            with self._cond:
+                arriving, arriving_mib = self._arriving[name], self._arriving_mib[name]
+            loads.append(HostLoad(name=name, capacity_mib=host.spec.memory_mib, allocated_mib=allocated + arriving_mib,
+                                  free_mib=None if free is None else free - arriving_mib, arriving=arriving,
+                                  max_arriving=host.spec.max_restores, mark=self._marks[name], reachable=reachable))
+        return loads
+
+    def _save_placements(self) -> None:
+        data = {"version": 1, "placements": {n: vars(p) for n, p in sorted(self._placements.items())}}
+        staging = self._placements_file.with_name(f".{self._placements_file.name}.{os.getpid()}")
+        with staging.open("w") as f:
+            f.write(json.dumps(data, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        staging.replace(self._placements_file)
+
+    def _set_home(self, name: str, host: str, memory_mib: int) -> None:
+        with self._cond:
+            self._placements[name] = _Placement(host=host, memory_mib=memory_mib)
+            self._save_placements()
+
+    @contextmanager
+    def _arrival(self, name: str, *, exclude: frozenset[str] = frozenset()) -> Iterator[str]:
+        """Choose a host for the domain to start or restore on, and count it arriving there for the block."""
+        with self._cond:
+            placement = self._placements.get(name)
+        if placement is None:
+            raise VmNotFound(f"there is no VM named {name} on any host", vm=name)
+        deadline = self._monotonic() + self._busy_wait
+        while True:
+            measured = self.loads()
+            with self._cond:  # hosts that failed this very arrival count as unreachable
+                loads = [replace(h, arriving=self._arriving[h.name], reachable=h.reachable and h.name not in exclude)
+                         for h in measured]
+                try:
+                    host = place(loads, placement.memory_mib, home=placement.host)
+                except HostsBusy:
+                    remaining = deadline - self._monotonic()
+                    if remaining <= 0:
+                        raise
+                    self._cond.wait(min(remaining, 1.0))
+                    continue
+                self._arriving[host] += 1
+                self._arriving_mib[host] += placement.memory_mib
+                break
+        try:
+            yield host
+        finally:
+            with self._cond:
+                self._arriving[host] -= 1
+                self._arriving_mib[host] -= placement.memory_mib
+                self._cond.notify_all()
+
+    def _on_home(self, name: str) -> HostHypervisor:
+        home = self.home(name)
+        if home is None:
+            raise VmNotFound(f"there is no VM named {name} on any host", vm=name)
+        return self._hosts[home].hypervisor
+
+    def _each_reachable(self, call: Callable[[HostHypervisor], T]) -> list[T]:
+        """`call` on every host not marked gone; hosts that do not answer are skipped."""
+        results = []
+        for name, host in self._hosts.items():
+            if self._marks[name] is HostMark.GONE:
+                continue
+            try:
+                results.append(call(host.hypervisor))
+            except HypervisorUnavailable as exc:
+                log.warning("tool-computer host %s does not answer: %s", name, exc.message)
+        return results
+
+    # ------------------------------------------------------------------------------------------ Hypervisor
+
+    def define(self, spec: DomainSpec) -> None:
+        self._specs[spec.name] = spec
+        defined: list[str] = []
+        for name, host in self._hosts.items():
+            if self._marks[name] is HostMark.GONE:
+                continue
+            try:
+                host.hypervisor.define(spec)
+                defined.append(name)
+            except HypervisorUnavailable as exc:
+                log.warning("tool-computer host %s does not answer: %s", name, exc.message)
+        if not defined:
+            raise HypervisorUnavailable(f"no tool-computer host answers to define {spec.name}", vm=spec.name)
+        home = self.home(spec.name)
+        if home is None or home not in defined:
+            free = {h.name: h.room_mib for h in self.loads() if h.name in defined}
+            home = min(defined, key=lambda n: (-free.get(n, 0), n))
+        self._set_home(spec.name, home, spec.memory_mib)
+
+    def names(self) -> list[str]:
+        return sorted({n for names in self._each_reachable(lambda hv: hv.names()) for n in names})
+
+    def start(self, name: str) -> None:
+        if self.has_saved_state(name):
+            raise IllegalTransition(f"{name} has a saved state: restore it, or discard the state to boot cold", vm=name)
+        with self._arrival(name) as host:
+            hv = self._hosts[host].hypervisor
+            if name not in hv.names():
+                spec = self._specs.get(name)
+                if spec is None:
+                    raise VmNotFound(f"{name} is not defined on {host}", vm=name)
+                hv.define(spec)
+            hv.start(name)
+            self._set_home(name, host, self._memory(name))
+
+    def restore(self, name: str) -> None:
+        saved = self.saved_path(name)
+        if not saved.exists():
+            raise IllegalTransition(f"{name} has no saved state to restore", vm=name)
+        failed: set[str] = set()
+        while True:
+            with self._arrival(name, exclude=frozenset(failed)) as host:
+                try:
+                    self._hosts[host].hypervisor.restore_from(saved)
+                except HypervisorUnavailable as exc:  # gone between measuring and restoring: try the next
+                    log.warning("could not restore %s on %s: %s", name, host, exc.message)
+                    failed.add(host)
+                    continue
+                previous = self.home(name)
+                self._set_home(name, host, self._memory(name))
+                saved.unlink()
+                if previous != host:
+                    log.info("tool computer %s resumed on %s (it was on %s)", name, host, previous)
+                return
+
+    def _memory(self, name: str) -> int:
+        with self._cond:
+            return self._placements[name].memory_mib
+
+    def suspend_to_disk(self, name: str) -> None:
+        saved = self.saved_path(name)
+        partial = saved.with_name(saved.name + ".partial")  # a restore never sees half a file
+        partial.unlink(missing_ok=True)
+        self._on_home(name).save_to(name, partial)
+        partial.replace(saved)
+
+    def discard_saved_state(self, name: str) -> None:
+        self.saved_path(name).unlink(missing_ok=True)
+
+    def pause(self, name: str) -> None:
+        self._on_home(name).pause(name)
+
+    def resume(self, name: str) -> None:
+        self._on_home(name).resume(name)
+
+    def destroy(self, name: str) -> None:
+        self._on_home(name).destroy(name)
+
+    def undefine(self, name: str) -> None:
+        def drop(hv: HostHypervisor) -> None:
+            try:
+                hv.undefine(name)
+            except VmNotFound:
+                pass
+
+        if not self._each_reachable(drop) and self.home(name) is not None:
+            raise HypervisorUnavailable(f"no tool-computer host answers to remove {name}", vm=name)
+        self.discard_saved_state(name)
+        with self._cond:
+            self._placements.pop(name, None)
+            self._save_placements()
+        self._specs.pop(name, None)
+
+    def state(self, name: str) -> DomainState:
+        """The domain's state on its home; shut off when the home does not answer (its memory is lost there)."""
+        hv = self._on_home(name)
+        try:
+            return hv.state(name)
+        except HypervisorUnavailable:
+            return DomainState.SHUT_OFF
+
+    def has_saved_state(self, name: str) -> bool:
+        if self.home(name) is None:
+            raise VmNotFound(f"there is no VM named {name} on any host", vm=name)
+        return self.saved_path(name).exists()
+
+    def memory_bytes(self, name: str) -> int:
+        return self._on_home(name).memory_bytes(name)
+
+    def snapshot_create(self, name: str, snapshot: str, overlay: Path) -> SnapshotInfo:
+        return self._on_home(name).snapshot_create(name, snapshot, overlay)
+
+    def snapshot_revert(self, name: str, snapshot: str) -> None:
+        self._on_home(name).snapshot_revert(name, snapshot)
+
+    def snapshot_delete(self, name: str, snapshot: str) -> None:
+        self._on_home(name).snapshot_delete(name, snapshot)
+
+    def snapshots(self, name: str) -> list[SnapshotInfo]:
+        return self._on_home(name).snapshots(name)
+
+    def network(self, name: str) -> NetworkInfo:
+        """The network as the first reachable host has it; each host needs one of that name and subnet."""
+        for network in self._each_reachable(lambda hv: hv.network(name)):
+            return network
+        raise HypervisorUnavailable("no tool-computer host answers")
+
+    def reserve_address(self, place: BridgePlace, host_name: str) -> None:
+        """On every reachable host, so the VM keeps its address wherever it resumes."""
+        self._each_reachable(lambda hv: hv.reserve_address(place, host_name))
+
+    def release_address(self, place: BridgePlace) -> None:
+        self._each_reachable(lambda hv: hv.release_address(place))
