@@ -129,7 +129,8 @@ def _encode(op: str, value: Any) -> Any:
 
 
 def _decode(op: str, raw: Any) -> Any:
-    return _wire(_types()[op]).model_validate_json(json.dumps({"value": raw})).value
+    wire: Any = _wire(_types()[op]).model_validate_json(json.dumps({"value": raw}))
+    return wire.value
 
 
 def _text(message: dict[str, Any], name: str, limit: int = 10_000) -> str:
@@ -294,7 +295,7 @@ class ComputerServer:
 def _peer_uid(conn: socket.socket) -> int:
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    return int(uid)
 
 
 def _error_of(exc: Exception) -> tuple[str, str]:
