@@ -10,6 +10,7 @@ database, so a restart resumes from it alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.computers.handoff import LiveViews
 from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm_packages
-from wakeful.server.computers.remote import ComputerServer, RemoteComputers, computers_socket
+from wakeful.server.computers.remote import ActionLocks, ComputerServer, RemoteComputers, computers_socket
 from wakeful.server.core import control, faults, outbox, speaking, timers, waits
 from wakeful.server.core.inbox import GroupCommitter
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
@@ -106,6 +107,10 @@ def make_handler(settings: Settings, registry: Registry) -> RunHandler:
                    computers=settings.computers)
 
 
+def _alone(action_id: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()  # one process: the dispatcher's own lock suffices
+
+
 class Runtime:
     def __init__(self, settings: Settings, *, handler: RunHandler, clock: Clock | None = None,
                  engine: Engine | None = None, registry: Registry | None = None,
@@ -158,6 +163,8 @@ class Runtime:
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
                                         on_event=self.signals.outcome_recorded, http=self.egress,
                                         resend_after=settings.resend_after, computers=computers,
+                                        one_at_a_time=ActionLocks(settings.data_dir / "run").held
+                                        if computers is not None and role is not Role.ALL else _alone,
                                         pacing=Pacing(first=timedelta(seconds=settings.reconcile_interval),
                                                       cap=settings.reconcile_backoff_max))
         self.outbox = OutboxDrain(self.engine, self.clock, [self.messages, self.actions])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from wakeful.vm.observe import Accepted, Act, HandoffLease, LeaseGrant, Refused, Surface
     from wakeful.vm.toolcomputer import ActResult, ObserveResult
 
-__all__ = ["MAX_MESSAGE", "ComputerServer", "RemoteComputer", "RemoteComputers", "computers_socket"]
+__all__ = ["MAX_MESSAGE", "ActionLocks", "ComputerServer", "RemoteComputer", "RemoteComputers", "computers_socket"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,30 @@ _ACTIVITY_KINDS: Final = frozenset({"observe", "act", "handoff", "live_view"})
 
 def computers_socket(data_dir: Path) -> Path:
     return data_dir / "run" / "computers.sock"
+
+
+class ActionLocks:
+    """One action dispatched by one process at a time, across the processes of one host: the API runs an act it
+    admitted within the agent's tool call while the worker's dispatcher may find the same intent due. Without this,
+    the second would take the first's attempt, persisted and still running, for one a dead dispatcher left, and
+    settle it as unknown. `flock` on one of `STRIPES` files in `run/actions/` (a fresh descriptor per hold, so
+    threads of one process exclude each other too; two actions on one stripe only wait for each other)."""
+
+    STRIPES: Final = 64
+
+    def __init__(self, run_dir: Path) -> None:
+        self._dir = run_dir / "actions"
+
+    @contextlib.contextmanager
+    def held(self, action_id: str) -> Iterator[None]:
+        self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        stripe = int(hashlib.sha256(action_id.encode()).hexdigest()[:8], 16) % self.STRIPES
+        fd = os.open(self._dir / f"{stripe}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
 
 # -- the wire ----------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ and with the API gone an act is blocked with a reason, never run twice or lost."
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +14,7 @@ from mcp import Client
 from sqlalchemy import Engine, select
 
 from tests.support.computers import FakeComputers
+from tests.support.polling import wait_until
 from tests.support.records import messages
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting import approvals
@@ -132,3 +134,27 @@ def test_with_the_api_gone_an_approved_act_is_blocked_with_its_reason_and_nothin
     assert attempt.outcome == "blocked" and attempt.detail.startswith("computers_unreachable")
     assert split.computers.browser.acts == []
     assert split.worker.sweep_once() == 0.0  # the sweeper goes on without its reaping
+
+
+@BOTH
+def test_an_act_the_api_runs_now_is_not_taken_for_a_dead_one_by_the_workers_dispatcher(split: Split) -> None:
+    """The API executes an act it admitted within the tool call; the worker's dispatcher finding the same intent due
+    meanwhile waits for it instead of settling the running attempt as unknown."""
+    gate, results = threading.Event(), {}
+    split.computers.browser.on_click[3] = lambda _: gate.wait(60)  # "Next" takes as long as the test says
+    seen = split.api.tools.call(split.binding, "computer__observe", {})
+    ref = next(line.split("]")[0][1:] for line in seen["text"].splitlines() if '"Next"' in line)
+    acting = threading.Thread(target=lambda: results.update(api=split.api.tools.call(
+        split.binding, "computer__act", {"act": {"kind": "click", "ref": ref}})), daemon=True)
+    acting.start()
+    wait_until(lambda: split.computers.browser.acts, 30, "the act to be running in the API")
+    draining = threading.Thread(target=lambda: results.update(worker=split.worker.actions.drain()), daemon=True)
+    draining.start()
+    assert "worker" not in results or results["worker"] == 0
+    gate.set()
+    acting.join(timeout=60)
+    draining.join(timeout=60)
+    assert results["api"]["outcome"] == "accepted"
+    with read(split.api.engine) as conn:
+        assert conn.execute(select(attempts.c.outcome)).scalars().all() == ["accepted"]
+    assert split.computers.browser.acts == [("click", 3)]

@@ -25,7 +25,7 @@ import pytest
 from tests.support.computers import FakeComputers
 from tests.support.polling import wait_until
 from wakeful.proxy.clock import FakeClock
-from wakeful.server.computers.remote import ComputerServer, RemoteComputers, computers_socket
+from wakeful.server.computers.remote import ActionLocks, ComputerServer, RemoteComputers, computers_socket
 from wakeful.server.errors import WakefulError
 from wakeful.vm.errors import VmNotFound
 from wakeful.vm.observe import Accepted, Fill, Refused, Surface
@@ -254,3 +254,31 @@ def test_a_malformed_message_is_refused_without_a_traceback(tmp_path: Path, serv
     assert answer["error"]["code"] == code  # type: ignore[index]
     assert owned.browser.acts == [] and owned.activities == [] and owned.reaped == 0
     assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_one_action_is_dispatched_by_one_process_at_a_time(tmp_path: Path) -> None:
+    locks = ActionLocks(tmp_path / "run")
+    script = ("import sys\n"
+              "from pathlib import Path\n"
+              "from wakeful.server.computers.remote import ActionLocks\n"
+              "with ActionLocks(Path(sys.argv[1])).held(sys.argv[2]):\n"
+              "    print('held', flush=True)\n"
+              "    sys.stdin.read()\n")
+    with subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "run"), "act_1"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as other:
+        assert other.stdout is not None and other.stdin is not None
+        assert other.stdout.readline() == "held\n"
+        entered = threading.Event()
+
+        def take() -> None:
+            with locks.held("act_1"):
+                entered.set()
+
+        thread = threading.Thread(target=take, daemon=True)
+        thread.start()
+        assert not entered.wait(0.5)  # the other process holds this action
+        with locks.held("act_2"):  # another action is not held up
+            pass
+        other.stdin.close()
+        thread.join(timeout=30)
+        assert entered.is_set()
