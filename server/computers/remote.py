@@ -59,6 +59,8 @@ _MAX_ANSWER: Final = 64 << 20
 _HEADER: Final = struct.Struct(">I")
 _CALL_TIMEOUT: Final = 1800.0
 """Seconds a call may take: a first observe cold-boots the guest (minutes under TCG)."""
+_READ_TIMEOUT: Final = 30.0
+"""Seconds the owner waits for a request (and for its answer to be taken) before it drops the connection."""
 _ACTIVITY_KINDS: Final = frozenset({"observe", "act", "handoff", "live_view"})
 
 
@@ -180,12 +182,10 @@ class ComputerServer:
     remote caller was granted (the owner's live views must know it: the link leads to the owner)."""
 
     def __init__(self, computers: Computers, path: Path, *,
-                 on_handoff: Callable[[str, str], None] = lambda user, token: None,
-                 peer_uid: Callable[[socket.socket], int] | None = None) -> None:
+                 on_handoff: Callable[[str, str], None] = lambda user, token: None) -> None:
         self._computers = computers
         self._path = path
         self._on_handoff = on_handoff
-        self._peer_uid = peer_uid or _peer_uid
         self._sock: socket.socket | None = None
         self._lock_fd: int | None = None
         self._thread: threading.Thread | None = None
@@ -247,17 +247,20 @@ class ComputerServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                uid = self._peer_uid(conn)
+                uid = _peer_uid(conn)
                 if uid != os.getuid():
                     log.warning("refused a connection to %s from uid %d (only uid %d may use it)", self._path, uid,
                                 os.getuid())
                     _send(conn, {"error": {"code": "peer_refused", "message": "only the owner's uid may use this "
                                                                               "socket"}})
                     return
+                conn.settimeout(_READ_TIMEOUT)  # a request comes at once; the call it asks for may take minutes
                 message = _recv(conn, MAX_MESSAGE)
                 if message is None:
                     return
                 op = message.get("op")
+                if not isinstance(op, str):
+                    raise _BadMessage("'op' must be a string")
                 if op == "activity":
                     self._hold_activity(conn, message)
                     return
@@ -281,10 +284,11 @@ class ComputerServer:
             raise _BadMessage(f"no activity kind {kind!r}")
         with self._computers.activity(user, kind):
             _send(conn, {"ok": None})
+            conn.settimeout(None)
             with contextlib.suppress(OSError):
                 conn.recv(1)  # until the caller closes (or dies): the activity lasts as long as its block
 
-    def _call(self, op: Any, message: dict[str, Any]) -> Any:
+    def _call(self, op: str, message: dict[str, Any]) -> Any:
         if op == "reap":
             return _encode(op, self._computers.reap())
         if op not in _types():
