@@ -7,6 +7,7 @@ everything else (logs, progress, explanations) to stderr.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -159,9 +160,6 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
     are in the log and in <data_dir>/run/*.pid. Tool computers (computers = true) live in the API, which serves them
     to the worker on <data_dir>/run/computers.sock."""
     from wakeful.server.faces.supervise import Supervisor
-
-    # Only what preparing needs is imported here (not the runtime): each child imports what it runs, and a start
-    # is the two in sequence. A setting a child refuses (a connector declaration, say) stops serve with exit 2.
     from wakeful.server.observe import metrics
     from wakeful.server.observe.logs import configure_logging
 
@@ -183,7 +181,40 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
     names: tuple[str, ...] = ("api", "worker")
     if settings.proxy:
         names += ("proxy",)
-    raise typer.Exit(Supervisor(settings, names=names).run())
+    # The children are forks of this process: what they run is imported once, here, so a child's (re)start costs
+    # a fork and not an interpreter's start. A setting a child refuses (a connector declaration, say) stops serve
+    # with exit 2.
+    _preload(settings)
+    raise typer.Exit(Supervisor(settings, _child_main, names=names).run())
+
+
+_PRELOAD = ("uvicorn", "uvicorn.lifespan.on", "uvicorn.protocols.http.h11_impl",
+            "uvicorn.protocols.http.httptools_impl",
+            "uvicorn.loops.asyncio", "uvicorn.loops.uvloop", "wakeful.server.faces.http", "wakeful.server.runtime",
+            "wakeful.server.egress.proxyctl", "wakeful.proxy.server", "wakeful.proxy.config",
+            "wakeful.proxy.channel", "wakeful.proxy.tls")
+
+
+def _preload(settings: Settings) -> None:
+    """Import what `wakeful api`, `worker` and `proxy` run (optional parts that are not installed are skipped).
+    Imports only: no thread, connection, socket or event loop is made, which a fork would not carry well."""
+    import importlib
+
+    modules = list(_PRELOAD)
+    if settings.anthropic_api_key is not None:
+        modules += ["wakeful.server.harness.model_anthropic", "wakeful.server.harness.wake"]
+    for name in modules:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
+def _child_main(argv: list[str]) -> int:
+    """A child of serve runs `wakeful <argv>` (`server.faces.supervise`); its exit code."""
+    try:
+        app(args=argv, prog_name="wakeful")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
 
 
 @app.command()

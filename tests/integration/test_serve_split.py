@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -103,6 +104,30 @@ def test_serve_starts_api_worker_and_proxy_and_sigterm_stops_them_all(tmp_path: 
         assert (code, killed) == (0, False), server.log()
     assert not any(map(_alive, children.values()))
     assert _pids(tmp_path) == {}
+
+
+def _threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_serve_forks_its_children_from_one_interpreter_and_stays_single_threaded(tmp_path: Path) -> None:
+    """A (re)start costs serve's one interpreter start and a fork per child, not an interpreter start per child:
+    each child's command line is serve's own (a fork, no exec), and serve has one thread (signals and waitpid)."""
+    with ServeProcess(_env(tmp_path), log_path=tmp_path / "serve.log") as server:
+        children = _all_children(tmp_path, server)
+        serve_cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        for name, pid in children.items():
+            assert Path(f"/proc/{pid}/cmdline").read_bytes() == serve_cmdline, name
+            assert int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == server.pid, name
+        assert _threads(server.pid) == 1
+        os.kill(children["worker"], signal.SIGKILL)
+        again = wait_until(lambda: (p := _pids(tmp_path).get("worker")) and p != children["worker"] and p, 60,
+                           f"a new worker; log:\n{server.log(3000)}")
+        assert Path(f"/proc/{again}/cmdline").read_bytes() == serve_cmdline
+        assert _threads(server.pid) == 1
+        assert server.terminate(grace=60) == (0, False)
 
 
 def test_a_killed_worker_is_restarted_and_a_delivery_posted_meanwhile_gets_its_run(tmp_path: Path) -> None:
