@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import sqlite3
 import subprocess
@@ -342,6 +343,7 @@ def run(quick: bool = False, one_process: bool = False) -> list[Table]:
     notes: list[str] = []
     top_noop: LoadResult | None = None
     env = {"WAKEFUL_COMPUTERS": "true" if one_process else "false"}
+    load_before = os.getloadavg()
     # Several servers of three processes each start at once: on a busy 2-core machine that takes minutes.
     with serving(len(d.loads) + 2, env=env, timeout=240.0) as servers:
         for rate, server in zip(d.loads, servers, strict=False):
@@ -355,6 +357,8 @@ def run(quick: bool = False, one_process: bool = False) -> list[Table]:
     notes.insert(0, generator_note(top_noop))
     rows = _saturation_rows(sat_noop, sat_hook) + rows + pace_rows
     notes += _saturation_notes(sat_hook, recorded, per_thread)
+    notes.append(f"machine load (1-minute average, {os.cpu_count()} CPUs) {load_before[0]:.2f} at the start, "
+                 f"{os.getloadavg()[0]:.2f} at the end: other work on the machine shows in every figure")
     window = f"{d.fixed:.0f} s per fixed load after {d.warmup:.1f} s warm-up, {d.saturation:.0f} s wrk"
     shape = "one process (api runs the worker)" if one_process else "split: wakeful api + wakeful worker"
     main = Table(title=f"ingest: signed webhook (fsync-durable) vs /v1/noop on the same server, {shape} ({window})",

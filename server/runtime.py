@@ -140,7 +140,8 @@ class Runtime:
                                http=self.egress)
         share = RunShare(InboxRate(lambda: self.committer.received + self._received_elsewhere),
                          share=settings.ingest_run_share,
-                         busy_rate=settings.ingest_busy_rate)
+                         busy_rate=settings.ingest_busy_rate,
+                         cpu_counts=role is not Role.WORKER)  # apart from the API, a run's CPU is not its GIL
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools,
                    share=share)

@@ -116,15 +116,17 @@ class RunShare:
 
     A run's cost is what it takes from the acknowledgements: the CPU its thread spent (one interpreter lock) or the
     time it held the database's write lock (its commits and their fsyncs), whichever is longer. Not wall time: a run
-    waiting on a model or a provider takes nothing from them and owes no rest."""
+    waiting on a model or a provider takes nothing from them and owes no rest. In `wakeful worker`, apart from
+    `wakeful api` (`cpu_counts=False`), the run's CPU is not the API's interpreter lock: only the write lock counts."""
 
     def __init__(self, inbox_rate: Callable[[], float], *, share: float, busy_rate: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cpu_counts: bool = True) -> None:
         """`inbox_rate`: deliveries per second the inbox is committing; above `busy_rate`, runs give way."""
         self._inbox_rate = inbox_rate
         self._share = share
         self._busy_rate = busy_rate
         self._clock = clock
+        self._cpu_counts = cpu_counts
         self._lock = threading.Lock()
         self._free_at = 0.0  # no run starts before this (clock seconds)
 
@@ -132,6 +134,11 @@ class RunShare:
         """Seconds before the next run may start; 0: now."""
         with self._lock:
             return max(0.0, self._free_at - self._clock())
+
+    def cost(self, *, cpu: float, locked: float) -> float:
+        """What a run that spent `cpu` seconds of its thread and held the write lock `locked` seconds took from the
+        acknowledgements."""
+        return max(cpu, locked) if self._cpu_counts else locked
 
     def spent(self, cost: float) -> None:
         """A run just ended, having cost `cost` seconds."""
@@ -403,7 +410,7 @@ class Worker:
                 continue
             idle.reset()
             if self._share is not None:
-                self._share.spent(max(time.thread_time() - cpu, write_lock_time() - locked))
+                self._share.spent(self._share.cost(cpu=time.thread_time() - cpu, locked=write_lock_time() - locked))
 
     def _until_next_due(self) -> float | None:
         """Seconds until a session's work falls due (a delivery's coalescing window ends); None: nothing is coming."""

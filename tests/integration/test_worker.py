@@ -408,3 +408,14 @@ def test_the_inbox_rate_is_measured_over_windows_long_enough_not_to_see_a_pair_a
     assert rate() == pytest.approx(1000.0)
     now[0] = 101.75  # a second with nothing: the burst is over
     assert rate() == 0.0
+
+
+def test_a_run_costs_its_cpu_or_its_write_lock_time_and_apart_from_the_api_only_the_write_lock() -> None:
+    """In one process a run's CPU is taken from the acknowledgements (one interpreter lock); in `wakeful worker`,
+    apart from `wakeful api`, only the database's write lock is shared, so a run there rests for that alone."""
+    together = RunShare(lambda: 1000.0, share=0.1, busy_rate=200)
+    apart = RunShare(lambda: 1000.0, share=0.1, busy_rate=200, cpu_counts=False)
+    assert together.cost(cpu=0.004, locked=0.001) == 0.004
+    assert together.cost(cpu=0.001, locked=0.003) == 0.003
+    assert apart.cost(cpu=0.004, locked=0.001) == 0.001
+
