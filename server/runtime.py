@@ -10,6 +10,7 @@ database, so a restart resumes from it alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.computers.handoff import LiveViews
 from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm_packages
+from wakeful.server.computers.remote import ActionLocks, ComputerServer, RemoteComputers, computers_socket
 from wakeful.server.core import control, faults, outbox, speaking, timers, waits
 from wakeful.server.core.inbox import GroupCommitter
 from wakeful.server.core.outbox import MessageDelivery, OutboxDrain
@@ -105,6 +107,10 @@ def make_handler(settings: Settings, registry: Registry) -> RunHandler:
                    computers=settings.computers)
 
 
+def _alone(action_id: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()  # one process: the dispatcher's own lock suffices
+
+
 class Runtime:
     def __init__(self, settings: Settings, *, handler: RunHandler, clock: Clock | None = None,
                  engine: Engine | None = None, registry: Registry | None = None,
@@ -145,16 +151,21 @@ class Runtime:
                                         max_attempts=settings.dispatch_max_attempts,
                                         backoff=settings.dispatch_backoff, base_url=settings.base_url)
         if computers is None and settings.computers:
-            computers = LazyVmComputers(settings, self.clock, self._computer_credential)
-            if missing := missing_vm_packages():
-                log.warning("tool computers are on (computers = true) but the VM packages are missing (%s): the "
-                            "agent's computer tools will answer tool_computer_unavailable (./scripts/install "
-                            "--computers, or computers = false)", ", ".join(missing))
+            computers = self._own_computers() if role is not Role.WORKER else RemoteComputers(
+                computers_socket(settings.data_dir))
         self.computers = computers
-        self.live = LiveViews(computers, self.clock) if computers is not None else None
+        # The live views are the API's (the worker serves no page); so are the computers themselves under the split:
+        # the worker reaches them through `server.computers.remote`, and one offered handoff is offered there.
+        self.live = LiveViews(computers, self.clock) if computers is not None and role is not Role.WORKER else None
+        self._computer_server: ComputerServer | None = None
+        if role is Role.API and computers is not None and self.live is not None:
+            self._computer_server = ComputerServer(computers, computers_socket(settings.data_dir),
+                                                   on_handoff=self.live.offer)
         self.actions = ActionDispatcher(self.engine, self.clock, policy=self.policy,
                                         on_event=self.signals.outcome_recorded, http=self.egress,
                                         resend_after=settings.resend_after, computers=computers,
+                                        one_at_a_time=ActionLocks(settings.data_dir / "run").held
+                                        if computers is not None and role is not Role.ALL else _alone,
                                         pacing=Pacing(first=timedelta(seconds=settings.reconcile_interval),
                                                       cap=settings.reconcile_backoff_max))
         self.outbox = OutboxDrain(self.engine, self.clock, [self.messages, self.actions], hold=settings.lease)
@@ -162,6 +173,18 @@ class Runtime:
             self.tools.attach_computers(computers, dispatch_now=self._dispatch_now, notify=self._send_live_view)
         self.source_users: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
+
+    def _own_computers(self) -> Computers:
+        """The tool computers this process holds (and decides the VMs of)."""
+        if self.settings.computer_fakes:
+            from wakeful.server.computers.fakes import FakeVmComputers
+
+            return FakeVmComputers(self.clock, self.settings.computer_idle_after)
+        if missing := missing_vm_packages():
+            log.warning("tool computers are on (computers = true) but the VM packages are missing (%s): the "
+                        "agent's computer tools will answer tool_computer_unavailable (./scripts/install "
+                        "--computers, or computers = false)", ", ".join(missing))
+        return LazyVmComputers(self.settings, self.clock, self._computer_credential)
 
     def _computer_credential(self, user_id: str) -> ProxyCredential:
         """A tool computer's own proxy credential: its traffic is matched against the user's egress allowlist."""
@@ -186,8 +209,8 @@ class Runtime:
     def _send_live_view(self, binding: Binding, token: str) -> None:
         """The user's one-time link to take the screen (served by `wakeful serve`)."""
         link = f"{self.settings.base_url}/v1/live/{token}"
-        assert self.live is not None
-        self.live.offer(binding.user_id, token)
+        if self.live is not None:  # else the computers' owner (the API) offered it as it granted it
+            self.live.offer(binding.user_id, token)
         with write(self.engine) as conn:
             session_id = conn.execute(select(tasks_table.c.session_id).where(
                 tasks_table.c.id == binding.task_id)).scalar_one()
@@ -208,6 +231,8 @@ class Runtime:
         self.signals.woken(loop)
 
     def start(self) -> None:
+        if self._computer_server is not None:
+            self._computer_server.start()  # before anything answers: a second owner stops here (computers_running)
         if self.role is not Role.WORKER:
             self.committer.start()
         if self.role is Role.API:
@@ -237,6 +262,8 @@ class Runtime:
             thread.join(timeout=30)
         if self.role is not Role.WORKER:
             self.committer.stop()
+        if self._computer_server is not None:
+            self._computer_server.stop()
         if self._sender is not None:
             self._sender.close()
         self.messages.close()

@@ -297,6 +297,9 @@ class Settings(BaseSettings):
     0: it stops listening at once."""
     crash_at: str = ""
     """Fault injection for tests only: `point[:probability],...` makes the process `os._exit` there."""
+    computer_fakes: bool = False
+    """For tests only: tool computers on the vm layer's in-memory fakes (`server.computers.fakes`): no image, no
+    libvirt, a checkout form on show."""
     echo_without_model: bool = False
     """For tests only: without a model, runs reply naming the events they handled (the crash campaigns count
     those replies) instead of settling them in silence."""

@@ -22,6 +22,7 @@ import re
 import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
@@ -37,14 +38,14 @@ if TYPE_CHECKING:
     from wakeful.vm.hosts import HostHypervisor
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
     from wakeful.vm.lifecycle import VmInfo, VmManager
-    from wakeful.vm.observe import Refused
+    from wakeful.vm.observe import Accepted, HandoffLease, LeaseGrant, Refused, Surface
     from wakeful.vm.toolcomputer import ActResult, ObserveResult, ToolComputer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "ActArgs", "Computers", "LazyVmComputers",
-           "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "execute", "hypervisor_for",
-           "network_settings", "observe"]
+__all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "ActArgs", "Computer", "Computers",
+           "LazyVmComputers", "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "execute",
+           "hypervisor_for", "network_settings", "observe"]
 
 OBSERVE_TOOL: Final = "computer__observe"
 ACT_TOOL: Final = "computer__act"
@@ -125,10 +126,25 @@ def act_risk(act: Act, name: str | None) -> Risk:
     return Risk.ASK if name and SENSITIVE.search(name) else Risk.AUTO
 
 
+class Computer(Protocol):
+    """What the server asks of one user's tool computer (`vm.toolcomputer.ToolComputer`, or another process's
+    through `server.computers.remote`)."""
+
+    def observe(self, surface: Surface) -> ObserveResult: ...
+    def check(self, act: Act) -> Accepted | Refused: ...
+    def act(self, act: Act) -> ActResult | Refused: ...
+    def request_handoff(self, reason: str, ttl: timedelta) -> LeaseGrant: ...
+    def redeem_handoff(self, token: str) -> Accepted | Refused: ...
+    def return_control(self, lease_id: str | None = None) -> int: ...
+    @property
+    def lease(self) -> HandoffLease | None: ...
+    def vnc_port(self, guest_port: int = 5900) -> int: ...
+
+
 class Computers(Protocol):
     """Where a user's tool computer comes from."""
 
-    def computer(self, user_id: str) -> ToolComputer:
+    def computer(self, user_id: str) -> Computer:
         """The user's tool computer, provisioned, running (restored if it was suspended) and connected."""
 
     def activity(self, user_id: str, kind: str) -> contextlib.AbstractContextManager[None]:
@@ -243,7 +259,7 @@ class LazyVmComputers:
                 self._inner = _build_vm_computers(self._settings, self._clock, self._credential)
             return self._inner
 
-    def computer(self, user_id: str) -> ToolComputer:
+    def computer(self, user_id: str) -> Computer:
         return self._vms().computer(user_id)
 
     def activity(self, user_id: str, kind: str) -> contextlib.AbstractContextManager[None]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -141,8 +142,12 @@ PACING = Pacing(first=timedelta(seconds=5), cap=timedelta(minutes=10))
 class ActionDispatcher:
     def __init__(self, engine: Engine, clock: Clock, *, policy: Policy, timeout: float = 10.0,
                  resend_after: timedelta = timedelta(seconds=10), http: ConnectorHTTP | None = None,
-                 computers: Computers | None = None, on_event: Any = lambda: None, pacing: Pacing = PACING) -> None:
+                 computers: Computers | None = None, on_event: Any = lambda: None, pacing: Pacing = PACING,
+                 one_at_a_time: Callable[[str], AbstractContextManager[None]] = lambda _: nullcontext()) -> None:
+        """`one_at_a_time(action_id)`: held around each dispatch, for the dispatchers of other processes (the API
+        runs the acts it admits at once while the worker's dispatcher drains; `server.computers.remote`)."""
         self._engine = engine
+        self._one_at_a_time = one_at_a_time
         self._clock = clock
         self._policy = policy
         self._resend_after = resend_after
@@ -189,7 +194,7 @@ class ActionDispatcher:
         act it just admitted): a second caller waits and then finds the intent settled."""
         with self._sending_lock:
             lock = self._sending.setdefault(action_id, threading.Lock())
-        with lock:
+        with lock, self._one_at_a_time(action_id):
             try:
                 return self._dispatch(intent_id, action_id)
             finally:

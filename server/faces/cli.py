@@ -141,13 +141,6 @@ def _show_token(token: str | None) -> None:
         typer.echo(token)
 
 
-def _one_process(settings: Settings) -> bool:
-    """Tool computers (`computers = true`) keep the API and the worker in one process: a computer's control lease,
-    its live views and its VNC bridges are in the memory of the process that holds the computer, and the API (MCP
-    tools, live views) and the runs (the harness, the dispatcher) both use it."""
-    return settings.computers
-
-
 def _observe(settings: Settings) -> None:
     """Log lines in the settings' format; metrics kept in the shared directory the api's /metrics sums (serve
     emptied it when it started them; started on their own, as the systemd units do, they add to what is there)."""
@@ -164,8 +157,8 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
     """Run wakeful on one data directory: prepare the database (the owner's token is printed once, on the first
     start), then start `wakeful api`, `wakeful worker` and `wakeful proxy` as child processes and supervise them (a
     child that exits is restarted, said in the log; SIGTERM or Ctrl-C stops them all, the API first). Their PIDs
-    are in the log and in <data_dir>/run/*.pid. With tool computers on (computers = true), the API runs the worker
-    in its own process and no worker child starts."""
+    are in the log and in <data_dir>/run/*.pid. Tool computers (computers = true) live in the API, which serves them
+    to the worker on <data_dir>/run/computers.sock."""
     from wakeful.server.faces.supervise import Supervisor
     from wakeful.server.observe import metrics
     from wakeful.server.observe.logs import configure_logging
@@ -185,9 +178,7 @@ def serve(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = Non
     # sums what every child observed since serve started.
     metrics.share_across_processes(settings.metrics_dir, clean=True)
     _show_token(token)
-    names: tuple[str, ...] = ("api",) if _one_process(settings) else ("api", "worker")
-    if _one_process(settings):
-        logging.getLogger("wakeful.serve").info("tool computers are on: the api runs the worker in its process")
+    names: tuple[str, ...] = ("api", "worker")
     if settings.proxy:
         names += ("proxy",)
     # The children are forks of this process: what they run is imported once, here, so a child's (re)start costs
@@ -232,8 +223,9 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
             "Listen only once the egress proxy does (`wakeful serve` starts it beside the api)."))] = False) -> None:
     """Serve HTTP: /v1, /mcp, the console and webhooks (each delivery committed before it is acknowledged), and the
     egress proxy's policy decisions. Runs no runs: every commit wakes `wakeful worker` (a socket in <data_dir>/run on
-    SQLite, LISTEN/NOTIFY on PostgreSQL). With tool computers on (computers = true) it runs the worker's loops
-    itself. Start `wakeful proxy` beside it when proxy = true (`wakeful serve` does all of that)."""
+    SQLite, LISTEN/NOTIFY on PostgreSQL). It holds the tool computers (computers = true) and serves them to the worker
+    on <data_dir>/run/computers.sock. Start `wakeful proxy` beside it when proxy = true (`wakeful serve` does all of
+    that)."""
     import uvicorn
 
     from wakeful.server.egress.proxyctl import abort_proxy_start
@@ -253,8 +245,7 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
         _refuse_taken_ports(settings, proxy=False)
     except WakefulError as exc:
         _fail(exc)
-    role = Role.ALL if _one_process(settings) else Role.API
-    runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry, role=role)
+    runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry, role=Role.API)
     _show_token(runtime.prepare())
 
     class Serving(QuietServer):
@@ -292,7 +283,8 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
     """Run the runs: workers, scheduler, dispatcher, reconciler and sweeper, until SIGTERM or Ctrl-C. Woken at once
     by `wakeful api`'s commits (a socket in <data_dir>/run on SQLite, LISTEN/NOTIFY on PostgreSQL), by its own, and
     by a poll as the fallback. On SQLite one worker process at a time (a second is refused: worker_running); on
-    PostgreSQL start as many as you like, on as many hosts."""
+    PostgreSQL start as many as you like, on as many hosts. Tool computers (computers = true) are the API's: the
+    worker reaches them on <data_dir>/run/computers.sock, so it runs on the API's host."""
     import signal
 
     from wakeful.server.runtime import Role, Runtime, load_registry, make_handler
@@ -300,10 +292,6 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
     _log_to_stderr()
     settings = _settings(data_dir, database_url, workers=workers)
     _observe(settings)
-    if _one_process(settings):
-        _fail(WakefulError("computers_in_one_process", "tool computers are on (computers = true): `wakeful api` "
-                                                        "runs the worker in its own process; set computers = false "
-                                                        "to run workers apart"))
     try:
         registry = load_registry(settings)
     except WakefulError as exc:

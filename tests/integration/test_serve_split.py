@@ -36,7 +36,7 @@ CHILDREN = ("api", "worker", "proxy")
 def _env(data_dir: Path, *, database_url: str | None = None, proxy: bool = True) -> dict[str, str]:
     env = {
         "WAKEFUL_DATA_DIR": str(data_dir),
-        "WAKEFUL_COMPUTERS": "false",  # tool computers keep the API and the worker in one process
+        "WAKEFUL_COMPUTERS": "false",  # test_serve_computers_split.py runs them (on fakes)
         "WAKEFUL_PROXY": "true" if proxy else "false",
         "WAKEFUL_PROXY_PORT": str(free_port()),
         "WAKEFUL_ECHO_WITHOUT_MODEL": "true",

@@ -105,8 +105,8 @@ class ServeProcess:
         self.port = port or free_port()
         self.log_path = log_path
         # Connector calls go out directly unless a test asks for the egress proxy (WAKEFUL_PROXY=true). No tool
-        # computers unless asked for (WAKEFUL_COMPUTERS=true): with them, the API runs the worker in its own process;
-        # without, serve runs `wakeful api` and `wakeful worker` apart, which is what most tests should see.
+        # computers unless asked for (WAKEFUL_COMPUTERS=true, with WAKEFUL_COMPUTER_FAKES=true for no VM): the API
+        # holds them and the worker reaches them over <data_dir>/run/computers.sock.
         self._env = {**_clean_environ(), "WAKEFUL_PROXY": "false", "WAKEFUL_COMPUTERS": "false", **env,
                      "WAKEFUL_HOST": "127.0.0.1"}
         self._proc: subprocess.Popen[bytes] | None = None
