@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +28,7 @@ _BENCH = Path(__file__).resolve().parent
 sys.path[1:1] = [str(_BENCH.parent), str(_BENCH.parent / "tests" / "system")]
 
 from _common import ROOT, Row, Table, bench_args, print_and_save, reproduce, verdict  # noqa: E402
-from computer_lab import ComputerLab, qemu_pid, tool_computer  # noqa: E402
+from computer_lab import ComputerLab, Network, isolated_network, qemu_pid, tool_computer  # noqa: E402
 from shop_lab import shop_egress  # noqa: E402
 
 from wakeful.vm.accel import choose_accel  # noqa: E402
@@ -113,16 +115,26 @@ def _our_cycle(lab: ComputerLab) -> Cycle:
     return Cycle(suspend=suspend, suspended_ram=ram, save_bytes=size, restore_total=total, report=report)
 
 
-def measure(cycles: int) -> Figures:
+@contextmanager
+def _network(on: bool) -> Iterator[Network | None]:
+    if not on:
+        yield None
+        return
+    with isolated_network("wkb-") as net:
+        yield net
+
+
+def measure(cycles: int, network: bool = False) -> Figures:
     if not (IMAGE / "base.qcow2").is_file():
         raise SystemExit(f"no guest image at {IMAGE}: run the system tests once (pytest -m vm tests/system) or "
                          "`WAKEFUL_DATA_DIR=.cache/image-build/data wakeful image build --ca-cert ...`")
     accel = choose_accel(IMAGE / "vmlinux", data_dir=IMAGE.parent.parent, timeout=10.0)
     print(f"accel mode: {accel.describe()}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="wakeful-bench-vm-") as tmp, \
-            shop_egress(Path(tmp) / "egress", user="bench") as shop, \
+    with tempfile.TemporaryDirectory(prefix="wakeful-bench-vm-") as tmp, _network(network) as net, \
+            shop_egress(Path(tmp) / "egress", user="bench", network=(net.name, net.host) if net else None) as shop, \
             tool_computer(IMAGE, Path(tmp) / "vms", user="bench", accel=accel, proxy_port=shop.settings.proxy_port,
-                          credential=shop.credential, prefix="wkb-", port_range=(25500, 25999)) as lab:
+                          credential=shop.credential, prefix="wkb-", port_range=(25500, 25999), network=net,
+                          address_book=shop.settings.address_book if net else None) as lab:
         start = time.perf_counter()
         lab.boot()
         first = lab.computer.observe()
@@ -152,8 +164,8 @@ def _mib(n: float) -> str:
     return f"{n / MIB:,.0f} MiB"
 
 
-def run(quick: bool = False) -> list[Table]:
-    f = measure(1 if quick else 3)
+def run(quick: bool = False, network: bool = False) -> list[Table]:
+    f = measure(1 if quick else 3, network)
     med = statistics.median
 
     def step(pick: object) -> float:
@@ -191,6 +203,8 @@ def run(quick: bool = False) -> list[Table]:
     notes = [
         f"acceleration: {f.accel}",
         "1 GiB, 1 vCPU guest from the real image; Chromium showing a page reached through the real egress proxy",
+        "networking: " + ("an isolated libvirt network (SSH to the VM's address; CDP through SSH)" if network
+                          else "QEMU user-mode (SSH through a 127.0.0.1 forward; CDP through SSH)"),
         "restore → first fresh observation = `VmManager.ensure_running` until the after-restore hook "
         "(`ToolComputer.after_restore(observe=True)`) returned; the baseline stops when `virsh restore` returns "
         "(no SSH, no CDP, nothing observed)",
@@ -199,9 +213,10 @@ def run(quick: bool = False) -> list[Table]:
         + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " at the end (the host is shared)",
     ]
     return [Table(title="tool computer: cold boot vs suspend/restore (1 GiB guest, Chromium open)", rows=rows,
-                  reproduce=reproduce("tool_computer.py", quick), notes=notes)]
+                  reproduce=reproduce("tool_computer.py", quick, *(("network",) if network else ())), notes=notes)]
 
 
 if __name__ == "__main__":
-    args = bench_args(__doc__.splitlines()[0])
-    print_and_save(run(args.quick), "tool_computer.txt")
+    args = bench_args(__doc__.splitlines()[0], {"network": "put the VM on an isolated libvirt network of its own "
+                                                           "(started for the run) instead of user-mode networking"})
+    print_and_save(run(args.quick, args.network), "tool_computer_network.txt" if args.network else "tool_computer.txt")

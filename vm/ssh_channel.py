@@ -195,6 +195,24 @@ class GuestChannel:
         """Connect once (no retries); raises GuestError."""
         self._reconnect(timeout=timeout, retry=False)
 
+    def alive(self, *, timeout: float = 2.0) -> bool:
+        """Whether the current transport still reaches the guest's sshd: one round trip (a session channel opened
+        and closed again, which sshd answers without starting a process) within `timeout` seconds.
+
+        After a restore under user-mode networking the transport died with the old QEMU process and this is False at
+        once. On an isolated network the TCP connection lives in the host's kernel and in the guest's saved memory,
+        so it outlives a save and restore: then this is True, and the transport (with every forwarded connection
+        in it) can be kept instead of made again."""
+        transport = self._transport()
+        if transport is None or not transport.is_active():
+            return False
+        try:
+            chan = transport.open_session(timeout=timeout)
+        except (paramiko.SSHException, EOFError, OSError):
+            return False
+        chan.close()
+        return True
+
     def drop(self) -> None:
         """Forget the current transport (known dead after a restore, even if it has not noticed yet): commands
         fail with `not_connected` and forwarded connections wait for the next `reconnect()`."""
