@@ -108,7 +108,7 @@ def _our_cycle(lab: ComputerLab) -> Cycle:
     ram = lab.manager.memory_bytes(user) + (1 if qemu_pid(lab.vm.name) is not None else 0)
     size = lab.save_file().stat().st_size
     start = time.perf_counter()
-    lab.manager.ensure_running(user)  # the hook: reconnect SSH ‖ CDP, resync the clock, first fresh observation
+    lab.manager.ensure_running(user)  # the hook: keep or reconnect SSH ‖ CDP, resync the clock, first observation
     total = time.perf_counter() - start
     report = lab.restores[-1]
     assert report.observation is not None and report.observation.elements, "the first observation saw the page"
@@ -187,8 +187,10 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
             f"{_s(med([b.restore for b in f.bares]))} (virsh restore)",
             f"≤ {_s(TARGET_RESTORE)}", verdict(restore <= TARGET_RESTORE)),
         Row("  libvirt restore (start from managed save)", _s(step(lambda c: c.libvirt_restore)), "-"),
-        Row("  SSH reconnect", _s(med([x.ssh_reconnect for x in t])), "-"),
-        Row("  CDP reconnect (beside SSH)", _s(med([x.cdp_reconnect or 0.0 for x in t])), "-"),
+        Row("  probe: did the SSH transport outlive the restore?", _s(med([x.probe for x in t])),
+            f"kept {sum(x.kept for x in t)} of {len(t)}"),
+        Row("  SSH reconnect (0 when kept)", _s(med([x.ssh_reconnect for x in t])), "-"),
+        Row("  CDP reconnect (beside SSH; 0 when kept)", _s(med([x.cdp_reconnect or 0.0 for x in t])), "-"),
         Row("  clock resync (after SSH, beside CDP)", _s(med([x.clock for x in t])), "-"),
         Row("  first observation (AX tree + screenshot)", _s(med([x.first_observation or 0.0 for x in t])), "-"),
         Row("restore speed-up over cold boot (to first observation)", f"{speedup:.1f}x", "-",

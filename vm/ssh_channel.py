@@ -129,10 +129,15 @@ def _epoch_ns(text: bytes) -> int:
 
 class GuestChannel:
     def __init__(self, *, host: str = "127.0.0.1", port: int, user: str, client_key_path: Path | str,
-                 pinned_host_key: str, keepalive: float = 15.0, forward_wait: float = 20.0,
+                 pinned_host_key: str, keepalive: float = 0.0, forward_wait: float = 20.0,
                  max_output: int = 64 * 1024 * 1024, wall_ns: Callable[[], int] = time.time_ns,
                  set_clock: str = SET_CLOCK) -> None:
-        """`forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
+        """`keepalive`: seconds between SSH keepalives, 0 for none (the default). A VM on an isolated network keeps
+        its TCP connection through a save and restore only if the host sends nothing while it is saved: an unanswered
+        keepalive then sits in TCP's retransmission backoff, so the first message after the restore waits seconds
+        behind it, and after ~15 minutes of retries the connection is torn down. Liveness is asked when it matters
+        instead (`alive`, after a restore).
+        `forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
         `set_clock`: the guest shell command that sets its clock to `$t` (tests on a host replace it)."""
         self.host, self.port, self.user = host, port, user
         self._pinned = parse_public_key(pinned_host_key)
@@ -188,7 +193,8 @@ class GuestChannel:
             raise GuestUnreachable(f"cannot reach sshd at {self.host}:{self.port}: {exc}") from None
         transport = client.get_transport()
         assert transport is not None
-        transport.set_keepalive(int(max(1, self._keepalive)))
+        if self._keepalive > 0:
+            transport.set_keepalive(int(max(1, self._keepalive)))
         return client
 
     def connect(self, *, timeout: float = 10.0) -> None:
