@@ -6,6 +6,8 @@ opens the page, then alternates our suspend (managed save) and restore-to-first-
 `virsh save FILE` / `virsh restore FILE` of the same guest, which is the baseline for our overhead.
 Targets (issues 5 and 19): restore to the first observation within 4 s under TCG and ≥ 25× faster than a cold boot
 to it; no RAM held while suspended.
+With `--network` the VM joins an isolated libvirt network started for the run (10.78.N.0/24, removed after it; needs
+dnsmasq) instead of user-mode networking: its SSH transport, and DevTools through it, outlive the restore and are kept.
 Needs root, libvirtd (scripts/libvirtd) and the built image.
 """
 
