@@ -310,16 +310,20 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def bench_args(description: str) -> argparse.Namespace:
-    """Parse `--quick`, and make SIGTERM and SIGINT unwind the stack so every started server is stopped.
+def bench_args(description: str, flags: dict[str, str] | None = None) -> argparse.Namespace:
+    """Parse `--quick` (and the benchmark's own on/off `flags`: name → help), and make SIGTERM and SIGINT unwind the
+    stack so every started server is stopped.
 
     Python's default SIGTERM kills without running `finally`, and a background job inherits SIGINT ignored."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="a shorter smoke run (figures are noisier)")
+    for flag, help in (flags or {}).items():
+        parser.add_argument(f"--{flag}", action="store_true", help=help)
     return parser.parse_args()
 
 
-def reproduce(script: str, quick: bool) -> str:
-    return f".venv/bin/python bench/{script}{' --quick' if quick else ''}   (from the repository root)"
+def reproduce(script: str, quick: bool, *flags: str) -> str:
+    words = "".join(f" --{f}" for f in (*(("quick",) if quick else ()), *flags))
+    return f".venv/bin/python bench/{script}{words}   (from the repository root)"

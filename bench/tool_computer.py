@@ -6,6 +6,8 @@ opens the page, then alternates our suspend (managed save) and restore-to-first-
 `virsh save FILE` / `virsh restore FILE` of the same guest, which is the baseline for our overhead.
 Targets (issues 5 and 19): restore to the first observation within 4 s under TCG and ≥ 25× faster than a cold boot
 to it; no RAM held while suspended.
+With `--network` the VM joins an isolated libvirt network started for the run (10.78.N.0/24, removed after it; needs
+dnsmasq) instead of user-mode networking: its SSH transport, and DevTools through it, outlive the restore and are kept.
 Needs root, libvirtd (scripts/libvirtd) and the built image.
 """
 
@@ -18,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +30,7 @@ _BENCH = Path(__file__).resolve().parent
 sys.path[1:1] = [str(_BENCH.parent), str(_BENCH.parent / "tests" / "system")]
 
 from _common import ROOT, Row, Table, bench_args, print_and_save, reproduce, verdict  # noqa: E402
-from computer_lab import ComputerLab, qemu_pid, tool_computer  # noqa: E402
+from computer_lab import ComputerLab, Network, isolated_network, qemu_pid, tool_computer  # noqa: E402
 from shop_lab import shop_egress  # noqa: E402
 
 from wakeful.vm.accel import choose_accel  # noqa: E402
@@ -106,23 +110,33 @@ def _our_cycle(lab: ComputerLab) -> Cycle:
     ram = lab.manager.memory_bytes(user) + (1 if qemu_pid(lab.vm.name) is not None else 0)
     size = lab.save_file().stat().st_size
     start = time.perf_counter()
-    lab.manager.ensure_running(user)  # the hook: reconnect SSH ‖ CDP, resync the clock, first fresh observation
+    lab.manager.ensure_running(user)  # the hook: keep or reconnect SSH ‖ CDP, resync the clock, first observation
     total = time.perf_counter() - start
     report = lab.restores[-1]
     assert report.observation is not None and report.observation.elements, "the first observation saw the page"
     return Cycle(suspend=suspend, suspended_ram=ram, save_bytes=size, restore_total=total, report=report)
 
 
-def measure(cycles: int) -> Figures:
+@contextmanager
+def _network(on: bool) -> Iterator[Network | None]:
+    if not on:
+        yield None
+        return
+    with isolated_network("wkb-") as net:
+        yield net
+
+
+def measure(cycles: int, network: bool = False) -> Figures:
     if not (IMAGE / "base.qcow2").is_file():
         raise SystemExit(f"no guest image at {IMAGE}: run the system tests once (pytest -m vm tests/system) or "
                          "`WAKEFUL_DATA_DIR=.cache/image-build/data wakeful image build --ca-cert ...`")
     accel = choose_accel(IMAGE / "vmlinux", data_dir=IMAGE.parent.parent, timeout=10.0)
     print(f"accel mode: {accel.describe()}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="wakeful-bench-vm-") as tmp, \
-            shop_egress(Path(tmp) / "egress", user="bench") as shop, \
+    with tempfile.TemporaryDirectory(prefix="wakeful-bench-vm-") as tmp, _network(network) as net, \
+            shop_egress(Path(tmp) / "egress", user="bench", network=(net.name, net.host) if net else None) as shop, \
             tool_computer(IMAGE, Path(tmp) / "vms", user="bench", accel=accel, proxy_port=shop.settings.proxy_port,
-                          credential=shop.credential, prefix="wkb-", port_range=(25500, 25999)) as lab:
+                          credential=shop.credential, prefix="wkb-", port_range=(25500, 25999), network=net,
+                          address_book=shop.settings.address_book if net else None) as lab:
         start = time.perf_counter()
         lab.boot()
         first = lab.computer.observe()
@@ -152,8 +166,8 @@ def _mib(n: float) -> str:
     return f"{n / MIB:,.0f} MiB"
 
 
-def run(quick: bool = False) -> list[Table]:
-    f = measure(1 if quick else 3)
+def run(quick: bool = False, network: bool = False) -> list[Table]:
+    f = measure(1 if quick else 3, network)
     med = statistics.median
 
     def step(pick: object) -> float:
@@ -175,8 +189,10 @@ def run(quick: bool = False) -> list[Table]:
             f"{_s(med([b.restore for b in f.bares]))} (virsh restore)",
             f"≤ {_s(TARGET_RESTORE)}", verdict(restore <= TARGET_RESTORE)),
         Row("  libvirt restore (start from managed save)", _s(step(lambda c: c.libvirt_restore)), "-"),
-        Row("  SSH reconnect", _s(med([x.ssh_reconnect for x in t])), "-"),
-        Row("  CDP reconnect (beside SSH)", _s(med([x.cdp_reconnect or 0.0 for x in t])), "-"),
+        Row("  probe: did the SSH transport outlive the restore?", _s(med([x.probe for x in t])),
+            f"kept {sum(x.kept for x in t)} of {len(t)}"),
+        Row("  SSH reconnect (0 when kept)", _s(med([x.ssh_reconnect for x in t])), "-"),
+        Row("  CDP reconnect (beside SSH; 0 when kept)", _s(med([x.cdp_reconnect or 0.0 for x in t])), "-"),
         Row("  clock resync (after SSH, beside CDP)", _s(med([x.clock for x in t])), "-"),
         Row("  first observation (AX tree + screenshot)", _s(med([x.first_observation or 0.0 for x in t])), "-"),
         Row("restore speed-up over cold boot (to first observation)", f"{speedup:.1f}x", "-",
@@ -191,6 +207,8 @@ def run(quick: bool = False) -> list[Table]:
     notes = [
         f"acceleration: {f.accel}",
         "1 GiB, 1 vCPU guest from the real image; Chromium showing a page reached through the real egress proxy",
+        "networking: " + ("an isolated libvirt network (SSH to the VM's address; CDP through SSH)" if network
+                          else "QEMU user-mode (SSH through a 127.0.0.1 forward; CDP through SSH)"),
         "restore → first fresh observation = `VmManager.ensure_running` until the after-restore hook "
         "(`ToolComputer.after_restore(observe=True)`) returned; the baseline stops when `virsh restore` returns "
         "(no SSH, no CDP, nothing observed)",
@@ -199,9 +217,10 @@ def run(quick: bool = False) -> list[Table]:
         + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " at the end (the host is shared)",
     ]
     return [Table(title="tool computer: cold boot vs suspend/restore (1 GiB guest, Chromium open)", rows=rows,
-                  reproduce=reproduce("tool_computer.py", quick), notes=notes)]
+                  reproduce=reproduce("tool_computer.py", quick, *(("network",) if network else ())), notes=notes)]
 
 
 if __name__ == "__main__":
-    args = bench_args(__doc__.splitlines()[0])
-    print_and_save(run(args.quick), "tool_computer.txt")
+    args = bench_args(__doc__.splitlines()[0], {"network": "put the VM on an isolated libvirt network of its own "
+                                                           "(started for the run) instead of user-mode networking"})
+    print_and_save(run(args.quick, args.network), "tool_computer_network.txt" if args.network else "tool_computer.txt")

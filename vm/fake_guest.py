@@ -23,7 +23,9 @@ def tiny_png(width: int, height: int) -> bytes:
 class FakeChannel:
     """Commands are answered by `handler` (default: exit 0, no output) and recorded in `commands`.
 
-    `drop()` kills the transport the way a restore does; `unreachable = n` makes the next n connects fail.
+    `drop()` kills the transport the way a restore under user-mode networking does; a transport not dropped
+    outlives a restore (as on an isolated network) unless `silent` (the guest no longer answers on it);
+    `unreachable = n` makes the next n connects fail.
     """
 
     def __init__(self, handler: Callable[[str, bytes | None], RunResult] | None = None) -> None:
@@ -33,6 +35,8 @@ class FakeChannel:
         self.connects = 0
         self.clock_syncs = 0
         self.unreachable = 0
+        self.silent = False
+        self.probes = 0
         self.closed = False
         self._connected = False
 
@@ -48,6 +52,10 @@ class FakeChannel:
             raise GuestUnreachable("fake guest: nothing listens")
         self.connects += 1
         self._connected = True
+
+    def alive(self, *, timeout: float = 2.0) -> bool:
+        self.probes += 1
+        return self._connected and not self.silent
 
     def drop(self) -> None:
         self._connected = False
@@ -70,6 +78,7 @@ class FakeChannel:
 
     def reconnect(self, *, timeout: float = 30.0) -> ReconnectReport:
         self._connected = False
+        self.silent = False
         attempts = 1
         while True:
             try:

@@ -129,10 +129,15 @@ def _epoch_ns(text: bytes) -> int:
 
 class GuestChannel:
     def __init__(self, *, host: str = "127.0.0.1", port: int, user: str, client_key_path: Path | str,
-                 pinned_host_key: str, keepalive: float = 15.0, forward_wait: float = 20.0,
+                 pinned_host_key: str, keepalive: float = 0.0, forward_wait: float = 20.0,
                  max_output: int = 64 * 1024 * 1024, wall_ns: Callable[[], int] = time.time_ns,
                  set_clock: str = SET_CLOCK) -> None:
-        """`forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
+        """`keepalive`: seconds between SSH keepalives, 0 for none (the default). A VM on an isolated network keeps
+        its TCP connection through a save and restore only if the host sends nothing while it is saved: an unanswered
+        keepalive then sits in TCP's retransmission backoff, so the first message after the restore waits seconds
+        behind it, and after ~15 minutes of retries the connection is torn down. Liveness is asked when it matters
+        instead (`alive`, after a restore).
+        `forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
         `set_clock`: the guest shell command that sets its clock to `$t` (tests on a host replace it)."""
         self.host, self.port, self.user = host, port, user
         self._pinned = parse_public_key(pinned_host_key)
@@ -188,12 +193,31 @@ class GuestChannel:
             raise GuestUnreachable(f"cannot reach sshd at {self.host}:{self.port}: {exc}") from None
         transport = client.get_transport()
         assert transport is not None
-        transport.set_keepalive(int(max(1, self._keepalive)))
+        if self._keepalive > 0:
+            transport.set_keepalive(int(max(1, self._keepalive)))
         return client
 
     def connect(self, *, timeout: float = 10.0) -> None:
         """Connect once (no retries); raises GuestError."""
         self._reconnect(timeout=timeout, retry=False)
+
+    def alive(self, *, timeout: float = 2.0) -> bool:
+        """Whether the current transport still reaches the guest's sshd: one round trip (a session channel opened
+        and closed again, which sshd answers without starting a process) within `timeout` seconds.
+
+        After a restore under user-mode networking the transport died with the old QEMU process and this is False at
+        once. On an isolated network the TCP connection lives in the host's kernel and in the guest's saved memory,
+        so it outlives a save and restore: then this is True, and the transport (with every forwarded connection
+        in it) can be kept instead of made again."""
+        transport = self._transport()
+        if transport is None or not transport.is_active():
+            return False
+        try:
+            chan = transport.open_session(timeout=timeout)
+        except (paramiko.SSHException, EOFError, OSError):
+            return False
+        chan.close()
+        return True
 
     def drop(self) -> None:
         """Forget the current transport (known dead after a restore, even if it has not noticed yet): commands

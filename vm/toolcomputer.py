@@ -5,7 +5,7 @@
     seen = tc.observe()                            # screenshot + snapshot; refs bound to this observation
     tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="Ada"))   # → ActResult, or Refused: nothing ran
     ... the VM is restored ...
-    tc.after_restore()                             # reconnect SSH ‖ CDP, resync the clock, bump the epoch
+    tc.after_restore()                             # keep or reconnect SSH ‖ CDP, resync the clock, bump the epoch
 
 `act` always asks `check_act` first and records the act (consuming the observation) before anything executes, so
 a failure half-way still needs a new observation. Before a browser act it reads the current view (tab, URL,
@@ -172,10 +172,15 @@ class RestoreTimings:
     """Seconds per step of `after_restore`; SSH and CDP reconnect run in parallel, so total < their sum."""
 
     ssh_reconnect: float
+    """0 when the connections were kept."""
     clock: float
     cdp_reconnect: float | None
     first_observation: float | None
     total: float
+    probe: float = 0.0
+    """The round trip that asked whether the SSH transport outlived the restore."""
+    kept: bool = False
+    """It did (an isolated network): SSH, and CDP through it, were kept rather than made again."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +196,10 @@ class ToolComputer:
                  desktop: Desktop | None = None, cdp: tuple[str, int] = ("127.0.0.1", 9222),
                  mint_ref: Callable[[], str] = new_ref, new_id: Callable[[], str] = lambda: secrets.token_hex(8),
                  new_token: Callable[[], str] = lambda: secrets.token_urlsafe(32),
-                 timer: Callable[[], float] = time.perf_counter, reconnect_timeout: float = 60.0) -> None:
+                 timer: Callable[[], float] = time.perf_counter, reconnect_timeout: float = 60.0,
+                 probe_timeout: float = 2.0) -> None:
+        """`probe_timeout`: how long, after a restore, the old SSH transport gets to answer before it is given up
+        and made again."""
         self.vm_id = vm_id
         self._channel = channel
         self._browser = browser
@@ -203,6 +211,7 @@ class ToolComputer:
         self._new_token = new_token
         self._timer = timer
         self._reconnect_timeout = reconnect_timeout
+        self._probe_timeout = probe_timeout
         self._state = ComputerState(vm_id=vm_id)
         self._lock = threading.RLock()
 
@@ -382,21 +391,27 @@ class ToolComputer:
     # ---------------------------------------------------------------------------------------- restore
 
     def after_restore(self, *, observe: bool = False, surface: Surface = Surface.BROWSER) -> RestoreReport:
-        """The VM was restored (a new QEMU process): bump the epoch, reconnect SSH and CDP in parallel (a CDP
-        connection made through the forward waits for the new SSH transport), resync the guest clock, and
-        optionally take the first fresh observation. Every step is timed.
+        """The VM was restored (a new QEMU process): bump the epoch, keep the SSH transport if it outlived the restore
+        (on an isolated network it does; under user-mode networking it died with the old process) or else reconnect
+        SSH ‖ CDP in parallel (a CDP connection made through the forward waits for the new SSH transport), resync
+        the guest clock, and optionally take the first fresh observation. Every step is timed.
 
-        A browser observation does not wait for the clock: it runs on the CDP side while the SSH side resyncs
-        (one guest command, a second or more under TCG), so the restore costs max(SSH + clock, CDP + observation).
-        A CDP attach that failed while SSH was still coming back is made once more after it is back."""
+        The CDP connection rides on the SSH transport: it is kept when SSH was kept and it is still up. A browser
+        observation does not wait for the clock: it runs on the CDP side while the SSH side resyncs (one guest
+        command, a second or more under TCG), so the restore costs max(SSH + clock, CDP + observation). A CDP attach
+        or a first observation that failed on the CDP side is made once more after SSH is back."""
         with self._lock:
             start = self._timer()
             self._state = bump_epoch(self._state, BumpReason.RESTORE)
-            self._channel.drop()  # the old transport is dead even if it has not noticed: forwards wait for the new one
+            kept = self._channel.alive(timeout=self._probe_timeout)
+            probe = self._timer() - start
+            if not kept:
+                self._channel.drop()  # dead even if it has not noticed: forwards wait for the new one
+            keep_cdp = kept and self._browser is not None and self._browser.connected
             early = observe and surface is Surface.BROWSER
             with ThreadPoolExecutor(2, thread_name_prefix=f"restore-{self.vm_id}") as pool:
-                ssh = pool.submit(self._timed_ssh)
-                cdp = pool.submit(self._timed_cdp, early) if self._browser is not None else None
+                ssh = pool.submit(self._timed_ssh, kept)
+                cdp = pool.submit(self._timed_cdp, early, keep_cdp) if self._browser is not None else None
                 ssh_seconds, clock_seconds, sync, moved = ssh.result()
                 cdp_seconds: float | None = None
                 first: ObserveResult | None = None
@@ -406,7 +421,8 @@ class ToolComputer:
                     try:
                         cdp_seconds, first, first_seconds = cdp.result()
                     except BrowserError:
-                        # The forward gave up waiting for SSH (a loaded host, a slow restore); SSH is back now.
+                        # The forward gave up waiting for SSH (a loaded host, a slow restore), or a kept connection
+                        # turned out dead; SSH is back now.
                         attach_again = True
             if attach_again and self._browser is not None:
                 t = self._timer()
@@ -418,27 +434,33 @@ class ToolComputer:
                 first = self._observe(surface)
                 first_seconds = self._timer() - t
             timings = RestoreTimings(ssh_reconnect=ssh_seconds, clock=clock_seconds, cdp_reconnect=cdp_seconds,
-                                     first_observation=first_seconds, total=self._timer() - start)
+                                     first_observation=first_seconds, total=self._timer() - start, probe=probe,
+                                     kept=kept)
             return RestoreReport(timings=timings, clock_sync=sync, epoch=self._state.epoch, observation=first)
 
-    def _timed_ssh(self) -> tuple[float, float, ClockSync, bool]:
+    def _timed_ssh(self, kept: bool) -> tuple[float, float, ClockSync, bool]:
         t0 = self._timer()
-        report = self._channel.reconnect(timeout=self._reconnect_timeout)
+        moved = False
+        if not kept:
+            report = self._channel.reconnect(timeout=self._reconnect_timeout)
+            moved = self._cdp in report.moved
         t1 = self._timer()
         sync = self._channel.resync_clock()
-        return t1 - t0, self._timer() - t1, sync, self._cdp in report.moved
+        return (t1 - t0 if not kept else 0.0), self._timer() - t1, sync, moved
 
-    def _timed_cdp(self, observe: bool) -> tuple[float, ObserveResult | None, float | None]:
-        """Attach CDP again (the forward's port survives the restore; the connection does not), then, if asked,
-        take the first browser observation (the caller holds the lock and waits for this thread)."""
+    def _timed_cdp(self, observe: bool, kept: bool) -> tuple[float, ObserveResult | None, float | None]:
+        """Attach CDP again unless the connection was kept (the forward's port survives the restore; a connection
+        through a dead transport does not), then, if asked, take the first browser observation (the caller holds
+        the lock and waits for this thread)."""
         assert self._browser is not None
         t0 = self._timer()
-        self._browser.connect(self._cdp_url())
+        if not kept:
+            self._browser.connect(self._cdp_url())
         t1 = self._timer()
         if not observe:
-            return t1 - t0, None, None
+            return (t1 - t0 if not kept else 0.0), None, None
         first = self._observe(Surface.BROWSER)
-        return t1 - t0, first, self._timer() - t1
+        return (t1 - t0 if not kept else 0.0), first, self._timer() - t1
 
     # ---------------------------------------------------------------------------------------- handoff
 

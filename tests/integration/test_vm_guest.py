@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import subprocess
 import threading
@@ -44,6 +45,56 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         pass
+
+
+class _Relay:
+    """A TCP relay in front of sshd that can hold every byte, as a VM on an isolated network does while it is saved
+    (the host's TCP connection stays open and nothing answers), and let them through again once it is restored."""
+
+    def __init__(self, port: int) -> None:
+        self._target = ("127.0.0.1", port)
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._server.getsockname()[1])
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._done = threading.Event()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while not self._done.is_set():
+                client, _ = self._server.accept()
+                upstream = socket.create_connection(self._target, timeout=10)
+                self._socks += [client, upstream]
+                for a, b in ((client, upstream), (upstream, client)):
+                    threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not self._done.is_set():
+                if not self._flowing.wait(0.05):
+                    continue
+                ready, _, _ = select.select([src], [], [], 0.05)
+                if ready and self._flowing.is_set():
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    dst.sendall(data)
+
+    def __enter__(self) -> _Relay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        for sock in [self._server, *self._socks]:
+            sock.close()
 
 
 @pytest.fixture
@@ -257,3 +308,24 @@ def test_clock_resync_never_sets_the_clock_of_the_machine_it_runs_on(channel: Gu
     sync = channel.resync_clock()
     assert sync.applied is False
     assert sync.before == sync.after
+
+
+def test_a_transport_that_outlives_a_silence_is_alive_again_with_its_forwards(sshd: Sshd, http_server: _Hits) -> None:
+    # A VM on an isolated network, saved and restored: the TCP connection was never closed, only silent.
+    with _Relay(sshd.port) as relay, _channel(sshd, port=relay.port) as chan:
+        chan.connect()
+        port = chan.forward("127.0.0.1", http_server.server_address[1])
+        assert chan.alive(timeout=10)
+        relay.hold()
+        assert not chan.alive(timeout=0.5), "a guest that does not answer is not alive"
+        relay.release()
+        assert chan.alive(timeout=10)
+        assert chan.run(["echo", "same transport"], timeout=10).stdout == b"same transport\n"
+        assert httpx.get(f"http://127.0.0.1:{port}/after", timeout=10).text == "seen /after"
+
+
+def test_a_transport_whose_guest_process_is_gone_is_not_alive(sshd: Sshd, channel: GuestChannel) -> None:
+    sshd.restart()  # a VM restored under user-mode networking: the old connection died with the old process
+    assert not channel.alive(timeout=10)
+    channel.drop()
+    assert not channel.alive(timeout=10), "nothing to ask once dropped"

@@ -8,13 +8,18 @@ hook.
         lab.manager.suspend(lab.vm.user); lab.manager.ensure_running(lab.vm.user)
         lab.restores[-1]                             # the RestoreReport the hook got, with per-step timings
 
-Every domain is named with `prefix` and destroyed on the way out.
+Every domain is named with `prefix` and destroyed on the way out. With `network` (from `isolated_network`, which
+starts a libvirt network of its own and removes it afterwards) the VM joins it instead of user-mode networking.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import subprocess
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -30,7 +35,7 @@ from wakeful.vm.lifecycle_rules import VmSize
 from wakeful.vm.ssh_channel import GuestChannel
 from wakeful.vm.toolcomputer import RestoreReport, ToolComputer
 
-__all__ = ["SAVE_DIR", "ComputerLab", "qemu_pid", "tool_computer"]
+__all__ = ["SAVE_DIR", "ComputerLab", "Network", "isolated_network", "qemu_pid", "tool_computer"]
 
 URI = "qemu:///system"
 SAVE_DIR = Path("/var/lib/libvirt/qemu/save")
@@ -73,22 +78,69 @@ class ComputerLab:
         return SAVE_DIR / f"{self.vm.name}.save"
 
 
+@dataclass(frozen=True)
+class Network:
+    name: str
+    host: str
+    """The host's address on it (the egress proxy listens there)."""
+
+
+def _virsh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["virsh", "-c", URI, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A 10.78.N.0/24 no interface of this host is on (the documented 10.77.0.0/24 is left to real deployments)."""
+    taken = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+    for n in range(1 + uuid.uuid4().int % 200, 256):
+        net = ipaddress.IPv4Network(f"10.78.{n}.0/24")
+        if f" 10.78.{n}." not in taken:
+            return net
+    raise RuntimeError("no free 10.78.N.0/24 on this host")
+
+
+@contextmanager
+def isolated_network(prefix: str) -> Iterator[Network]:
+    """The isolated network of infra/README.md (no `<forward>`: nothing leaves the host), under a name, bridge and
+    subnet of this run's own, defined and started for the block, then stopped and undefined."""
+    tag = uuid.uuid4().hex[:6]
+    net = _free_subnet()
+    host = str(net.network_address + 1)
+    name = f"{prefix}net-{tag}"
+    xml = (f"<network><name>{name}</name><bridge name='{prefix.rstrip('-')[:5]}{tag}' stp='off'/>"
+           f"<ip address='{host}' netmask='{net.netmask}'><dhcp/></ip></network>")
+    with tempfile.NamedTemporaryFile("w", suffix=".xml") as f:
+        f.write(xml)
+        f.flush()
+        defined = _virsh("net-define", f.name)
+    assert defined.returncode == 0, defined.stderr
+    try:
+        started = _virsh("net-start", name)
+        assert started.returncode == 0, started.stderr
+        yield Network(name=name, host=host)
+    finally:
+        _virsh("net-destroy", name)
+        _virsh("net-undefine", name)
+
+
 def image_settings(image_dir: Path, data_dir: Path, *, accel: AccelChoice, proxy_port: int | None,
-                   prefix: str, port_range: tuple[int, int]) -> VmSettings:
+                   prefix: str, port_range: tuple[int, int], network: Network | None = None,
+                   address_book: Path | None = None) -> VmSettings:
     manifest = json.loads((image_dir / "manifest.json").read_text())
     return VmSettings(data_dir=data_dir, base_image=image_dir / "base.qcow2", kernel=image_dir / "vmlinux",
                       initrd=image_dir / "initrd.img", cmdline=manifest["kernel"]["cmdline"], accel=accel.accel,
                       size=VmSize(memory_mib=1024, vcpus=1, disk_gib=8), port_range=port_range,
-                      proxy_port=proxy_port, domain_prefix=prefix, forward_cdp=False, forward_vnc=False)
+                      proxy_port=proxy_port, domain_prefix=prefix, forward_cdp=False, forward_vnc=False,
+                      network=network.name if network else None, address_book=address_book)
 
 
 @contextmanager
 def tool_computer(image_dir: Path, data_dir: Path, *, user: str, accel: AccelChoice, proxy_port: int | None,
                   credential: ProxyCredential | None, prefix: str = "wkt-",
-                  port_range: tuple[int, int] = (24500, 24999),
-                  tb_cache_mib: int | None = None) -> Iterator[ComputerLab]:
+                  port_range: tuple[int, int] = (24500, 24999), tb_cache_mib: int | None = None,
+                  network: Network | None = None, address_book: Path | None = None) -> Iterator[ComputerLab]:
     settings = image_settings(image_dir, data_dir, accel=accel, proxy_port=proxy_port, prefix=prefix,
-                              port_range=port_range)
+                              port_range=port_range, network=network, address_book=address_book)
     if tb_cache_mib is not None:
         settings = replace(settings, tb_cache_mib=tb_cache_mib)
     clock = FakeClock()

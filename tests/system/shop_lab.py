@@ -11,7 +11,8 @@ and POST and nothing else; on the TLS port a rule binds the vault credential `sh
 proxy injects as `Authorization: Bearer …`. The shop's TLS leaf comes from its own test CA, which the proxy trusts
 (`egress_upstream_ca`). With `deployment` (a data directory holding a deployment CA and its vault key, as the guest
 image's build has) the proxy intercepts with that CA, the one the image trusts; without it the proxy makes its own
-and only plain HTTP works from the guest.
+and only plain HTTP works from the guest. With `network` (an isolated libvirt network's name and host address, see
+`computer_lab.isolated_network`) the proxy also listens on that address's port 3128, for tool computers on it.
 """
 
 from __future__ import annotations
@@ -167,14 +168,16 @@ def _config(settings: Settings) -> str:
     allow = ", ".join(f'"{h}"' for h in settings.egress_allow_private)
     paths = "".join(f'{name} = "{path}"\n' for name, path in (("egress_upstream_ca", settings.egress_upstream_ca),
                                                                 ("vault_key_file", settings.vault_key_file)) if path)
+    bridge = (f'computer_network = "{settings.computer_network}"\nproxy_bridge_listen = '
+              f'"{settings.proxy_bridge_listen}"\n') if settings.computer_network else ""
     return (f"proxy = true\nproxy_port = {settings.proxy_port}\nproxy_decider_timeout = "
             f'{settings.proxy_decider_timeout}\npolicies_dir = "{settings.policies}"\n'
-            f"egress_allow_private = [{allow}]\negress_resolve = {{ {resolve} }}\n{paths}")
+            f"egress_allow_private = [{allow}]\negress_resolve = {{ {resolve} }}\n{paths}{bridge}")
 
 
 @contextmanager
 def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | None = None,
-                deployment: Path | None = None) -> Iterator[ShopEgress]:
+                deployment: Path | None = None, network: tuple[str, str] | None = None) -> Iterator[ShopEgress]:
     directory.mkdir(parents=True, exist_ok=True)
     shop = Shop()
     upstream_ca = make_test_ca(directory, [HOST])
@@ -189,7 +192,9 @@ def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | Non
     settings = Settings(data_dir=directory, proxy=True, proxy_port=proxy_port or free_port(), proxy_decider_timeout=5.0,
                         policies_dir=directory / "policies", egress_resolve={HOST: ["127.0.0.1"]},
                         egress_allow_private=[HOST], egress_upstream_ca=upstream_ca.ca_file,
-                        vault_key_file=deployment / "vault.key" if deployment is not None else None)
+                        vault_key_file=deployment / "vault.key" if deployment is not None else None,
+                        computer_network=network[0] if network else None,
+                        proxy_bridge_listen=f"{network[1]}:3128" if network else None)
     if deployment is not None:  # the deployment CA the image trusts, sealed under that deployment's vault key
         shutil.copytree(deployment / "proxy", settings.proxy_dir)
     secret = secrets.token_urlsafe(24)

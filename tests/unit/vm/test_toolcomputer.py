@@ -233,10 +233,37 @@ def test_after_restore_raises_when_the_second_cdp_attach_fails_too(world: World)
 
 
 def test_after_restore_retries_until_the_guest_answers(world: World) -> None:
+    world.channel.drop()
     world.channel.unreachable = 3
     report = world.tc.after_restore()
     assert report.observation is None and report.timings.first_observation is None
     assert world.channel.connected
+
+
+def test_after_restore_keeps_connections_that_survived_the_restore_and_still_bumps_the_epoch(world: World) -> None:
+    # On an isolated network the TCP connection lives in the host kernel and the guest's saved memory.
+    before = world.observe()
+    report = world.tc.after_restore(observe=True)
+    assert world.channel.probes == 1 and world.channel.connects == 1 and world.browser.connects == 1
+    assert report.timings.kept and report.timings.ssh_reconnect == 0 and report.timings.cdp_reconnect == 0
+    assert world.channel.clock_syncs == 1, "the guest clock is behind after any restore"
+    assert report.observation is not None and report.observation.observation.epoch == 2
+    assert refused(world.tc.act(Click(ref=before.ref_for("button", "Pay")))) == "stale_observation"
+    done(world.tc.act(Click(ref=report.observation.ref_for("button", "Pay"))))
+
+
+def test_after_restore_reconnects_both_when_the_kept_transport_no_longer_answers(world: World) -> None:
+    world.channel.silent = True
+    report = world.tc.after_restore(observe=True)
+    assert world.channel.connects == 2 and world.browser.connects == 2
+    assert not report.timings.kept and report.observation is not None
+
+
+def test_after_restore_attaches_cdp_again_when_only_ssh_survived(world: World) -> None:
+    world.browser.drop()
+    report = world.tc.after_restore(observe=True)
+    assert world.channel.connects == 1 and world.browser.connects == 2
+    assert report.timings.kept and report.observation is not None
 
 
 # ------------------------------------------------------------------------------------------ handoff
