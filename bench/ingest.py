@@ -16,8 +16,7 @@ Targets (issue, 2-core machine): fsync-durable ingest >= 0.6x the no-op endpoint
 ack p99 <= 10 ms at 1,000 req/s offered; runs keep pace with a sustained 200 deliveries/s (the pace phase: the
 backlog left when the load stops, and how fast it drains).
 
-`wakeful serve` runs split (`wakeful api` beside `wakeful worker`, tool computers off) unless `--one-process`
-(tool computers on: the API runs the worker in its own process, as before the split).
+`wakeful serve` runs `wakeful api` beside `wakeful worker` (tool computers off).
 """
 
 from __future__ import annotations
@@ -337,12 +336,12 @@ def durability_table(d: Durations, noop_rps: float, quick: bool) -> Table:
 # -- the benchmark --------------------------------------------------------------------------------------------------
 
 
-def run(quick: bool = False, one_process: bool = False) -> list[Table]:
+def run(quick: bool = False) -> list[Table]:
     d = QUICK if quick else FULL
     rows: list[Row] = []
     notes: list[str] = []
     top_noop: LoadResult | None = None
-    env = {"WAKEFUL_COMPUTERS": "true" if one_process else "false"}
+    env = {"WAKEFUL_COMPUTERS": "false"}
     load_before = os.getloadavg()
     # Several servers of three processes each start at once: on a busy 2-core machine that takes minutes.
     with serving(len(d.loads) + 2, env=env, timeout=240.0) as servers:
@@ -360,17 +359,12 @@ def run(quick: bool = False, one_process: bool = False) -> list[Table]:
     notes.append(f"machine load (1-minute average, {os.cpu_count()} CPUs) {load_before[0]:.2f} at the start, "
                  f"{os.getloadavg()[0]:.2f} at the end: other work on the machine shows in every figure")
     window = f"{d.fixed:.0f} s per fixed load after {d.warmup:.1f} s warm-up, {d.saturation:.0f} s wrk"
-    shape = "one process (api runs the worker)" if one_process else "split: wakeful api + wakeful worker"
-    main = Table(title=f"ingest: signed webhook (fsync-durable) vs /v1/noop on the same server, {shape} ({window})",
+    main = Table(title=f"ingest: signed webhook (fsync-durable) vs /v1/noop on the same server, wakeful api + "
+                       f"wakeful worker ({window})",
                  rows=rows, reproduce=reproduce("ingest.py", quick), notes=notes)
     return [main, durability_table(d, sat_noop.rps, quick)]
 
 
 if __name__ == "__main__":
-    import sys
-
-    one_process = "--one-process" in sys.argv
-    if one_process:
-        sys.argv.remove("--one-process")
     args = bench_args(__doc__.splitlines()[0])
-    print_and_save(run(args.quick, one_process), "ingest-one-process.txt" if one_process else "ingest.txt")
+    print_and_save(run(args.quick), "ingest.txt")

@@ -111,6 +111,14 @@ def _alone(action_id: str) -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()  # one process: the dispatcher's own lock suffices
 
 
+def run_costs_cpu(role: Role, dialect: str) -> bool:
+    """Whether a run's CPU counts in what it takes from the acknowledgements (`RunShare`). Beside the API in one
+    process it does (one interpreter lock). In `wakeful worker` on SQLite only the write lock is shared. On PostgreSQL
+    there is no one write lock (its time reads 0, so a run would never give way): the run's CPU stands for the
+    database work it makes the server do beside the acks'."""
+    return role is not Role.WORKER or dialect != "sqlite"
+
+
 class Runtime:
     def __init__(self, settings: Settings, *, handler: RunHandler, clock: Clock | None = None,
                  engine: Engine | None = None, registry: Registry | None = None,
@@ -141,7 +149,7 @@ class Runtime:
         share = RunShare(InboxRate(lambda: self.committer.received + self._received_elsewhere),
                          share=settings.ingest_run_share,
                          busy_rate=settings.ingest_busy_rate,
-                         cpu_counts=role is not Role.WORKER)  # apart from the API, a run's CPU is not its GIL
+                         cpu_counts=run_costs_cpu(role, self.engine.dialect.name))
         self.workers = [
             Worker(self.engine, settings, self.clock, handler, on_commit=self._after_run, tools=self.tools,
                    share=share)

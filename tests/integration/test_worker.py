@@ -16,7 +16,7 @@ from wakeful.server.core import control, inbox, sessions
 from wakeful.server.core.worker import InboxRate, RunContext, RunShare, Worker, rest_after_run
 from wakeful.server.errors import StaleToken
 from wakeful.server.harness.handlers import EchoHandler, ScriptedHandler
-from wakeful.server.runtime import Runtime
+from wakeful.server.runtime import Role, Runtime, run_costs_cpu
 from wakeful.server.store.db import write, write_lock_time
 from wakeful.server.store.tables import ControlKind, EventStatus, RunOutcome
 
@@ -418,4 +418,11 @@ def test_a_run_costs_its_cpu_or_its_write_lock_time_and_apart_from_the_api_only_
     assert together.cost(cpu=0.004, locked=0.001) == 0.004
     assert together.cost(cpu=0.001, locked=0.003) == 0.003
     assert apart.cost(cpu=0.004, locked=0.001) == 0.001
+
+
+def test_a_worker_apart_counts_only_the_write_lock_on_sqlite_and_its_cpu_on_postgresql() -> None:
+    """On PostgreSQL a run holds no one write lock (its time reads 0): counting that alone, runs never gave way."""
+    assert not run_costs_cpu(Role.WORKER, "sqlite")
+    assert run_costs_cpu(Role.WORKER, "postgresql")
+    assert run_costs_cpu(Role.ALL, "sqlite") and run_costs_cpu(Role.ALL, "postgresql")
 
