@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 from wakeful.server.computers.pool import Computers, act_from_args, act_json
 from wakeful.server.errors import Conflict, WakefulError
+from wakeful.server.store.rundir import bind_private, hold_lock
 
 if TYPE_CHECKING:
     from wakeful.vm.observe import Accepted, Act, HandoffLease, LeaseGrant, Refused, Surface
@@ -191,35 +192,15 @@ class ComputerServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._take_lock()
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()  # left by an owner that died: we hold the owner's lock
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(str(self._path))
-        finally:
-            os.umask(old)
-        os.chmod(self._path, 0o600)
+        self._lock_fd = hold_lock(self._path.with_name("computers.lock"), lambda holder: Conflict(
+            "computers_running", f"another process (pid {holder}) holds the tool computers of this data directory; "
+                                 "one owner at a time decides a VM's state"))
+        sock = bind_private(self._path, socket.SOCK_STREAM)  # one left by an owner that died goes
         sock.listen(64)
         self._sock = sock
         self._thread = threading.Thread(target=self._accept, args=(sock,), name="computers-server", daemon=True)
         self._thread.start()
         log.info("tool computers served to the worker on %s", self._path)
-
-    def _take_lock(self) -> None:
-        fd = os.open(self._path.with_name("computers.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise Conflict("computers_running", f"another process (pid {holder}) holds the tool computers of this "
-                                                "data directory; one owner at a time decides a VM's state") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
 
     def stop(self) -> None:
         if self._sock is not None:

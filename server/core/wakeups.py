@@ -17,7 +17,6 @@ socket buffer, costs at most the worker's idle poll, which stays the fallback.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import socket
@@ -30,6 +29,7 @@ from typing import Any, Protocol
 from sqlalchemy import Engine
 
 from wakeful.server.errors import Conflict
+from wakeful.server.store.rundir import bind_private, hold_lock
 
 __all__ = ["CHANNEL", "LOOPS", "DatagramListener", "DatagramSender", "NotifyListener", "NotifySender", "Signals",
            "WakeListener", "WakeSender", "listener_for", "sender_for", "wake_socket"]
@@ -145,34 +145,11 @@ class DatagramListener:
         self._stopping = False
         self._lock_fd: int | None = None
 
-    def _take_lock(self) -> None:
-        path = self._path.parent / "worker.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise Conflict("worker_running", f"another wakeful worker (pid {holder}) runs on this SQLite database "
-                                             "(one at a time: SQLite has one writer); stop it first, or give it "
-                                             "more threads with --workers") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
-
     def start(self, on_wake: Callable[[str, int], None]) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._take_lock()
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()  # left by a worker that died: the caller holds the one-worker lock
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(str(self._path))
-        finally:
-            os.umask(old)
-        os.chmod(self._path, 0o600)
-        self._sock = sock
+        self._lock_fd = hold_lock(self._path.parent / "worker.lock", lambda holder: Conflict(
+            "worker_running", f"another wakeful worker (pid {holder}) runs on this SQLite database (one at a time: "
+                              "SQLite has one writer); stop it first, or give it more threads with --workers"))
+        sock = self._sock = bind_private(self._path, socket.SOCK_DGRAM)  # one left by a worker that died goes
         self._thread = threading.Thread(target=self._listen, args=(sock, on_wake), name="wake-listener", daemon=True)
         self._thread.start()
 
