@@ -20,18 +20,14 @@ measures contention: read the load average printed with the table.
 from __future__ import annotations
 
 import asyncio
-import glob
 import math
 import os
-import pwd
-import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,6 +50,9 @@ from sqlalchemy import text
 from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.users import ensure_user
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))  # the tests' own cluster
+from postgres import postgres_bin, postgres_cluster
+
 USERS = 16
 CONNECTIONS = 16
 DELIVERIES = {True: 300, False: 2000}  # quick, full
@@ -71,38 +70,6 @@ class Figures:
     runs: float  # runs per second, same span
     delivered: int
     seconds: float
-
-
-# -- a throwaway PostgreSQL cluster ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def postgres_cluster() -> Iterator[str]:
-    """A cluster on a loopback port in a temporary folder (fsync on); yields its server URL without a database."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not found:
-        raise SystemExit("PostgreSQL is not installed (scripts/install --all installs it)")
-    where = Path(found[-1]).parent
-    root = Path(tempfile.mkdtemp(prefix="wakeful-bench-pg-"))
-    as_user: list[str] = []
-    if os.geteuid() == 0:  # the server refuses to run as root
-        owner = pwd.getpwnam("postgres")
-        os.chown(root, owner.pw_uid, owner.pw_gid)
-        as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = root / "data", free_port()
-    pg_ctl = [*as_user, str(where / "pg_ctl"), "-D", str(data)]
-    try:
-        subprocess.run([*as_user, str(where / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                        "-E", "UTF8"], check=True, capture_output=True, timeout=120)
-        subprocess.run([*pg_ctl, "-w", "-t", "60", "-l", str(root / "log"), "-o",
-                        f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c max_connections=200", "start"],
-                       check=True, capture_output=True, timeout=90)
-        try:
-            yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
-        finally:
-            subprocess.run([*pg_ctl, "-w", "-t", "60", "-m", "fast", "stop"], capture_output=True, timeout=90)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def new_database(server: str) -> str:
@@ -210,8 +177,11 @@ def measure(label: str, workers: int, database_url: str | None, count: int) -> F
 
 def run(quick: bool = False) -> list[Table]:
     count = DELIVERIES[quick]
+    where = postgres_bin()
+    if where is None:
+        raise SystemExit("PostgreSQL is not installed (scripts/install --all installs it)")
     baseline = measure("SQLite, 1 worker", 1, None, count)
-    with postgres_cluster() as server:
+    with postgres_cluster(durable=True, connections=200) as server:
         figures = [measure(f"PostgreSQL, {n} worker{'s' if n > 1 else ''}", n, new_database(server), count)
                    for n in WORKER_COUNTS]
     rows = [Row(f"{baseline.label}: ingest", fmt_rate(baseline.ingest), "(baseline)"),
@@ -227,7 +197,7 @@ def run(quick: bool = False) -> list[Table]:
               "runs alongside (echo handler)",
         rows=rows, reproduce=reproduce("workers.py", quick),
         notes=[f"baseline: SQLite (WAL, synchronous=FULL) with its one `wakeful worker`, same deliveries, same run; "
-               f"PostgreSQL {Path(sorted(glob.glob('/usr/lib/postgresql/*/bin'))[-1]).parent.name} with fsync on",
+               f"PostgreSQL {where.parent.name} with fsync on",
                "events run and runs: from the first delivery until no event is pending and no run is running; a "
                "run takes every pending event of its session, so more runs per second means smaller runs, not more "
                "work (on SQLite runs give way to acknowledgements while the inbox is busy: fewer, larger runs)",

@@ -25,10 +25,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-__all__ = ["postgres_cluster", "postgres_database", "postgres_template"]
+__all__ = ["postgres_bin", "postgres_cluster", "postgres_database", "postgres_template"]
 
 
-def _bin() -> Path | None:
+def postgres_bin() -> Path | None:
     """The folder of `initdb` and `pg_ctl`: Debian keeps them off PATH, under /usr/lib/postgresql/<major>/bin."""
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
     if found:
@@ -44,9 +44,10 @@ def _free_port() -> int:
 
 
 @contextmanager
-def postgres_cluster() -> Iterator[str]:
-    """Start a cluster; yields the URL of its server (without a database), stops and removes it at the end."""
-    where = _bin()
+def postgres_cluster(*, durable: bool = False, connections: int = 100) -> Iterator[str]:
+    """Start a cluster; yields the URL of its server (without a database), stops and removes it at the end.
+    `durable`: fsync on (benchmarks, beside SQLite's `synchronous=FULL`); tests run without it."""
+    where = postgres_bin()
     if where is None:
         pytest.skip("PostgreSQL is not installed (scripts/install --all installs it)")
     root = Path(tempfile.mkdtemp(prefix="wakeful-pg-"))
@@ -59,9 +60,11 @@ def postgres_cluster() -> Iterator[str]:
     pg_ctl = [*as_user, str(where / "pg_ctl"), "-D", str(data)]
     try:
         subprocess.run([*as_user, str(where / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                        "-E", "UTF8", "--no-sync"], check=True, capture_output=True, timeout=120)
+                        "-E", "UTF8", *([] if durable else ["--no-sync"])],
+                       check=True, capture_output=True, timeout=120)
+        options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c max_connections={connections}"
         subprocess.run([*pg_ctl, "-w", "-t", "60", "-l", str(root / "log"), "-o",
-                        f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c fsync=off", "start"],
+                        options + ("" if durable else " -c fsync=off"), "start"],
                        check=True, capture_output=True, timeout=90)
         try:
             yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
