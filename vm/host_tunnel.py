@@ -6,7 +6,7 @@ Under user-mode networking everything of a running computer lives on its host's 
 tunnel, made once and remade when it dies:
 
     tunnel = HostTunnel(name="kvm2", ssh=HostSsh.parse("root@kvm2", host_key=pinned, client_key=key),
-                        proxy_port=8788)
+                        proxy=("127.0.0.1", 8788))
     tunnel.ensure()                              # connect (or reconnect); `host_unreachable` if it cannot
     sock = tunnel.open(("127.0.0.1", 10122))     # a direct-tcpip channel: paramiko's `sock` for the guest channel
 
@@ -77,17 +77,18 @@ class HostSsh:
 class HostTunnel:
     """One SSH transport to one host, kept and remade on demand (see the module docstring)."""
 
-    def __init__(self, *, name: str, ssh: HostSsh, proxy_port: int | None = None, timeout: float = 10.0,
+    def __init__(self, *, name: str, ssh: HostSsh, proxy: tuple[str, int] | None = None, timeout: float = 10.0,
                  keepalive: float = 15.0) -> None:
-        """`proxy_port`: the egress proxy's port on the api's 127.0.0.1, forwarded from the same port on the host's
-        127.0.0.1 (None: no proxy). `keepalive`: seconds between SSH keepalives, so a dead link is noticed."""
+        """`proxy`: where the egress proxy listens here (127.0.0.1:<proxy_port>); the host's 127.0.0.1 at the same
+        port is forwarded to it, since that is where guest connectors look (None: no proxy).
+        `keepalive`: seconds between SSH keepalives, so a dead link is noticed."""
         self.name, self.ssh = name, ssh
         self._pinned = parse_public_key(ssh.host_key)
         try:
             self._key = paramiko.PKey.from_path(ssh.client_key)
         except (OSError, paramiko.SSHException, ValueError) as exc:
             raise BadKey(f"cannot read the client key {ssh.client_key} for host {name}: {exc}") from None
-        self._proxy_port = proxy_port
+        self._proxy = proxy
         self._timeout = timeout
         self._keepalive = keepalive
         self._lock = threading.Lock()
@@ -159,12 +160,12 @@ class HostTunnel:
         except (paramiko.SSHException, OSError, EOFError) as exc:
             transport.close()
             raise HostUnreachable(f"no SSH session with {self.where}: {exc}") from None
-        if self._proxy_port is not None:
+        if self._proxy is not None:
             try:
-                transport.request_port_forward("127.0.0.1", self._proxy_port, handler=self._to_proxy)
+                transport.request_port_forward("127.0.0.1", self._proxy[1], handler=self._to_proxy)
             except (paramiko.SSHException, OSError, EOFError) as exc:
                 transport.close()
-                raise HostUnreachable(f"{self.where} refused to forward its 127.0.0.1:{self._proxy_port} to the "
+                raise HostUnreachable(f"{self.where} refused to forward its 127.0.0.1:{self._proxy[1]} to the "
                                       f"egress proxy ({exc}): its sshd needs AllowTcpForwarding, and that port must "
                                       "be free there") from None
         if self._keepalive > 0:
@@ -195,12 +196,11 @@ class HostTunnel:
         threading.Thread(target=self._relay, args=(chan,), name=f"host-{self.name}-proxy", daemon=True).start()
 
     def _relay(self, chan: paramiko.Channel) -> None:
-        assert self._proxy_port is not None
+        assert self._proxy is not None
         try:
-            conn = socket.create_connection(("127.0.0.1", self._proxy_port), timeout=self._timeout)
+            conn = socket.create_connection(self._proxy, timeout=self._timeout)
         except OSError as exc:
-            log.warning("the egress proxy on 127.0.0.1:%d does not answer a guest on %s: %s", self._proxy_port,
-                        self.where, exc)
+            log.warning("the egress proxy on %s:%d does not answer a guest on %s: %s", *self._proxy, self.where, exc)
             chan.close()
             return
         conn.settimeout(None)

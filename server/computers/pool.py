@@ -300,7 +300,8 @@ def hypervisor_for(settings: Settings, connect: Callable[[str], HostHypervisor],
     from wakeful.vm.placement import HostMark, HostSpec
 
     assert settings.computer_shared_dir is not None, "Settings requires computer_shared_dir with computer_hosts"
-    make_link = link or functools.partial(host_tunnel, proxy_port=settings.proxy_port if settings.proxy else None)
+    make_link = link or functools.partial(host_tunnel, proxy=("127.0.0.1", settings.proxy_port) if settings.proxy
+                                          else None)
     hosts = [Host(spec=HostSpec(name=h.name, uri=h.uri, memory_mib=h.memory_mib, max_restores=h.max_restores,
                                 mark=HostMark(h.mark)), hypervisor=connect(h.uri),
                   link=make_link(h) if h.ssh is not None else None)
@@ -308,14 +309,14 @@ def hypervisor_for(settings: Settings, connect: Callable[[str], HostHypervisor],
     return HostFleet(hosts, settings.computer_shared_dir, busy_wait=settings.computer_busy_wait.total_seconds())
 
 
-def host_tunnel(host: ComputerHost, *, proxy_port: int | None) -> HostLink:
+def host_tunnel(host: ComputerHost, *, proxy: tuple[str, int] | None) -> HostLink:
     """The SSH tunnel to a host with `ssh` set (not connected yet: the fleet connects it when it asks the host)."""
     from wakeful.vm.host_tunnel import HostSsh, HostTunnel
 
     assert host.ssh is not None and host.ssh_host_key is not None and host.ssh_key is not None
     ssh = HostSsh.parse(host.ssh, host_key=host.ssh_host_key, client_key=host.ssh_key,
                         proxy_command=host.ssh_proxy_command)
-    return HostTunnel(name=host.name, ssh=ssh, proxy_port=proxy_port)
+    return HostTunnel(name=host.name, ssh=ssh, proxy=proxy)
 
 
 VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 ADAPTERS = {
     "wakeful.vm.cdp_browser": "playwright",
     "wakeful.vm.ssh_channel": "paramiko",
+    "wakeful.vm.host_tunnel": "paramiko",  # the tunnel to another KVM host (SSH too)
     "wakeful.vm.libvirt_adapter": "libvirt",
 }
 LIBRARIES = sorted(ADAPTERS.values())
