@@ -17,7 +17,7 @@ ADAPTERS = {
     "wakeful.vm.host_tunnel": "paramiko",  # the tunnel to another KVM host (SSH too)
     "wakeful.vm.libvirt_adapter": "libvirt",
 }
-LIBRARIES = sorted(ADAPTERS.values())
+LIBRARIES = sorted(set(ADAPTERS.values()))
 
 
 def _vm_modules() -> list[str]:
