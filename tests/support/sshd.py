@@ -109,7 +109,7 @@ class Sshd:
         if self.pid is not None:
             raise RuntimeError(f"sshd (pid {self.pid}) is already running")
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # OpenSSH's privilege separation directory
-        enter = ["nsenter", f"--net={self.netns}"] if self.netns is not None else []
+        enter = ["/usr/bin/nsenter", f"--net={self.netns}"] if self.netns is not None else []
         self._proc = tied_process([*enter, SSHD, "-D", "-e", "-f", str(self._config())], log_path=self.log_path)
         wait_until(self._listening, 15.0, f"sshd on 127.0.0.1:{self.port}")
         return self
