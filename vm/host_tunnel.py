@@ -28,12 +28,14 @@ import re
 import select
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko  # noqa: TID251 - the host tunnel is the second module that talks SSH (the guest channel is the first)
 
-from wakeful.vm.errors import HostUnreachable
+from wakeful.vm.errors import HostUnreachable, VmError
 from wakeful.vm.guest import AuthFailed, BadKey, GuestUnreachable, HostKeyMismatch
 from wakeful.vm.ssh_channel import parse_public_key
 
@@ -78,10 +80,13 @@ class HostTunnel:
     """One SSH transport to one host, kept and remade on demand (see the module docstring)."""
 
     def __init__(self, *, name: str, ssh: HostSsh, proxy: tuple[str, int] | None = None, timeout: float = 10.0,
-                 keepalive: float = 15.0) -> None:
+                 keepalive: float = 15.0, retry_after: float = 5.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         """`proxy`: where the egress proxy listens here (127.0.0.1:<proxy_port>); the host's 127.0.0.1 at the same
         port is forwarded to it, since that is where guest connectors look (None: no proxy).
-        `keepalive`: seconds between SSH keepalives, so a dead link is noticed."""
+        `keepalive`: seconds between SSH keepalives, so a dead link is noticed.
+        `retry_after`: for this long after a failed attempt the same error is raised at once, without trying again:
+        placement asks every host each time it measures, and an unreachable host would cost `timeout` each time."""
         self.name, self.ssh = name, ssh
         self._pinned = parse_public_key(ssh.host_key)
         try:
@@ -92,6 +97,9 @@ class HostTunnel:
         self._timeout = timeout
         self._keepalive = keepalive
         self._lock = threading.Lock()
+        self._retry_after = retry_after
+        self._monotonic = monotonic
+        self._failed: tuple[float, VmError] | None = None
         self._transport: paramiko.Transport | None = None
         self._closed = False
 
@@ -120,7 +128,14 @@ class HostTunnel:
                 transport.close()
                 log.info("the SSH tunnel to %s dropped; connecting again", self.where)
             self._transport = None
-            self._transport = transport = self._connect()
+            if self._failed is not None and self._monotonic() - self._failed[0] < self._retry_after:
+                raise self._failed[1]
+            try:
+                self._transport = transport = self._connect()
+            except VmError as exc:
+                self._failed = (self._monotonic(), exc)
+                raise
+            self._failed = None
             return transport
 
     def _sock(self) -> socket.socket | paramiko.ProxyCommand:

@@ -137,6 +137,24 @@ def test_a_host_nothing_answers_at_is_unreachable(host: Sshd) -> None:
     assert caught.value.code == "host_unreachable" and "127.0.0.1" in caught.value.message
 
 
+def test_after_a_failure_the_host_is_tried_again_only_after_retry_after(host: Sshd) -> None:
+    now = [100.0]
+    host.stop()
+    tunnel = tunnel_to(host, retry_after=5.0, monotonic=lambda: now[0])
+    try:
+        with pytest.raises(HostUnreachable):
+            tunnel.ensure()
+        host.start()
+        now[0] += 4.0
+        with pytest.raises(HostUnreachable):  # the same answer, without another attempt
+            tunnel.ensure()
+        now[0] += 1.0
+        tunnel.ensure()
+        assert tunnel.connected()
+    finally:
+        tunnel.close()
+
+
 def test_a_proxy_command_that_cannot_reach_the_host_is_unreachable(host: Sshd) -> None:
     with pytest.raises(HostUnreachable):
         tunnel_to(host, proxy_command="/bin/false").ensure()
