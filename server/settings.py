@@ -126,6 +126,35 @@ class ComputerHost(BaseModel):
     """Restores and cold boots in flight there at once; more wait (`computer_busy_wait`) or go to another host."""
     mark: Literal["up", "full", "gone"] = "up"
     """`full`: takes no computer that is not running there already; `gone`: treated as unreachable."""
+    ssh: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]+@([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:\d{1,5})?$")
+    """For a host other than the api's own: `user@host[:port]`, where the api reaches it over SSH for its guests'
+    SSH forwards and to bring their egress proxy connections back (user-mode networking). Unset: this machine."""
+    ssh_host_key: str | None = None
+    """With `ssh`: the host's SSH public key as one OpenSSH line (`ssh-ed25519 AAAA…`, from `/etc/ssh/
+    ssh_host_ed25519_key.pub` there); no other key is accepted."""
+    ssh_key: Path | None = None
+    """With `ssh`: the private key the api logs in with."""
+    ssh_proxy_command: str | None = None
+    """With `ssh`: a command whose stdin/stdout reach the host's sshd (a bastion: `ssh -W %h:%p jump`)."""
+
+    @field_validator("ssh_host_key")
+    @classmethod
+    def _one_public_key_line(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa) "
+                                                  r"[A-Za-z0-9+/]+={0,2}( [^\n]*)?", value.strip()):
+            raise ValueError("ssh_host_key is not an OpenSSH public key line such as `ssh-ed25519 AAAA… root@kvm2`")
+        return value
+
+    @model_validator(mode="after")
+    def _ssh_needs_its_keys(self) -> ComputerHost:
+        if self.ssh is None:
+            extra = [n for n in ("ssh_host_key", "ssh_key", "ssh_proxy_command") if getattr(self, n) is not None]
+            if extra:
+                raise ValueError(f"host {self.name}: {', '.join(extra)} without ssh: set ssh = \"user@host\" too")
+        elif self.ssh_host_key is None or self.ssh_key is None:
+            raise ValueError(f"host {self.name}: ssh needs ssh_host_key (the host's public key, pinned: never "
+                             "trusted on first use) and ssh_key (the api's private key)")
+        return self
 
 
 def _default_data_dir() -> Path:
@@ -344,6 +373,11 @@ class Settings(BaseSettings):
         names = [h.name for h in self.computer_hosts]
         for name in dict.fromkeys(n for n in names if names.count(n) > 1):
             raise ValueError(f"computer_hosts names {name} twice: give each host its own name")
+        remote = [h.name for h in self.computer_hosts if h.ssh is not None]
+        if remote and self.computer_network is not None:
+            raise ValueError(f"computer_hosts {', '.join(remote)} are reached over ssh, which works only with "
+                             "user-mode networking: on computer_network the egress proxy knows a computer by its "
+                             "source address, which a relay from another host would hide (see infra/README.md)")
         return self
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@
     ├── IllegalTransition        illegal_transition      a lifecycle step not allowed from the current state
     ├── ImageMissing             image_missing           base image, kernel or initrd not on disk
     ├── HypervisorUnavailable    hypervisor_unavailable  libvirtd / QEMU / qemu-img not reachable or failing
+    │   └── HostUnreachable      host_unreachable        a tool-computer host's SSH (the tunnel to its guests) fails
     ├── LimitExceeded            limit_exceeded          a per-user limit (RAM, vCPUs, disk, ports) would be exceeded
     ├── SnapshotNotFound         snapshot_not_found      no such disk snapshot
     ├── NetworkUnusable          network_unusable        the libvirt network for tool computers is missing,
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "HostUnreachable",
     "HostsBusy",
     "HypervisorUnavailable",
     "IllegalTransition",
@@ -64,6 +66,12 @@ class ImageMissing(VmError):
 
 class HypervisorUnavailable(VmError):
     code = "hypervisor_unavailable"
+
+
+class HostUnreachable(HypervisorUnavailable):
+    """A host is unreachable over SSH: as for libvirt not answering, the fleet treats it as gone."""
+
+    code = "host_unreachable"
 
 
 class LimitExceeded(VmError):

@@ -16,6 +16,8 @@ What it does that one host does not:
 * a restore elsewhere takes the definition from the saved image itself: the same UUID, disk overlay, seed disk
   (SSH host key), forwards and proxy credential — the VM's identity follows it, because all of it lives in the
   shared directory and the image, never on a host;
+* a host other than the api's own is reached over SSH (`Host.link`, a `vm.host_tunnel.HostTunnel`): the guest
+  channel's socket is a channel through it (`open_to`), and a host whose link cannot be made counts as gone;
 * a host that does not answer counts as gone: a computer that was running there is lost to its last saved state
   (or boots cold from its disk); one saved from it resumes elsewhere.
 
@@ -36,11 +38,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, IllegalTransition, VmNotFound
+from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, IllegalTransition, VmError, VmNotFound
 from wakeful.vm.hypervisor import BridgePlace, DomainSpec, DomainState, Hypervisor, NetworkInfo, SnapshotInfo
 from wakeful.vm.placement import HostLoad, HostMark, HostSpec, place
 
-__all__ = ["Host", "HostFleet", "HostHypervisor"]
+__all__ = ["Host", "HostFleet", "HostHypervisor", "HostLink"]
 
 log = logging.getLogger("wakeful.vm")
 
@@ -67,10 +69,24 @@ class HostHypervisor(Hypervisor, Protocol):
         ...
 
 
+class HostLink(Protocol):
+    """How the api reaches a host's loopback (`vm.host_tunnel.HostTunnel`; a fake in unit tests)."""
+
+    def ensure(self) -> None:
+        """Make the link unless it is up; raises a `VmError` (`host_unreachable`…) when it cannot."""
+        ...
+
+    def open(self, address: tuple[str, int], *, timeout: float | None = None) -> object:
+        """A socket-like channel to `address` on the host's side."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class Host:
     spec: HostSpec
     hypervisor: HostHypervisor
+    link: HostLink | None = None
+    """None for the api's own host: its loopback is ours."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,12 +156,35 @@ class HostFleet:
                     allocated, free = host.hypervisor.allocated_mib(), host.hypervisor.free_mib()
                 except HypervisorUnavailable:
                     reachable = False
+                if reachable and not self._linked(name):
+                    reachable = False
             with self._cond:
                 arriving, arriving_mib = self._arriving[name], self._arriving_mib[name]
             loads.append(HostLoad(name=name, capacity_mib=host.spec.memory_mib, allocated_mib=allocated + arriving_mib,
                                   free_mib=None if free is None else free - arriving_mib, arriving=arriving,
                                   max_arriving=host.spec.max_restores, mark=self._marks[name], reachable=reachable))
         return loads
+
+    def _linked(self, name: str) -> bool:
+        """Whether the api reaches the host's loopback (always on its own host)."""
+        link = self._hosts[name].link
+        if link is None:
+            return True
+        try:
+            link.ensure()
+        except VmError as exc:
+            log.warning("tool-computer host %s is unreachable (%s): %s", name, exc.code, exc.message)
+            return False
+        return True
+
+    def open_to(self, name: str, address: tuple[str, int], *, timeout: float | None = None) -> object | None:
+        """A channel to `address` on the loopback of the host the domain runs on, or None when that is the api's
+        own host (connect directly). Raises `host_unreachable` (or the link's own code) when it cannot be reached."""
+        home = self.home(name)
+        if home is None:
+            raise VmNotFound(f"there is no VM named {name} on any host", vm=name)
+        link = self._hosts[home].link
+        return None if link is None else link.open(address, timeout=timeout)
 
     def _save_placements(self) -> None:
         data = {"version": 1, "placements": {n: vars(p) for n, p in sorted(self._placements.items())}}

@@ -10,6 +10,10 @@ It implements `vm.guest.Channel`; the errors it raises are declared there.
     channel.reconnect()                               # the same local ports keep working
     channel.resync_clock()
 
+On another KVM host the guest's forward is on that host's loopback: `sock` is then a factory the channel calls on
+every (re)connect for the socket to speak SSH over (a `vm.host_tunnel.HostTunnel` channel); None means a plain TCP
+connection to `host:port`.
+
 The host key is pinned when the VM is provisioned; the channel accepts exactly that key and refuses anything
 else with `host_key_mismatch` — never trust-on-first-use. Local forward listeners belong to the channel, not to
 one SSH transport: they stay bound across `reconnect()`, and a connection accepted while the transport is down
@@ -131,14 +135,17 @@ class GuestChannel:
     def __init__(self, *, host: str = "127.0.0.1", port: int, user: str, client_key_path: Path | str,
                  pinned_host_key: str, keepalive: float = 0.0, forward_wait: float = 20.0,
                  max_output: int = 64 * 1024 * 1024, wall_ns: Callable[[], int] = time.time_ns,
-                 set_clock: str = SET_CLOCK) -> None:
+                 set_clock: str = SET_CLOCK, sock: Callable[[], object | None] | None = None) -> None:
         """`keepalive`: seconds between SSH keepalives, 0 for none (the default). A VM on an isolated network keeps
         its TCP connection through a save and restore only if the host sends nothing while it is saved: an unanswered
         keepalive then sits in TCP's retransmission backoff, so the first message after the restore waits seconds
         behind it, and after ~15 minutes of retries the connection is torn down. Liveness is asked when it matters
         instead (`alive`, after a restore).
         `forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
-        `set_clock`: the guest shell command that sets its clock to `$t` (tests on a host replace it)."""
+        `set_clock`: the guest shell command that sets its clock to `$t` (tests on a host replace it).
+        `sock`: called before each connection attempt for a socket-like object to use instead of connecting to
+        `host:port` (None from it: connect directly); it raises `guest_unreachable` to be retried, anything else
+        (`host_unreachable`) to fail the reconnect at once."""
         self.host, self.port, self.user = host, port, user
         self._pinned = parse_public_key(pinned_host_key)
         try:
@@ -150,6 +157,7 @@ class GuestChannel:
         self._max_output = max_output
         self._wall_ns = wall_ns
         self._set_clock = set_clock
+        self._sock = sock
         self._client: paramiko.SSHClient | None = None
         self._cond = threading.Condition()
         self._connect_lock = threading.Lock()
@@ -174,10 +182,11 @@ class GuestChannel:
         name = self.host if self.port == 22 else f"[{self.host}]:{self.port}"
         client.get_host_keys().add(name, self._pinned.get_name(), self._pinned)
         client.set_missing_host_key_policy(_PinnedOnly())
+        sock = self._sock() if self._sock is not None else None
         try:
             client.connect(self.host, self.port, username=self.user, pkey=self._key, timeout=timeout,
                            banner_timeout=timeout, auth_timeout=timeout, look_for_keys=False,
-                           allow_agent=False)
+                           allow_agent=False, sock=sock)
         except paramiko.BadHostKeyException as exc:
             client.close()
             raise HostKeyMismatch(f"{self.host}:{self.port} presented host key {exc.key.fingerprint}, "

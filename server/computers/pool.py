@@ -30,12 +30,12 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from wakeful.proxy.clock import Clock
 from wakeful.server.errors import BadRequest, WakefulError
 from wakeful.server.observe import metrics
-from wakeful.server.settings import Settings
+from wakeful.server.settings import ComputerHost, Settings
 from wakeful.server.store.tables import Risk
 from wakeful.vm.observe import ACT_KINDS, Act, DesktopClick, DesktopKey, DesktopType
 
 if TYPE_CHECKING:
-    from wakeful.vm.hosts import HostHypervisor
+    from wakeful.vm.hosts import HostHypervisor, HostLink
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
     from wakeful.vm.lifecycle import VmInfo, VmManager
     from wakeful.vm.observe import Accepted, HandoffLease, LeaseGrant, Refused, Surface
@@ -288,20 +288,35 @@ def network_settings(settings: Settings, hypervisor: Hypervisor) -> dict[str, An
     return {"network": network.name, "network_proxy_port": listen[1], "address_book": settings.address_book}
 
 
-def hypervisor_for(settings: Settings, connect: Callable[[str], HostHypervisor]) -> Hypervisor:
+def hypervisor_for(settings: Settings, connect: Callable[[str], HostHypervisor],
+                   link: Callable[[ComputerHost], HostLink] | None = None) -> Hypervisor:
     """Where tool computers run: `connect(libvirt_uri)` alone, or a fleet over `computer_hosts` (each connected with
     `connect(uri)`) with saved state in `computer_shared_dir` (`vm.hosts.HostFleet`, placing each computer by the
-    rules of `vm.placement`)."""
+    rules of `vm.placement`). A host with `ssh` is reached through `link(host)`: by default a
+    `vm.host_tunnel.HostTunnel` that also brings its guests' proxy connections back to the egress proxy here."""
     if not settings.computer_hosts:
         return connect(settings.libvirt_uri)
     from wakeful.vm.hosts import Host, HostFleet
     from wakeful.vm.placement import HostMark, HostSpec
 
     assert settings.computer_shared_dir is not None, "Settings requires computer_shared_dir with computer_hosts"
+    make_link = link or functools.partial(host_tunnel, proxy=("127.0.0.1", settings.proxy_port) if settings.proxy
+                                          else None)
     hosts = [Host(spec=HostSpec(name=h.name, uri=h.uri, memory_mib=h.memory_mib, max_restores=h.max_restores,
-                                mark=HostMark(h.mark)), hypervisor=connect(h.uri))
+                                mark=HostMark(h.mark)), hypervisor=connect(h.uri),
+                  link=make_link(h) if h.ssh is not None else None)
              for h in settings.computer_hosts]
     return HostFleet(hosts, settings.computer_shared_dir, busy_wait=settings.computer_busy_wait.total_seconds())
+
+
+def host_tunnel(host: ComputerHost, *, proxy: tuple[str, int] | None) -> HostLink:
+    """The SSH tunnel to a host with `ssh` set (not connected yet: the fleet connects it when it asks the host)."""
+    from wakeful.vm.host_tunnel import HostSsh, HostTunnel
+
+    assert host.ssh is not None and host.ssh_host_key is not None and host.ssh_key is not None
+    ssh = HostSsh.parse(host.ssh, host_key=host.ssh_host_key, client_key=host.ssh_key,
+                        proxy_command=host.ssh_proxy_command)
+    return HostTunnel(name=host.name, ssh=ssh, proxy=proxy)
 
 
 VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
@@ -325,6 +340,7 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
         from wakeful.vm.cdp_browser import CdpBrowser
         from wakeful.vm.desktop import XDesktop
         from wakeful.vm.errors import VmError
+        from wakeful.vm.hosts import HostFleet
         from wakeful.vm.hypervisor import Accel
         from wakeful.vm.libvirt_adapter import LibvirtHypervisor
         from wakeful.vm.lifecycle import VmManager, VmSettings
@@ -357,10 +373,15 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
     # minute): its calls get minutes, not seconds, and so does SSH coming back after a restore.
     slow = accel.accel is Accel.TCG
 
+    fleet = hypervisor if isinstance(hypervisor, HostFleet) else None
+
     def connect(info: VmInfo) -> ToolComputer:
         host, port = info.ssh_endpoint
+        # On another host the forward is on its loopback: each (re)connect asks the fleet where the VM runs now.
+        sock = None if fleet is None or info.bridge is not None else functools.partial(
+            fleet.open_to, info.name, (host, port))
         channel = GuestChannel(host=host, port=port, user="root", client_key_path=info.keys.client_key,
-                               pinned_host_key=info.keys.host_public)
+                               pinned_host_key=info.keys.host_public, sock=sock)
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0) if slow else CdpBrowser()
         return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=browser, desktop=XDesktop(channel),
                             reconnect_timeout=120.0 if slow else 60.0)

@@ -66,7 +66,10 @@ def keygen(path: Path) -> str:
 
 
 class Sshd:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, forwarding: str = "local", netns: str | None = None) -> None:
+        """`forwarding`: sshd's AllowTcpForwarding (`all` for a host that forwards back to the egress proxy).
+        `netns`: a network namespace (`/proc/PID/ns/net`) to run in, listening on that namespace's loopback."""
+        self.forwarding, self.netns = forwarding, netns
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.host_public_key = keygen(self.dir / "host_ed25519")
@@ -90,7 +93,7 @@ class Sshd:
             "KbdInteractiveAuthentication no",
             "UsePAM no",
             "StrictModes no",
-            "AllowTcpForwarding local",
+            f"AllowTcpForwarding {self.forwarding}",
             "X11Forwarding no",
             "PermitTTY no",
             "MaxStartups 50",
@@ -106,13 +109,18 @@ class Sshd:
         if self.pid is not None:
             raise RuntimeError(f"sshd (pid {self.pid}) is already running")
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # OpenSSH's privilege separation directory
-        self._proc = tied_process([SSHD, "-D", "-e", "-f", str(self._config())], log_path=self.log_path)
+        enter = ["/usr/bin/nsenter", f"--net={self.netns}"] if self.netns is not None else []
+        self._proc = tied_process([*enter, SSHD, "-D", "-e", "-f", str(self._config())], log_path=self.log_path)
         wait_until(self._listening, 15.0, f"sshd on 127.0.0.1:{self.port}")
         return self
 
     def _listening(self) -> bool:
         if self._proc is not None and self._proc.poll() is not None:
             raise AssertionError(f"sshd exited with {self._proc.returncode}: {self.log_path.read_text()}")
+        if self.netns is not None:  # another loopback: connect from inside the namespace
+            probe = f"exec 3<>/dev/tcp/127.0.0.1/{self.port}"
+            return subprocess.run(["nsenter", f"--net={self.netns}", "bash", "-c", probe], capture_output=True,
+                                  timeout=10).returncode == 0
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
                 return True

@@ -3,8 +3,10 @@
 It runs as root in its own mount namespace, where libvirt's state, run, cache and log directories (and qemu.conf)
 are bind-mounted from a temporary directory, so it shares nothing with the system daemon but the kernel, the
 files it is given and the CPU; its socket lives in that directory too (`qemu+unix:///system?socket=…`), reachable
-from outside the namespace. What this cannot show: a real network between hosts (latency, bandwidth, NFS
-semantics), a host that loses power with a guest running, different CPUs or QEMU versions.
+from outside the namespace. With `own_network=True` it also gets a network namespace of its own: a loopback of its
+own (brought up, nothing else), where its guests' forwards listen; `netns` names it for `nsenter --net=`.
+What this cannot show: a real network between hosts (latency, bandwidth, NFS semantics), a host that loses power
+with a guest running, different CPUs or QEMU versions.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = ["SecondLibvirtd", "start_second_libvirtd"]
 
 START = """#!/bin/sh
 set -e
+if [ -n "$OWN_NETWORK" ]; then ip link set lo up; fi
 for d in run lib cache log; do mkdir -p "$ROOT/$d"; done
 mount --bind "$ROOT/run" /var/run/libvirt
 mount --bind "$ROOT/lib" /var/lib/libvirt
@@ -37,6 +40,12 @@ exec libvirtd --config "$ROOT/libvirtd.conf" -p "$ROOT/libvirtd.pid"
 class SecondLibvirtd:
     root: Path
     process: subprocess.Popen[bytes]
+    own_network: bool = False
+
+    @property
+    def netns(self) -> str:
+        """The daemon's network namespace (its own only with `own_network`), as a path for `nsenter --net=`."""
+        return f"/proc/{self.process.pid}/ns/net"
 
     @property
     def uri(self) -> str:
@@ -60,7 +69,7 @@ class SecondLibvirtd:
                 self.process.wait(10)
 
 
-def start_second_libvirtd(root: Path) -> SecondLibvirtd:
+def start_second_libvirtd(root: Path, *, own_network: bool = False) -> SecondLibvirtd:
     (root / "sock").mkdir(parents=True, exist_ok=True)
     shutil.copy("/etc/libvirt/qemu.conf", root / "qemu.conf")
     (root / "libvirtd.conf").write_text(f'unix_sock_dir = "{root / "sock"}"\nlisten_tls = 0\nlisten_tcp = 0\n')
@@ -68,9 +77,12 @@ def start_second_libvirtd(root: Path) -> SecondLibvirtd:
     script.write_text(START)
     script.chmod(0o755)
     log = (root / "libvirtd.log").open("wb")
-    process = subprocess.Popen(["unshare", "--mount", "--propagation", "private", str(script)], stdout=log,
-                               stderr=subprocess.STDOUT, env={**os.environ, "ROOT": str(root)})
-    daemon = SecondLibvirtd(root=root, process=process)
+    # unshare execs the script, which execs libvirtd: the Popen's PID is the daemon's, and its namespaces ours to name
+    namespaces = ["--mount", *(["--net"] if own_network else [])]
+    process = subprocess.Popen(["unshare", *namespaces, "--propagation", "private", str(script)], stdout=log,
+                               stderr=subprocess.STDOUT,
+                               env={**os.environ, "ROOT": str(root), "OWN_NETWORK": "1" if own_network else ""})
+    daemon = SecondLibvirtd(root=root, process=process, own_network=own_network)
     try:
         wait_until(lambda: daemon.process.poll() is not None or daemon.answers(), 120, "the second libvirtd",
                    interval=0.5)

@@ -3,8 +3,10 @@
 /init loads the virtio and ext4 modules, mounts the WKSEED seed disk read-only, brings up user-mode networking,
 serves HTTP on guest ports 22 and 9222 (so host forwards can be proven without sshd), asks the egress proxy at
 10.0.2.100:3128 and the host gateway 10.0.2.2 (which restrict=on must block), then starts a counter process that
-prints `WK-COUNTER n=<n> pid=<pid> boot=<boot_id>` to the serial console every second and writes `WK<n>` to the
-first bytes of the overlay disk. A restore in place continues the counter; a cold boot starts it again at 1.
+prints `WK-COUNTER n=<n> pid=<pid> boot=<boot_id>` to the serial console every second (and serves its latest line
+at `/counter`) and writes `WK<n>` to the first bytes of the overlay disk. `/cgi-bin/proxy?<path>` asks the egress
+proxy for `/<path>` when called, and answers with the proxy's response. A restore in place continues the counter;
+a cold boot starts it again at 1.
 Requests use busybox nc: the static busybox's wget segfaults on name lookup.
 """
 
@@ -50,7 +52,13 @@ wanted='pni|ssse3|sse4_1|sse4_2|popcnt|cx16|aes|avx'
 echo "WK-CPU $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -x -E "$wanted" | tr '\n' ' ')"
 echo "WK-DISK-AT-BOOT $(dd if=$disk bs=16 count=1 2>/dev/null | tr -cd 'A-Z0-9')"
 ip link set lo up; ip link set eth0 up; ip addr add 10.0.2.15/24 dev eth0; ip route add default via 10.0.2.2
-mkdir -p /www; echo WK-GUEST-HTTP > /www/index.html
+mkdir -p /www/cgi-bin; echo WK-GUEST-HTTP > /www/index.html
+cat > /www/cgi-bin/proxy <<'CGI'
+#!/bin/sh
+printf 'Content-Type: text/plain\r\n\r\n'
+printf 'GET /%s HTTP/1.0\r\n\r\n' "${QUERY_STRING:-cgi}" | nc -w 5 10.0.2.100 3128 2>&1 | tr -s '\r\n' '  '
+CGI
+chmod 755 /www/cgi-bin/proxy
 httpd -p 22 -h /www; httpd -p 9222 -h /www; httpd -p 5900 -h /www
 egress=$(sed -n 's/.*wkegress=\([0-9]*\).*/\1/p' /proc/cmdline)
 get() { printf 'GET /%s HTTP/1.0\r\n\r\n' "$3" | nc -w 5 "$1" "$2" 2>&1 | tr -s '\r\n' '  '; }
@@ -61,7 +69,8 @@ get() { printf 'GET /%s HTTP/1.0\r\n\r\n' "$3" | nc -w 5 "$1" "$2" 2>&1 | tr -s 
   echo "WK-NET-DONE"
 ) &
 setsid sh -c 'n=0; while :; do
-  n=$((n+1)); echo "WK-COUNTER n=$n pid=$$ boot=$0"
+  n=$((n+1)); echo "WK-COUNTER n=$n pid=$$ boot=$0"; echo "WK-COUNTER n=$n pid=$$ boot=$0" > /www/counter.new
+  mv /www/counter.new /www/counter
   printf "WK%08d" $n | dd of=$1 bs=16 count=1 conv=notrunc,fsync 2>/dev/null; sleep 1
 done' "$boot" "$disk" &
 echo "WK-MARKER up pid=$! boot=$boot"

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from wakeful.server.computers.pool import hypervisor_for
-from wakeful.server.settings import Settings, load_settings
+from tests.support.sshd import keygen
+from wakeful.server.computers.pool import host_tunnel, hypervisor_for
+from wakeful.server.settings import ComputerHost, Settings, load_settings
+from wakeful.vm.guest import BadKey
+from wakeful.vm.host_tunnel import HostTunnel
 from wakeful.vm.hosts import HostFleet
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.placement import HostMark, HostSpec
@@ -85,3 +88,82 @@ def test_the_example_in_the_infra_notes_is_a_registry_the_settings_accept(tmp_pa
     settings = load_settings(data_dir=tmp_path)
     assert [(h.name, h.mark) for h in settings.computer_hosts] == [("kvm1", "up"), ("kvm2", "full")]
     assert settings.computer_shared_dir == Path("/srv/wakeful-shared")
+
+
+HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGzv0lEQXm3B0d+xvXoMIP0u0V0kq4yq3ZK4v3m0LLxT root@kvm2"
+REMOTE = {"name": "kvm2", "uri": "qemu+ssh://root@kvm2/system", "memory_mib": 8192, "ssh": "root@kvm2:2222",
+          "ssh_host_key": HOST_KEY, "ssh_key": "/etc/wakeful/hosts_ed25519"}
+
+
+def test_a_host_reached_over_ssh_keeps_its_target_pinned_key_and_client_key(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[
+        {"name": "kvm1", "uri": "qemu:///system", "memory_mib": 4096},
+        {**REMOTE, "ssh_proxy_command": "ssh -W %h:%p jump"}])
+    own, remote = settings.computer_hosts
+    assert own.ssh is None and own.ssh_host_key is None
+    assert (remote.ssh, remote.ssh_host_key, remote.ssh_key, remote.ssh_proxy_command) == (
+        "root@kvm2:2222", HOST_KEY, Path("/etc/wakeful/hosts_ed25519"), "ssh -W %h:%p jump")
+
+
+@pytest.mark.parametrize("missing", ["ssh_host_key", "ssh_key"])
+def test_ssh_without_a_pinned_host_key_or_a_client_key_is_refused(tmp_path: Path, missing: str) -> None:
+    host = {k: v for k, v in REMOTE.items() if k != missing}
+    with pytest.raises(ValidationError, match="never trusted on first use"):
+        Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[host])
+
+
+def test_ssh_keys_without_ssh_are_refused_rather_than_ignored(tmp_path: Path) -> None:
+    host = {k: v for k, v in REMOTE.items() if k != "ssh"}
+    with pytest.raises(ValidationError, match="ssh_host_key, ssh_key without ssh"):
+        Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[host])
+
+
+@pytest.mark.parametrize(("field", "value"), [("ssh", "kvm2"), ("ssh", "root@kvm2:port"), ("ssh", "root@a b"),
+                                              ("ssh_host_key", "AAAAC3Nza"), ("ssh_host_key", "ssh-dss AAAA"),
+                                              ("ssh_host_key", "ssh-ed25519 not/base64!")])
+def test_an_impossible_ssh_target_or_host_key_is_refused_naming_the_field(tmp_path: Path, field: str,
+                                                                         value: str) -> None:
+    with pytest.raises(ValidationError, match=f"computer_hosts.0.{field}"):
+        Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[{**REMOTE, field: value}])
+
+
+def test_hosts_over_ssh_on_an_isolated_network_are_refused_saying_why(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="source address"):
+        Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[REMOTE],
+                 computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128")
+
+
+def test_only_hosts_with_ssh_get_a_link_and_it_carries_the_proxy_port(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, computer_shared_dir=tmp_path / "shared", proxy_port=8790, computer_hosts=[
+        {"name": "kvm1", "uri": "qemu:///system", "memory_mib": 4096}, REMOTE])
+    made: list[tuple[str, str | None]] = []
+
+    class Link:
+        def ensure(self) -> None: ...
+
+        def open(self, address: tuple[str, int], *, timeout: float | None = None) -> object:
+            return address
+
+    def link(host: ComputerHost) -> Link:
+        made.append((host.name, host.ssh))
+        return Link()
+
+    fleet = hypervisor_for(settings, LibvirtHypervisor, link)
+    assert isinstance(fleet, HostFleet) and made == [("kvm2", "root@kvm2:2222")]
+
+
+def test_the_default_link_is_an_unconnected_tunnel_to_the_target_with_the_pinned_key(tmp_path: Path) -> None:
+    host_key = keygen(tmp_path / "host")
+    host = ComputerHost.model_validate({**REMOTE, "ssh_host_key": host_key, "ssh_key": str(tmp_path / "client")})
+    keygen(tmp_path / "client")
+    tunnel = host_tunnel(host, proxy=("127.0.0.1", 8790))
+    assert isinstance(tunnel, HostTunnel) and not tunnel.connected()
+    assert (tunnel.name, tunnel.ssh.user, tunnel.ssh.host, tunnel.ssh.port, tunnel.ssh.host_key) == (
+        "kvm2", "root", "kvm2", 2222, host_key)
+
+
+def test_an_unreadable_client_key_is_refused_when_the_tunnel_is_made(tmp_path: Path) -> None:
+    host = ComputerHost.model_validate({**REMOTE, "ssh_host_key": keygen(tmp_path / "host"),
+                                        "ssh_key": str(tmp_path / "nothing-here")})
+    with pytest.raises(BadKey, match="cannot read the client key"):
+        host_tunnel(host, proxy=None)

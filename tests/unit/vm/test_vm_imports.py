@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parents[3]
 ADAPTERS = {
     "wakeful.vm.cdp_browser": "playwright",
     "wakeful.vm.ssh_channel": "paramiko",
+    "wakeful.vm.host_tunnel": "paramiko",  # the tunnel to another KVM host (SSH too)
     "wakeful.vm.libvirt_adapter": "libvirt",
 }
-LIBRARIES = sorted(ADAPTERS.values())
+LIBRARIES = sorted(set(ADAPTERS.values()))
 
 
 def _vm_modules() -> list[str]:

@@ -1,0 +1,185 @@
+"""The SSH tunnel to another tool-computer host, against real sshds on loopback: the "host" is one sshd, a "guest"
+behind it another. The host key is pinned; the guest channel speaks SSH through a direct-tcpip channel of the
+tunnel; the host's 127.0.0.1:<proxy port> comes back to the egress proxy here (a stand-in listening on 127.0.0.2,
+since both ends share this machine's loopback); an unreachable host is `host_unreachable`."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.polling import wait_until
+from tests.support.serve import free_port
+from tests.support.sshd import Sshd, keygen
+from wakeful.vm.errors import HostUnreachable
+from wakeful.vm.guest import AuthFailed, GuestUnreachable, HostKeyMismatch
+from wakeful.vm.host_tunnel import HostSsh, HostTunnel
+from wakeful.vm.ssh_channel import GuestChannel
+
+
+class FakeProxy:
+    """Answers each connection with what it read up to the client's half-close, and records it."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.2", free_port()))
+        self.port = int(self.server.getsockname()[1])
+        self.seen: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while chunk := conn.recv(65536):
+                    data += chunk
+                self.seen.append(data)
+                conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nproxy saw " + data)
+
+    def close(self) -> None:
+        self.server.shutdown(socket.SHUT_RDWR)
+        self.server.close()
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Sshd]:
+    with Sshd(tmp_path / "host", forwarding="yes") as server:
+        yield server
+
+
+@pytest.fixture
+def proxy() -> Iterator[FakeProxy]:
+    fake = FakeProxy()
+    yield fake
+    fake.close()
+
+
+def tunnel_to(host: Sshd, **kwargs: object) -> HostTunnel:
+    options: dict[str, object] = {"host_key": host.host_public_key, "client_key": host.client_key}
+    ssh_options = {k: kwargs.pop(k) for k in list(kwargs) if k in {"host_key", "client_key", "proxy_command"}}
+    ssh = HostSsh.parse(f"root@127.0.0.1:{host.port}", **{**options, **ssh_options})  # type: ignore[arg-type]
+    return HostTunnel(name="b", ssh=ssh, timeout=5.0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_guest_channel_speaks_ssh_through_the_tunnel_with_the_guests_key_still_pinned(
+        host: Sshd, tmp_path: Path) -> None:
+    with Sshd(tmp_path / "guest") as guest:
+        tunnel = tunnel_to(host)
+        try:
+            channel = GuestChannel(port=guest.port, user="root", client_key_path=guest.client_key,
+                                   pinned_host_key=guest.host_public_key,
+                                   sock=lambda: tunnel.open(("127.0.0.1", guest.port)))
+            with channel:
+                channel.connect()
+                assert channel.run(["echo", "through b"], timeout=10).stdout == b"through b\n"
+                guest.restart()  # the guest's transport dies (a restore); the tunnel stays
+                channel.reconnect(timeout=20)
+                assert channel.run("echo again", timeout=10).stdout == b"again\n"
+            impostor = GuestChannel(port=guest.port, user="root", client_key_path=guest.client_key,
+                                    pinned_host_key=keygen(tmp_path / "other-guest"),
+                                    sock=lambda: tunnel.open(("127.0.0.1", guest.port)))
+            with impostor, pytest.raises(HostKeyMismatch):
+                impostor.connect()
+        finally:
+            tunnel.close()
+
+
+def test_a_guest_connection_to_the_hosts_proxy_port_reaches_the_egress_proxy_here(
+        host: Sshd, proxy: FakeProxy) -> None:
+    tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port))
+    try:
+        tunnel.ensure()
+        for n in (1, 2):  # one connection per request, as slirp's connector makes them
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as conn:  # the host's loopback
+                conn.sendall(b"GET http://example.test/ HTTP/1.1\r\nProxy-Authorization: Basic dTp0\r\n\r\n")
+                conn.shutdown(socket.SHUT_WR)
+                answer = b""
+                while chunk := conn.recv(65536):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.0 200 OK") and b"Proxy-Authorization: Basic dTp0" in answer
+            assert len(proxy.seen) == n
+        host.restart()  # the host's sshd restarts: the forward dies with the session, and comes back with the next
+        wait_until(lambda: not tunnel.connected(), 10, "the tunnel to notice the restart")
+        tunnel.ensure()
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as conn:
+            conn.sendall(b"again")
+            conn.shutdown(socket.SHUT_WR)
+            assert conn.recv(65536).startswith(b"HTTP/1.0 200 OK")
+    finally:
+        tunnel.close()
+
+
+def test_a_host_presenting_another_key_is_refused(host: Sshd, tmp_path: Path) -> None:
+    tunnel = tunnel_to(host, host_key=keygen(tmp_path / "not-the-host"))
+    with pytest.raises(HostKeyMismatch) as caught:
+        tunnel.ensure()
+    assert caught.value.code == "host_key_mismatch" and not tunnel.connected()
+
+
+def test_a_client_key_the_host_does_not_know_is_refused(host: Sshd, tmp_path: Path) -> None:
+    keygen(tmp_path / "stranger")
+    with pytest.raises(AuthFailed):
+        tunnel_to(host, client_key=tmp_path / "stranger").ensure()
+
+
+def test_a_host_nothing_answers_at_is_unreachable(host: Sshd) -> None:
+    host.stop()
+    with pytest.raises(HostUnreachable) as caught:
+        tunnel_to(host).ensure()
+    assert caught.value.code == "host_unreachable" and "127.0.0.1" in caught.value.message
+
+
+def test_after_a_failure_the_host_is_tried_again_only_after_retry_after(host: Sshd) -> None:
+    now = [100.0]
+    host.stop()
+    tunnel = tunnel_to(host, retry_after=5.0, monotonic=lambda: now[0])
+    try:
+        with pytest.raises(HostUnreachable):
+            tunnel.ensure()
+        host.start()
+        now[0] += 4.0
+        with pytest.raises(HostUnreachable):  # the same answer, without another attempt
+            tunnel.ensure()
+        now[0] += 1.0
+        tunnel.ensure()
+        assert tunnel.connected()
+    finally:
+        tunnel.close()
+
+
+def test_a_proxy_command_that_cannot_reach_the_host_is_unreachable(host: Sshd) -> None:
+    with pytest.raises(HostUnreachable):
+        tunnel_to(host, proxy_command="/bin/false").ensure()
+
+
+def test_the_host_is_reached_through_a_proxy_command(host: Sshd) -> None:
+    tunnel = tunnel_to(host, proxy_command="/bin/busybox nc %h %p")
+    try:
+        tunnel.ensure()
+        assert tunnel.connected()
+    finally:
+        tunnel.close()
+
+
+def test_a_guest_port_nothing_listens_on_is_guest_unreachable_and_the_tunnel_stays(host: Sshd) -> None:
+    tunnel = tunnel_to(host)
+    try:
+        with pytest.raises(GuestUnreachable):
+            tunnel.open(("127.0.0.1", free_port()))
+        assert tunnel.connected()
+    finally:
+        tunnel.close()
+
+
+def test_a_proxy_port_the_host_will_not_forward_is_a_clear_error(tmp_path: Path, proxy: FakeProxy) -> None:
+    with Sshd(tmp_path / "strict") as strict:  # AllowTcpForwarding local: no remote forwards
+        with pytest.raises(HostUnreachable, match="AllowTcpForwarding"):
+            tunnel_to(strict, proxy=("127.0.0.2", proxy.port)).ensure()

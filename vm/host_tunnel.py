@@ -1,0 +1,256 @@
+"""SSH to a tool-computer host other than the api's own: `HostTunnel`, one paramiko transport per remote host.
+
+Under user-mode networking everything of a running computer lives on its host's loopback: the guest's SSH forward
+(QEMU's hostfwd on 127.0.0.1), and the egress proxy connector slirp runs there per guest connection
+(`busybox nc 127.0.0.1 <proxy port>`, see `vm.domain_xml`). On another host the api reaches them through this
+tunnel, made once and remade when it dies:
+
+    tunnel = HostTunnel(name="kvm2", ssh=HostSsh.parse("root@kvm2", host_key=pinned, client_key=key),
+                        proxy=("127.0.0.1", 8788))
+    tunnel.ensure()                              # connect (or reconnect); `host_unreachable` if it cannot
+    sock = tunnel.open(("127.0.0.1", 10122))     # a direct-tcpip channel: paramiko's `sock` for the guest channel
+
+* the guest channel (and through it CDP and the live view's VNC, both tunnelled in the guest's SSH) is a
+  `direct-tcpip` channel to the host's 127.0.0.1:<guest ssh port>;
+* a remote forward on the host's 127.0.0.1:<proxy port> brings each connection of a guest's proxy connector back
+  to the egress proxy on the api's 127.0.0.1:<proxy port>. The connector inserts the VM's proxy credential before
+  the bytes leave the host (`vm.domain_xml.RELAY`), so the proxy knows the VM by it exactly as on the api's host.
+
+The host key is pinned in the settings and nothing else is accepted (`host_key_mismatch`), never trust-on-first-use.
+A host that cannot be reached raises `HostUnreachable`, a `HypervisorUnavailable`: the fleet counts it as gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko  # noqa: TID251 - the host tunnel is the second module that talks SSH (the guest channel is the first)
+
+from wakeful.vm.errors import HostUnreachable, VmError
+from wakeful.vm.guest import AuthFailed, BadKey, GuestUnreachable, HostKeyMismatch
+from wakeful.vm.ssh_channel import parse_public_key
+
+__all__ = ["HostSsh", "HostTunnel"]
+
+log = logging.getLogger("wakeful.vm")
+
+_TARGET = re.compile(r"^(?P<user>[A-Za-z0-9._-]+)@(?P<host>[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:(?P<port>\d{1,5}))?$")
+_CHUNK = 65536
+_RSA = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostSsh:
+    """How the api reaches one host over SSH."""
+
+    user: str
+    host: str
+    port: int = 22
+    host_key: str
+    """The host's public key as an OpenSSH line (`ssh-ed25519 AAAA…`): the only key accepted."""
+    client_key: Path
+    """The private key the api logs in with."""
+    proxy_command: str | None = None
+    """Run to reach the host's sshd on its stdin/stdout (a bastion: `ssh -W %h:%p jump`), as OpenSSH's ProxyCommand;
+    `%h` and `%p` are the host and port."""
+
+    @classmethod
+    def parse(cls, target: str, *, host_key: str, client_key: Path, proxy_command: str | None = None) -> HostSsh:
+        """`user@host[:port]` (an IPv6 address in brackets)."""
+        found = _TARGET.match(target)
+        if found is None:
+            raise ValueError(f"{target!r} is not user@host[:port]")
+        port = int(found["port"] or 22)
+        if not 0 < port < 65536:
+            raise ValueError(f"{target!r}: the port must be 1-65535")
+        return cls(user=found["user"], host=found["host"].strip("[]"), port=port, host_key=host_key,
+                   client_key=client_key, proxy_command=proxy_command)
+
+
+class HostTunnel:
+    """One SSH transport to one host, kept and remade on demand (see the module docstring)."""
+
+    def __init__(self, *, name: str, ssh: HostSsh, proxy: tuple[str, int] | None = None, timeout: float = 10.0,
+                 keepalive: float = 15.0, retry_after: float = 5.0,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        """`proxy`: where the egress proxy listens here (127.0.0.1:<proxy_port>); the host's 127.0.0.1 at the same
+        port is forwarded to it, since that is where guest connectors look (None: no proxy).
+        `keepalive`: seconds between SSH keepalives, so a dead link is noticed.
+        `retry_after`: for this long after a failed attempt the same error is raised at once, without trying again:
+        placement asks every host each time it measures, and an unreachable host would cost `timeout` each time."""
+        self.name, self.ssh = name, ssh
+        self._pinned = parse_public_key(ssh.host_key)
+        try:
+            self._key = paramiko.PKey.from_path(ssh.client_key)
+        except (OSError, paramiko.SSHException, ValueError) as exc:
+            raise BadKey(f"cannot read the client key {ssh.client_key} for host {name}: {exc}") from None
+        self._proxy = proxy
+        self._timeout = timeout
+        self._keepalive = keepalive
+        self._lock = threading.Lock()
+        self._retry_after = retry_after
+        self._monotonic = monotonic
+        self._failed: tuple[float, VmError] | None = None
+        self._transport: paramiko.Transport | None = None
+        self._closed = False
+
+    @property
+    def where(self) -> str:
+        return f"host {self.name} ({self.ssh.user}@{self.ssh.host}:{self.ssh.port})"
+
+    # ------------------------------------------------------------------------------------------ connection
+
+    def connected(self) -> bool:
+        transport = self._transport
+        return transport is not None and transport.is_active()
+
+    def ensure(self) -> None:
+        """Connect unless the transport is alive; `host_unreachable`, `host_key_mismatch` or `auth_failed` if not."""
+        self._live()
+
+    def _live(self) -> paramiko.Transport:
+        with self._lock:
+            if self._closed:
+                raise HostUnreachable(f"the tunnel to {self.where} was closed")
+            transport = self._transport
+            if transport is not None and transport.is_active():
+                return transport
+            if transport is not None:
+                transport.close()
+                log.info("the SSH tunnel to %s dropped; connecting again", self.where)
+            self._transport = None
+            if self._failed is not None and self._monotonic() - self._failed[0] < self._retry_after:
+                raise self._failed[1]
+            try:
+                self._transport = transport = self._connect()
+            except VmError as exc:
+                self._failed = (self._monotonic(), exc)
+                raise
+            self._failed = None
+            return transport
+
+    def _sock(self) -> socket.socket | paramiko.ProxyCommand:
+        ssh = self.ssh
+        if ssh.proxy_command is not None:
+            command = ssh.proxy_command.replace("%h", ssh.host).replace("%p", str(ssh.port))
+            try:
+                proxy = paramiko.ProxyCommand(command)
+            except (OSError, paramiko.SSHException) as exc:
+                raise HostUnreachable(f"cannot run the proxy command for {self.where}: {exc}") from None
+            proxy.settimeout(self._timeout)
+            return proxy
+        try:
+            return socket.create_connection((ssh.host, ssh.port), timeout=self._timeout)
+        except OSError as exc:
+            raise HostUnreachable(f"cannot reach {self.where}: {exc.strerror or exc}") from None
+
+    def _connect(self) -> paramiko.Transport:
+        sock = self._sock()
+        transport = paramiko.Transport(sock)
+        name = self._pinned.get_name()
+        transport.get_security_options().key_types = _RSA if name == "ssh-rsa" else (name,)
+        transport.banner_timeout = transport.handshake_timeout = transport.auth_timeout = self._timeout
+        try:
+            transport.start_client(timeout=self._timeout)
+            offered = transport.get_remote_server_key()
+            if offered != self._pinned:
+                raise HostKeyMismatch(f"{self.where} presented host key {offered.fingerprint}, not the one pinned "
+                                      f"in its settings ({self._pinned.fingerprint})")
+            transport.auth_publickey(self.ssh.user, self._key)
+        except paramiko.AuthenticationException as exc:
+            transport.close()
+            raise AuthFailed(f"{self.where} refused the api's key: {exc}") from None
+        except HostKeyMismatch:
+            transport.close()
+            raise
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            transport.close()
+            raise HostUnreachable(f"no SSH session with {self.where}: {exc}") from None
+        if self._proxy is not None:
+            try:
+                transport.request_port_forward("127.0.0.1", self._proxy[1], handler=self._to_proxy)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                transport.close()
+                raise HostUnreachable(f"{self.where} refused to forward its 127.0.0.1:{self._proxy[1]} to the "
+                                      f"egress proxy ({exc}): its sshd needs AllowTcpForwarding, and that port must "
+                                      "be free there") from None
+        if self._keepalive > 0:
+            transport.set_keepalive(int(max(1, self._keepalive)))
+        return transport
+
+    # ------------------------------------------------------------------------------------------ channels
+
+    def open(self, address: tuple[str, int], *, timeout: float | None = None) -> paramiko.Channel:
+        """A channel to `address` as the host sees it, to use as a socket (paramiko's `sock`). `guest_unreachable`
+        when nothing answers there (a guest still booting); `host_unreachable` when the host itself does not."""
+        wait = self._timeout if timeout is None else timeout
+        transport = self._live()
+        try:
+            return transport.open_channel("direct-tcpip", address, ("127.0.0.1", 0), timeout=wait)
+        except paramiko.ChannelException as exc:
+            raise GuestUnreachable(f"nothing answers at {address[0]}:{address[1]} on {self.where}: "
+                                   f"{exc.text}") from None
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            with self._lock:
+                if self._transport is transport:
+                    self._transport = None
+            transport.close()
+            raise HostUnreachable(f"the SSH connection to {self.where} dropped: {exc}") from None
+
+    def _to_proxy(self, chan: paramiko.Channel, origin: tuple[str, int], server: tuple[str, int]) -> None:
+        """A guest connector on the host connected to the forwarded port: relay it to the egress proxy here."""
+        threading.Thread(target=self._relay, args=(chan,), name=f"host-{self.name}-proxy", daemon=True).start()
+
+    def _relay(self, chan: paramiko.Channel) -> None:
+        assert self._proxy is not None
+        try:
+            conn = socket.create_connection(self._proxy, timeout=self._timeout)
+        except OSError as exc:
+            log.warning("the egress proxy on %s:%d does not answer a guest on %s: %s", *self._proxy, self.where, exc)
+            chan.close()
+            return
+        conn.settimeout(None)
+        try:
+            _pump(conn, chan)
+        except (OSError, EOFError, paramiko.SSHException):
+            pass  # either side went away: both are closed below, and the guest sees its connection end
+        finally:
+            chan.close()
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()
+
+
+def _pump(conn: socket.socket, chan: paramiko.Channel) -> None:
+    """Both directions until the proxy's side ends. The guest's side ending (a request sent, nothing more to say)
+    is passed on as a half-close, and the response still comes back."""
+    reading: list[socket.socket | paramiko.Channel] = [conn, chan]
+    while True:
+        ready, _, _ = select.select(reading, [], [])
+        if conn in ready:
+            data = conn.recv(_CHUNK)
+            if not data:
+                return
+            chan.sendall(data)
+        if chan in ready:
+            data = chan.recv(_CHUNK)
+            if data:
+                conn.sendall(data)
+            else:
+                reading.remove(chan)
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_WR)
