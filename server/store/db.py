@@ -114,6 +114,13 @@ class _WriteLock:
             self._waiting[key] = on_free
             return False
 
+    def granted(self) -> None:
+        """SQLite has just granted the holder its lock: the time held counts from now, not from when it began to
+        wait for another process writing (which never waits for this one: `write_unless_busy`)."""
+        with self._cond:
+            if self._depth == 1:
+                self._since = time.monotonic()
+
     def hand_off(self) -> None:
         """The holder passes the lock on to the thread that will release it: until then, no thread holds it as its
         own (so none re-enters it)."""
@@ -132,7 +139,8 @@ _held = threading.local()  # seconds this thread has held a write lock, all told
 
 
 def write_lock_time() -> float:
-    """Seconds the calling thread has held SQLite write locks of this process so far (0 on PostgreSQL)."""
+    """Seconds the calling thread has held SQLite write locks of this process so far (0 on PostgreSQL): from SQLite
+    granting each, so a wait for another process's commit is not counted."""
     return float(getattr(_held, "seconds", 0.0))
 
 
@@ -156,7 +164,9 @@ def write(engine: Engine) -> Iterator[Connection]:
         with engine.connect() as conn, conn.begin():
             yield conn
         return
-    with _writer_lock(engine), engine.connect() as conn, conn.begin():
+    lock = _writer_lock(engine)
+    with lock, engine.connect() as conn, conn.begin():
+        lock.granted()
         yield conn
 
 
