@@ -36,6 +36,7 @@ from wakeful.proxy.clock import Clock
 from wakeful.server.core import faults, keys, sessions, triage
 from wakeful.server.core.authority import of_source, satisfiable_by
 from wakeful.server.store.db import (
+    Busy,
     OpenWrite,
     begin_unless_busy,
     bound,
@@ -267,6 +268,9 @@ class GroupCommitter:
 
     BUSY_RETRY = 0.002
     """Seconds before the loop looks again at a database another process is writing to."""
+    HERE_RETRY = 0.05
+    """Seconds before the loop looks again at a write lock a thread of this process holds (its release calls back
+    first)."""
 
     def __init__(self, engine: Engine, clock: Clock, *, on_commit: Callable[[], None] = lambda: None,
                  max_batch: int = 512, coalesce: timedelta = _NOW) -> None:
@@ -323,8 +327,12 @@ class GroupCommitter:
             now = self._clock.now()
             opened = begin_unless_busy(self._loop_conn, loop,
                                        lambda: loop.call_soon_threadsafe(self._commit_turn, loop))
-            if opened is None:  # a thread's release calls back; another process's does not: look again soon
-                loop.call_later(self.BUSY_RETRY, self._commit_turn, loop)
+            if isinstance(opened, Busy):
+                # A thread's release (a batch's sync, a run's commit) calls back, and the later look is only a
+                # backstop (a thread that waited past its patience drops the loop's request); another process's
+                # release does not call back: look again soon.
+                loop.call_later(self.BUSY_RETRY if opened is Busy.ELSEWHERE else self.HERE_RETRY,
+                                self._commit_turn, loop)
                 return
             try:
                 results = record_many(opened.conn, [p.delivery for p in batch], now=now, coalesce=self._coalesce)
@@ -339,7 +347,10 @@ class GroupCommitter:
             # The loop keeps accepting and answering while the disk syncs; the deliveries that arrive meanwhile wait
             # for the lock (the sync's end calls the loop back) and make the next batch.
             opened.hand_off()
-            self._syncer.submit(self._sync, opened, batch, results)
+            try:
+                self._syncer.submit(self._sync, opened, batch, results)
+            except RuntimeError:  # stopping: the syncing thread is gone, the loop syncs this last batch itself
+                self._sync(opened, batch, results)
         del waiting[:len(batch)]
         if waiting:
             loop.call_soon(self._commit_turn, loop)

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.schema import Table
 
-__all__ = ["OpenWrite", "begin_unless_busy", "bound", "connect_nowait", "current_revision", "insert_many",
+__all__ = ["Busy", "OpenWrite", "begin_unless_busy", "bound", "connect_nowait", "current_revision", "insert_many",
            "make_engine", "migrate", "newest_revision", "read", "sqlite_driver", "upsert", "write", "write_lock_time",
            "write_unless_busy"]
 
@@ -209,20 +210,28 @@ class OpenWrite:
             self._lock.__exit__()
 
 
-def begin_unless_busy(conn: Connection, key: object, on_free: Callable[[], object]) -> OpenWrite | None:
-    """A write transaction on `conn` (from `connect_nowait`) if one can start at once, else None.
+class Busy(StrEnum):
+    """Why `begin_unless_busy` began nothing: a thread of this process holds the write lock (its release calls
+    back), or another process holds SQLite's (nothing calls back: look again later)."""
+
+    HERE = "here"
+    ELSEWHERE = "elsewhere"
+
+
+def begin_unless_busy(conn: Connection, key: object, on_free: Callable[[], object]) -> OpenWrite | Busy:
+    """A write transaction on `conn` (from `connect_nowait`) if one can start at once, else why not.
 
     For an event loop (`key`), which must never block. If a thread of this process holds the write lock (or a
     transaction handed off to one is syncing), `on_free` is called when it is released (and threads wait for the
     loop meanwhile); if another process holds SQLite's lock, nothing calls back, and the loop must look again later."""
     lock = _writer_lock(conn.engine)
     if not lock.try_acquire(key, on_free):
-        return None
+        return Busy.HERE
     try:
         transaction = conn.begin()
     except OperationalError:  # another process is writing (SQLite: database is locked)
         lock.__exit__()
-        return None
+        return Busy.ELSEWHERE
     except BaseException:
         lock.__exit__()
         raise
@@ -234,7 +243,7 @@ def write_unless_busy(conn: Connection, key: object, on_free: Callable[[], objec
     """`begin_unless_busy` as a context: the transaction (None if busy) is committed on clean exit, else rolled
     back."""
     opened = begin_unless_busy(conn, key, on_free)
-    if opened is None:
+    if isinstance(opened, Busy):
         yield None
         return
     try:
