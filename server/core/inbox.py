@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,7 +35,16 @@ from sqlalchemy import Connection, Engine, bindparam, select, update
 from wakeful.proxy.clock import Clock
 from wakeful.server.core import faults, keys, sessions, triage
 from wakeful.server.core.authority import of_source, satisfiable_by
-from wakeful.server.store.db import bound, connect_nowait, insert_many, sqlite_driver, write, write_unless_busy
+from wakeful.server.store.db import (
+    Busy,
+    OpenWrite,
+    begin_unless_busy,
+    bound,
+    connect_nowait,
+    insert_many,
+    sqlite_driver,
+    write,
+)
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import SOURCE_PREFIX, EventKind, EventStatus, WaitState, events, waits
 
@@ -244,18 +254,23 @@ class GroupCommitter:
     answer, given once the batch is durable.
 
     On SQLite the event loop writes the batches itself: every delivery that arrived in one turn of the loop is
-    committed at the end of that turn. Through a writer thread, every return from SQLite (several per batch) waited
-    for the interpreter lock while the loop held it: the same SQL reached 3,900 deliveries/s at saturation that way,
-    5,300/s on the loop (`bench/ingest.py`, no runs). The loop never waits for the write lock: while another thread
-    holds it, the turn's deliveries wait (joined by later ones) until its release calls the loop back, and threads
-    asking for the lock meanwhile let the loop go first; while another process holds it, the loop looks again every
-    few ms. On PostgreSQL, where a commit is a network round trip, batches go to a writer thread; so does a batch
-    that failed on the loop, to be retried delivery by delivery. A batch's answers go back to each event loop in ONE
-    callback, and `received` counts committed deliveries, so that runs can tell when they are competing with the
-    inbox (`server.worker`)."""
+    written at the end of that turn, and only the commit (the fsync) goes to a syncing thread, which answers the
+    batch's callers once it returned; meanwhile the loop keeps accepting and answering, and the deliveries that arrive
+    wait for the lock (joined by later ones) to make the next batch. Writing through a writer thread instead, every
+    return from SQLite (several per batch) waited for the interpreter lock while the loop held it: the same SQL
+    reached 3,900 deliveries/s at saturation that way, 5,300/s on the loop (`bench/ingest.py`, no runs); the commit
+    is one return. The loop never waits for the write lock: while another thread holds it (or a batch syncs), the
+    turn's deliveries wait until its release calls the loop back, and threads asking for the lock meanwhile let the
+    loop go first; while another process holds it, the loop looks again every few ms. On PostgreSQL, where a commit
+    is a network round trip, batches go to a writer thread; so does a batch that failed on the loop, to be retried
+    delivery by delivery. A batch's answers go back to each event loop in ONE callback, and `received` counts
+    committed deliveries, so that runs can tell when they are competing with the inbox (`server.worker`)."""
 
     BUSY_RETRY = 0.002
     """Seconds before the loop looks again at a database another process is writing to."""
+    HERE_RETRY = 0.05
+    """Seconds before the loop looks again at a write lock a thread of this process holds (its release calls back
+    first)."""
 
     def __init__(self, engine: Engine, clock: Clock, *, on_commit: Callable[[], None] = lambda: None,
                  max_batch: int = 512, coalesce: timedelta = _NOW) -> None:
@@ -270,6 +285,7 @@ class GroupCommitter:
         self._on_loop = engine.dialect.name == "sqlite"
         self._turns: dict[asyncio.AbstractEventLoop, list[_Pending]] = {}  # not yet committed, per loop
         self._loop_conn: Connection | None = None  # the loops' own connection, opened on first use
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inbox-sync")  # commits the loops' batches
         self.batches = 0
         self.received = 0
 
@@ -292,13 +308,15 @@ class GroupCommitter:
         return await future
 
     def stop(self) -> None:
+        self._syncer.shutdown(wait=True)  # the batches syncing now are answered (or queued for the writer)
         self._queue.put(None)
         self._thread.join(timeout=30)
         if self._loop_conn is not None:
             self._loop_conn.close()
 
     def _commit_turn(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the loop: commit what waits, unless the write lock is taken (then when it is released)."""
+        """On the loop: write what waits, unless the write lock is taken (then when it is released), and hand the
+        commit to the syncing thread, which answers once it is durable."""
         waiting = self._turns.get(loop)
         if not waiting:  # a wake-up for deliveries already committed
             return
@@ -307,25 +325,49 @@ class GroupCommitter:
             if self._loop_conn is None:
                 self._loop_conn = connect_nowait(self._engine)
             now = self._clock.now()
-            with write_unless_busy(self._loop_conn, loop,
-                                   lambda: loop.call_soon_threadsafe(self._commit_turn, loop)) as conn:
-                results = None if conn is None else record_many(conn, [p.delivery for p in batch], now=now,
-                                                                 coalesce=self._coalesce)
+            opened = begin_unless_busy(self._loop_conn, loop,
+                                       lambda: loop.call_soon_threadsafe(self._commit_turn, loop))
+            if isinstance(opened, Busy):
+                # A thread's release (a batch's sync, a run's commit) calls back, and the later look is only a
+                # backstop (a thread that waited past its patience drops the loop's request); another process's
+                # release does not call back: look again soon.
+                loop.call_later(self.BUSY_RETRY if opened is Busy.ELSEWHERE else self.HERE_RETRY,
+                                self._commit_turn, loop)
+                return
+            try:
+                results = record_many(opened.conn, [p.delivery for p in batch], now=now, coalesce=self._coalesce)
+            except BaseException:
+                opened.rollback()
+                raise
         except Exception:  # the writer thread retries them one by one, and refuses only a delivery that fails alone
             log.exception("inbox batch of %d failed on the event loop; the writer retries it", len(batch))
             for pending in batch:
                 self._queue.put(pending)
         else:
-            if results is None:  # a thread's release calls back; another process's does not: look again soon
-                loop.call_later(self.BUSY_RETRY, self._commit_turn, loop)
-                return
-            self._committed(len(batch))
-            _answer(list(zip((p.future for p in batch), results, strict=True)))
+            # The loop keeps accepting and answering while the disk syncs; the deliveries that arrive meanwhile wait
+            # for the lock (the sync's end calls the loop back) and make the next batch.
+            opened.hand_off()
+            try:
+                self._syncer.submit(self._sync, opened, batch, results)
+            except RuntimeError:  # stopping: the syncing thread is gone, the loop syncs this last batch itself
+                self._sync(opened, batch, results)
         del waiting[:len(batch)]
         if waiting:
             loop.call_soon(self._commit_turn, loop)
         else:
             del self._turns[loop]
+
+    def _sync(self, opened: OpenWrite, batch: list[_Pending], results: list[Recorded]) -> None:
+        """On the syncing thread: commit a batch the loop wrote; answer its callers once it is durable."""
+        try:
+            opened.commit()
+        except Exception:  # rolled back: the writer thread retries them one by one
+            log.exception("inbox batch of %d failed to commit; the writer retries it", len(batch))
+            for pending in batch:
+                self._queue.put(pending)
+            return
+        self._committed(len(batch))
+        self._settle(batch, results)
 
     def _loop(self) -> None:
         while True:
@@ -361,6 +403,11 @@ class GroupCommitter:
                     answers.append(exc)
                 else:
                     answers.append(result)
+        self._settle(batch, answers)
+
+    @staticmethod
+    def _settle(batch: list[_Pending], answers: Sequence[Recorded | BaseException]) -> None:
+        """Each answer to its caller's event loop: one callback per loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Recorded], Recorded | BaseException]]] = {}
         for pending, answer in zip(batch, answers, strict=True):
             by_loop.setdefault(pending.loop, []).append((pending.future, answer))

@@ -12,13 +12,14 @@ cost SQLAlchemy several times what executing it does, and a run executes them wh
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from sqlalchemy import Connection, and_, bindparam, delete, exists, func, or_, select, update
+from sqlalchemy import Connection, Insert, and_, bindparam, delete, exists, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from wakeful.server.errors import StaleToken
-from wakeful.server.store.db import upsert
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import sessions, todos
 
@@ -42,14 +43,20 @@ def wake(conn: Connection, *, session_id: str, user_id: str, due_at: datetime, h
 
     A todo falls due at the earliest `due_at` it was given; one given with `hasten=False` (a timer) joins the work
     already there at its time, and is due at `due_at` only when there was none."""
-    stmt = upsert(conn, todos).values(session_id=session_id, user_id=user_id, version=1, due_at=due_at)
-    earliest = func.min if conn.dialect.name == "sqlite" else func.least
-    conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[todos.c.session_id],
-            set_={"version": todos.c.version + 1,
-                  "due_at": earliest(todos.c.due_at, stmt.excluded.due_at) if hasten else todos.c.due_at},
-        )
+    conn.execute(_wake(conn.dialect.name, hasten),
+                 {"session_id": session_id, "user_id": user_id, "version": 1, "due_at": due_at})
+
+
+@functools.cache
+def _wake(dialect: str, hasten: bool) -> Insert:
+    """`wake`'s statement, built once per dialect: on the inbox's hot path (every batch), building it cost more than
+    executing it."""
+    stmt = (postgresql.insert(todos) if dialect == "postgresql" else sqlite.insert(todos))
+    earliest = func.least if dialect == "postgresql" else func.min
+    return stmt.on_conflict_do_update(
+        index_elements=[todos.c.session_id],
+        set_={"version": todos.c.version + 1,
+              "due_at": earliest(todos.c.due_at, stmt.excluded.due_at) if hasten else todos.c.due_at},
     )
 
 

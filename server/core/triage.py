@@ -13,7 +13,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, and_, delete, select
+from sqlalchemy import Connection, and_, bindparam, delete, select
 
 from wakeful.server.core import sessions
 from wakeful.server.core.keys import OPEN
@@ -42,9 +42,12 @@ def session_of(conn: Connection, *, user_id: str, now: datetime) -> str:
 
 
 def _recorded(conn: Connection, user_id: str) -> str | None:
-    found: str | None = conn.execute(select(triage_sessions.c.session_id)
-                                     .where(triage_sessions.c.user_id == user_id)).scalar()
+    found: str | None = conn.execute(_RECORDED, {"user_id": user_id}).scalar()
     return found
+
+
+_RECORDED = select(triage_sessions.c.session_id).where(triage_sessions.c.user_id == bindparam("user_id"))
+"""Built once: on the inbox's hot path (every batch of keyless deliveries)."""
 
 
 def is_triage(conn: Connection, session_id: str) -> bool:

@@ -115,10 +115,11 @@ class RunShare:
     `share` of the time, and the backlog drains at full speed once deliveries stop. Never zero, so runs never starve.
 
     A run's cost is what it takes from the acknowledgements: the CPU its thread spent (one interpreter lock) or the
-    time it held the database's write lock (its commits and their fsyncs), whichever is longer. Not wall time: a run
-    waiting on a model or a provider takes nothing from them and owes no rest. In `wakeful worker` on SQLite, apart
-    from `wakeful api` (`cpu_counts=False`), the run's CPU is not the API's interpreter lock: only the write lock
-    counts. On PostgreSQL the write-lock time is 0 and the CPU counts wherever the run is."""
+    time it held the database's write lock (its commits and their fsyncs; not its wait for another process's commit,
+    which took nothing from that process), whichever is longer. Not wall time: a run waiting on a model or a
+    provider takes nothing from them and owes no rest. In `wakeful worker` on SQLite, apart from `wakeful api`
+    (`cpu_counts=False`), the run's CPU is not the API's interpreter lock: only the write lock counts. On PostgreSQL
+    the write-lock time is 0 and the CPU counts wherever the run is."""
 
     def __init__(self, inbox_rate: Callable[[], float], *, share: float, busy_rate: float,
                  clock: Callable[[], float] = time.monotonic, cpu_counts: bool = True) -> None:

@@ -14,16 +14,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Column, Connection, Dialect, Engine, create_engine, event, insert, inspect
+from sqlalchemy import Column, Connection, Dialect, Engine, RootTransaction, create_engine, event, insert, inspect
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.schema import Table
 
-__all__ = ["bound", "connect_nowait", "current_revision", "insert_many", "make_engine", "migrate", "newest_revision",
-           "read", "sqlite_driver", "upsert", "write", "write_lock_time", "write_unless_busy"]
+__all__ = ["Busy", "OpenWrite", "begin_unless_busy", "bound", "connect_nowait", "current_revision", "insert_many",
+           "make_engine", "migrate", "newest_revision", "read", "sqlite_driver", "upsert", "write", "write_lock_time",
+           "write_unless_busy"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -113,17 +115,33 @@ class _WriteLock:
             self._waiting[key] = on_free
             return False
 
+    def granted(self) -> None:
+        """SQLite has just granted the holder its lock: the time held counts from now, not from when it began to
+        wait for another process writing (which never waits for this one: `write_unless_busy`)."""
+        with self._cond:
+            if self._depth == 1:
+                self._since = time.monotonic()
+
+    def hand_off(self) -> None:
+        """The holder passes the lock on to the thread that will release it: until then, no thread holds it as its
+        own (so none re-enters it)."""
+        with self._cond:
+            self._owner = _HANDED_OFF
+
     def forget(self, key: object) -> None:
         with self._cond:
             if self._waiting.pop(key, None) is not None:
                 self._cond.notify_all()
 
 
+_HANDED_OFF = -1  # the owner of a lock being passed between threads: no thread's ident
+
 _held = threading.local()  # seconds this thread has held a write lock, all told
 
 
 def write_lock_time() -> float:
-    """Seconds the calling thread has held SQLite write locks of this process so far (0 on PostgreSQL)."""
+    """Seconds the calling thread has held SQLite write locks of this process so far (0 on PostgreSQL): from SQLite
+    granting each, so a wait for another process's commit is not counted."""
     return float(getattr(_held, "seconds", 0.0))
 
 
@@ -147,7 +165,9 @@ def write(engine: Engine) -> Iterator[Connection]:
         with engine.connect() as conn, conn.begin():
             yield conn
         return
-    with _writer_lock(engine), engine.connect() as conn, conn.begin():
+    lock = _writer_lock(engine)
+    with lock, engine.connect() as conn, conn.begin():
+        lock.granted()
         yield conn
 
 
@@ -160,29 +180,78 @@ def connect_nowait(engine: Engine) -> Connection:
     return conn
 
 
-@contextmanager
-def write_unless_busy(conn: Connection, key: object, on_free: Callable[[], object]) -> Iterator[Connection | None]:
-    """A write transaction on `conn` (from `connect_nowait`) if one can start at once, else None.
+class OpenWrite:
+    """A write transaction begun by `begin_unless_busy`, holding the write lock until `commit` or `rollback`, which
+    may be called from another thread than the one that began it (the inbox's loop writes, a thread syncs)."""
 
-    For an event loop (`key`), which must never block. If a thread of this process holds the write lock, `on_free`
-    is called when it is released (and threads wait for the loop meanwhile); if another process holds SQLite's lock,
-    nothing calls back, and the loop must look again later."""
+    def __init__(self, conn: Connection, transaction: RootTransaction, lock: _WriteLock) -> None:
+        self.conn = conn
+        self._transaction = transaction
+        self._lock = lock
+
+    def hand_off(self) -> None:
+        """From now on the lock belongs to whichever thread ends the transaction: the thread that began it waits
+        for it like any other (it no longer re-enters it)."""
+        self._lock.hand_off()
+
+    def commit(self) -> None:
+        """Commit (and on SQLite fsync), rolling back if that fails; releases the lock either way."""
+        try:
+            self._transaction.commit()
+        finally:
+            if self._transaction.is_active:
+                self._transaction.rollback()
+            self._lock.__exit__()
+
+    def rollback(self) -> None:
+        try:
+            self._transaction.rollback()
+        finally:
+            self._lock.__exit__()
+
+
+class Busy(StrEnum):
+    """Why `begin_unless_busy` began nothing: a thread of this process holds the write lock (its release calls
+    back), or another process holds SQLite's (nothing calls back: look again later)."""
+
+    HERE = "here"
+    ELSEWHERE = "elsewhere"
+
+
+def begin_unless_busy(conn: Connection, key: object, on_free: Callable[[], object]) -> OpenWrite | Busy:
+    """A write transaction on `conn` (from `connect_nowait`) if one can start at once, else why not.
+
+    For an event loop (`key`), which must never block. If a thread of this process holds the write lock (or a
+    transaction handed off to one is syncing), `on_free` is called when it is released (and threads wait for the
+    loop meanwhile); if another process holds SQLite's lock, nothing calls back, and the loop must look again later."""
     lock = _writer_lock(conn.engine)
     if not lock.try_acquire(key, on_free):
+        return Busy.HERE
+    try:
+        transaction = conn.begin()
+    except OperationalError:  # another process is writing (SQLite: database is locked)
+        lock.__exit__()
+        return Busy.ELSEWHERE
+    except BaseException:
+        lock.__exit__()
+        raise
+    return OpenWrite(conn, transaction, lock)
+
+
+@contextmanager
+def write_unless_busy(conn: Connection, key: object, on_free: Callable[[], object]) -> Iterator[Connection | None]:
+    """`begin_unless_busy` as a context: the transaction (None if busy) is committed on clean exit, else rolled
+    back."""
+    opened = begin_unless_busy(conn, key, on_free)
+    if isinstance(opened, Busy):
         yield None
         return
     try:
-        try:
-            transaction = conn.begin()
-        except OperationalError:  # another process is writing (SQLite: database is locked)
-            transaction = None
-        if transaction is None:
-            yield None
-        else:
-            with transaction:
-                yield conn
-    finally:
-        lock.__exit__()
+        yield conn
+    except BaseException:
+        opened.rollback()
+        raise
+    opened.commit()
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, event, func, select
 from sqlalchemy.exc import IntegrityError
 
 from tests.support.templates import copy_template
@@ -180,3 +180,34 @@ def test_a_loop_waiting_for_the_write_lock_goes_before_threads_that_asked_after_
     second.join(timeout=30)
     loop_conn.close()
     assert order == ["loop", "thread"]
+
+
+def test_the_event_loop_keeps_turning_while_a_batch_syncs_and_answers_only_once_it_is_durable(
+        tmp_path: Path, sqlite_template: Path) -> None:
+    engine, user = fresh(tmp_path / "inbox.db", sqlite_template)
+    syncing, synced = threading.Event(), threading.Event()
+    loop_blocked: list[bool] = []
+
+    @event.listens_for(engine, "commit")
+    def _slow_disk(_conn: object) -> None:  # the commit (the fsync) waits until the loop has turned without it
+        syncing.set()
+        loop_blocked.append(not synced.wait(timeout=10))
+
+    committer = GroupCommitter(engine, FakeClock())
+    committer.start()
+
+    async def scenario() -> tuple[bool, Recorded]:
+        task = asyncio.ensure_future(committer.persist(
+            Delivery(user_id=user, source="hook", source_id="d1", payload={})))
+        while not syncing.is_set():  # the loop turns while the batch is written and its commit starts
+            await asyncio.sleep(0.001)
+        answered_before_durable = task.done()
+        synced.set()  # only a loop that is not waiting on the commit itself gets here
+        return answered_before_durable, await asyncio.wait_for(task, timeout=30)
+
+    try:
+        answered_before_durable, recorded = asyncio.run(scenario())
+    finally:
+        committer.stop()
+    assert loop_blocked == [False] and not answered_before_durable
+    assert not recorded.duplicate and shape(engine)[:3] == (1, 1, 1)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, event
 
 from tests.support.records import event_rows, messages, run_rows
 from wakeful.proxy.clock import FakeClock
@@ -395,6 +396,41 @@ def test_a_run_costs_the_write_lock_time_its_own_thread_held(engine: Engine) -> 
     other.join()
     assert held and held[0][0] >= held[0][1] > 0  # at least the whole time spent inside the transaction
     assert write_lock_time() == mine  # the other thread's, not this one's
+
+
+def test_a_run_does_not_count_the_time_it_waited_for_another_process_writing_as_write_lock_time(
+        engine: Engine) -> None:
+    """`wakeful worker` beside `wakeful api`: waiting for the API's commit takes nothing from the acknowledgements
+    (the API never waits for the worker's lock), so it is no cost the runs must rest for."""
+    path = engine.url.database
+    assert path is not None
+    other = sqlite3.connect(path, isolation_level=None)  # the API process, writing
+    other.execute("BEGIN IMMEDIATE")
+    asking = threading.Event()
+
+    @event.listens_for(engine, "checkout")  # just before the BEGIN that waits for `other`
+    def _asking(*_args: object) -> None:
+        asking.set()
+
+    held: list[tuple[float, float]] = []
+
+    def run() -> None:
+        before = write_lock_time()
+        with write(engine) as conn:
+            conn.exec_driver_sql("SELECT 1")
+        held.append((write_lock_time() - before, time.monotonic()))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert asking.wait(timeout=30)
+    released = time.monotonic()
+    other.execute("COMMIT")  # only now can the worker's transaction begin
+    worker.join(timeout=60)
+    other.close()
+    event.remove(engine, "checkout", _asking)
+    assert held
+    seconds, done = held[0]
+    assert 0 < seconds <= done - released
 
 
 def test_the_inbox_rate_is_measured_over_windows_long_enough_not_to_see_a_pair_as_a_burst() -> None:
