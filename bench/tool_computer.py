@@ -126,15 +126,16 @@ def _virsh(*args: str) -> float:
 
 
 def _bare_cycle(lab: ComputerLab, scratch: Path, tree_first: bool) -> Bare:
-    """`virsh save` + `virsh restore` of the same guest, then our reconnect (not counted), the two halves of an
-    observation each timed alone (the clock resync runs beside them), and an observation that waits for the resync,
-    so the next cycle starts from a connected tool computer."""
+    """`virsh save` + `virsh restore` of the same guest, then our reconnect and clock resync (not counted), the two
+    halves of an observation each timed alone, and an observation, so the next cycle starts from a connected tool
+    computer with an observation of the new epoch."""
     file = scratch / "bare.save"
     save = _virsh("save", lab.vm.name, str(file))
     size = file.stat().st_size
     restore = _virsh("restore", str(file))
     file.unlink()
     lab.computer.after_restore()
+    lab.computer.wait_for_clock()  # the halves alone: nothing else asks the guest's one vCPU for anything
     parts: dict[str, float] = {}
     for part in ("tree", "screenshot") if tree_first else ("screenshot", "tree"):
         start = time.perf_counter()
@@ -289,8 +290,8 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
         "(no SSH, no CDP, nothing observed)",
         f"median of {len(f.cycles)} cycle(s); each cycle: bare virsh save/restore, then ours twice (the hook "
         "observing, then as the server does it)",
-        "profile rows: each half alone right after a bare restore and a reconnect, the clock resync running beside "
-        "them; the half timed first pays the most for code the new QEMU process translates again (order: "
+        "profile rows: each half alone right after a bare restore, a reconnect and the clock resync (nothing beside "
+        "them); the half timed first pays the most for code the new QEMU process translates again (order: "
         + ", ".join("tree first" if b.tree_first else "screenshot first" for b in f.bares) + ")",
         f"saved states: save_image_format = \"{fmt}\" in {QEMU_CONF} (libvirt 9.0 has no per-save format)",
         f"{platform.node()}, {os.cpu_count()} CPUs, load average "

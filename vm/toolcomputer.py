@@ -305,6 +305,13 @@ class ToolComputer:
             self._finish_clock_sync()
             return seen
 
+    def wait_for_clock(self) -> ClockSync | None:
+        """Set the guest clock now if a restore left it behind, waiting for a resync already running beside an
+        observation; raises what the resync raised. The latest resync, or None if there was no restore."""
+        with self._lock:
+            self._finish_clock_sync()
+            return self._clock_sync
+
     def _start_clock_sync(self) -> None:
         """After a restore, set the guest clock in the background (one guest command) unless that already runs."""
         if self._clock_due and self._clock_job is None:

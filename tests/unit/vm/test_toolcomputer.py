@@ -345,7 +345,15 @@ def test_a_clock_resync_that_failed_beside_the_observation_fails_it_and_the_next
         world.observe()
     seen = world.observe()
     assert world.channel.clock_syncs == 1 and world.tc.clock_sync is not None
+    assert world.tc.wait_for_clock() is world.tc.clock_sync and world.channel.clock_syncs == 1
     done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+
+
+def test_wait_for_clock_sets_the_clock_a_restore_left_behind_without_observing(world: World) -> None:
+    assert world.tc.wait_for_clock() is None, "no restore, nothing to set"
+    world.tc.after_restore()
+    sync = world.tc.wait_for_clock()
+    assert sync is not None and sync.before == timedelta(seconds=-3) and world.channel.clock_syncs == 1
 
 
 def test_after_restore_attaches_cdp_again_when_only_ssh_survived(world: World) -> None:
