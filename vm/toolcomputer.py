@@ -5,7 +5,8 @@
     seen = tc.observe()                            # screenshot + snapshot; refs bound to this observation
     tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="Ada"))   # → ActResult, or Refused: nothing ran
     ... the VM is restored ...
-    tc.after_restore()                             # keep or reconnect SSH ‖ CDP, resync the clock, bump the epoch
+    tc.after_restore()                             # bump the epoch, keep or reconnect SSH ‖ CDP; the clock is
+    tc.observe()                                   #   resynced beside this first observation, which waits for it
 
 `act` always asks `check_act` first and records the act (consuming the observation) before anything executes, so
 a failure half-way still needs a new observation. Before a browser act it reads the current view (tab, URL,
@@ -19,7 +20,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
@@ -173,7 +174,8 @@ class RestoreTimings:
 
     ssh_reconnect: float
     """0 when the connections were kept."""
-    clock: float
+    clock: float | None
+    """None when the resync was left to run beside the next observation (`after_restore(observe=False)`)."""
     cdp_reconnect: float | None
     first_observation: float | None
     total: float
@@ -186,9 +188,24 @@ class RestoreTimings:
 @dataclass(frozen=True, kw_only=True)
 class RestoreReport:
     timings: RestoreTimings
-    clock_sync: ClockSync
+    clock_sync: ClockSync | None
+    """None when the resync was left to run beside the next observation: `ToolComputer.clock_sync` has it then."""
     epoch: int
     observation: ObserveResult | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _SshSide:
+    """What the SSH side of `after_restore` found and how long each step took (seconds)."""
+
+    probe: float
+    kept: bool
+    reconnect: float
+    moved: bool
+    """The local port of the CDP forward changed with the reconnect."""
+    clock: float | None = None
+    sync: ClockSync | None = None
+    """None when the clock was left for later."""
 
 
 class ToolComputer:
@@ -214,10 +231,20 @@ class ToolComputer:
         self._probe_timeout = probe_timeout
         self._state = ComputerState(vm_id=vm_id)
         self._lock = threading.RLock()
+        self._clock_due = False
+        """A restore happened and the guest clock has not been set since."""
+        self._clock_job: Future[ClockSync] | None = None
+        self._clock_sync: ClockSync | None = None
+        self._background = ThreadPoolExecutor(1, thread_name_prefix=f"clock-{vm_id}")
 
     @property
     def state(self) -> ComputerState:
         return self._state
+
+    @property
+    def clock_sync(self) -> ClockSync | None:
+        """The latest resync of the guest clock (after a restore), once it is done."""
+        return self._clock_sync
 
     @property
     def lease(self) -> HandoffLease | None:
@@ -259,6 +286,7 @@ class ToolComputer:
 
     def close(self) -> None:
         with self._lock:
+            self._background.shutdown(wait=False, cancel_futures=True)
             if self._browser is not None:
                 self._browser.close()
             self._channel.close()
@@ -266,11 +294,37 @@ class ToolComputer:
     # ---------------------------------------------------------------------------------------- observe
 
     def observe(self, surface: Surface = Surface.BROWSER) -> ObserveResult:
-        """A fresh observation of the browser tab or the desktop, re-establishing the connections if needed."""
+        """A fresh observation of the browser tab or the desktop, re-establishing the connections if needed. After a
+        restore it also waits for the guest clock's resync, which runs beside it; if that failed, so does this
+        observation, and the next one resyncs again."""
         with self._lock:
             self._state = settle(self._state, now=self._clock.now())
             self._ensure_connected()
-            return self._observe(surface)
+            self._start_clock_sync()
+            seen = self._observe(surface)
+            self._finish_clock_sync()
+            return seen
+
+    def wait_for_clock(self) -> ClockSync | None:
+        """Set the guest clock now if a restore left it behind, waiting for a resync already running beside an
+        observation; raises what the resync raised. The latest resync, or None if there was no restore."""
+        with self._lock:
+            self._finish_clock_sync()
+            return self._clock_sync
+
+    def _start_clock_sync(self) -> None:
+        """After a restore, set the guest clock in the background (one guest command) unless that already runs."""
+        if self._clock_due and self._clock_job is None:
+            self._clock_job = self._background.submit(self._channel.resync_clock)
+
+    def _finish_clock_sync(self) -> None:
+        """Wait for the resync `_start_clock_sync` started (resync_clock bounds it); raise what it raised."""
+        self._start_clock_sync()
+        job, self._clock_job = self._clock_job, None
+        if job is None:
+            return
+        self._clock_sync = job.result()
+        self._clock_due = False
 
     def _observe(self, surface: Surface) -> ObserveResult:
         tabs: tuple[Tab, ...] = ()
@@ -330,6 +384,7 @@ class ToolComputer:
                 if decision.bump is not None:
                     self._state = bump_epoch(self._state, decision.bump)
                 return decision
+            self._finish_clock_sync()  # a no-op once an observation of this epoch waited for it
             self._state = record_act(self._state, act)  # consumed before it runs
             return self._run(act, decision)
 
@@ -396,27 +451,33 @@ class ToolComputer:
         SSH ‖ CDP in parallel (a CDP connection made through the forward waits for the new SSH transport), resync
         the guest clock, and optionally take the first fresh observation. Every step is timed.
 
-        The CDP connection rides on the SSH transport: it is kept when SSH was kept and it is still up. A browser
-        observation does not wait for the clock: it runs on the CDP side while the SSH side resyncs (one guest
-        command, a second or more under TCG), so the restore costs max(SSH + clock, CDP + observation). A CDP attach
-        or a first observation that failed on the CDP side is made once more after SSH is back."""
+        Two threads, from the moment the domain runs: the SSH side probes the transport (one round trip) and
+        reconnects it if it died; the CDP side takes the browser observation at once on a DevTools connection that
+        is still open (it rides on the SSH transport, so an observation that comes back proves that transport alive
+        as well as the probe does), or attaches again first. If the probe finds the transport dead, a connection
+        used meanwhile went with it: CDP is attached again and the observation taken once more; likewise after a
+        CDP attach or an observation that failed before SSH was back.
+
+        The clock resync (one guest command, a second or more under TCG) never runs before the first observation
+        but beside it: on the SSH side after the probe when this call observes, else in the background from the
+        moment this call returns, and the next `observe` waits for it (the server's hook does not observe: the
+        agent's own first observation follows). The observation's times are the host's (the epoch, the lease); the
+        guest's clock may still be behind while it is taken, which only a page showing the guest's time would see."""
         with self._lock:
             start = self._timer()
             self._state = bump_epoch(self._state, BumpReason.RESTORE)
-            kept = self._channel.alive(timeout=self._probe_timeout)
-            probe = self._timer() - start
-            if not kept:
-                self._channel.drop()  # dead even if it has not noticed: forwards wait for the new one
-            keep_cdp = kept and self._browser is not None and self._browser.connected
+            self._clock_due, self._clock_job = True, None  # a resync from before the restore no longer counts
             early = observe and surface is Surface.BROWSER
+            speculate = self._browser is not None and self._browser.connected
             with ThreadPoolExecutor(2, thread_name_prefix=f"restore-{self.vm_id}") as pool:
-                ssh = pool.submit(self._timed_ssh, kept)
-                cdp = pool.submit(self._timed_cdp, early, keep_cdp) if self._browser is not None else None
-                ssh_seconds, clock_seconds, sync, moved = ssh.result()
+                ssh = pool.submit(self._timed_ssh, early)
+                cdp = pool.submit(self._timed_cdp, early, speculate) if self._browser is not None else None
+                ssh_side = ssh.result()
                 cdp_seconds: float | None = None
                 first: ObserveResult | None = None
                 first_seconds: float | None = None
-                attach_again = moved  # the CDP forward had to move: attach to the new port
+                # The CDP forward moved, or the connection used on the CDP side went with a dead transport.
+                attach_again = ssh_side.moved or (speculate and not ssh_side.kept)
                 if cdp is not None:
                     try:
                         cdp_seconds, first, first_seconds = cdp.result()
@@ -424,43 +485,59 @@ class ToolComputer:
                         # The forward gave up waiting for SSH (a loaded host, a slow restore), or a kept connection
                         # turned out dead; SSH is back now.
                         attach_again = True
+            clock_seconds = ssh_side.clock
+            if ssh_side.sync is not None:
+                self._clock_sync, self._clock_due = ssh_side.sync, False
             if attach_again and self._browser is not None:
                 t = self._timer()
                 self._browser.connect(self._cdp_url())
                 cdp_seconds = (cdp_seconds or 0.0) + self._timer() - t
                 first = None
+            self._start_clock_sync()
             if observe and first is None:
                 t = self._timer()
                 first = self._observe(surface)
                 first_seconds = self._timer() - t
-            timings = RestoreTimings(ssh_reconnect=ssh_seconds, clock=clock_seconds, cdp_reconnect=cdp_seconds,
-                                     first_observation=first_seconds, total=self._timer() - start, probe=probe,
-                                     kept=kept)
-            return RestoreReport(timings=timings, clock_sync=sync, epoch=self._state.epoch, observation=first)
+                if self._clock_job is not None:
+                    t = self._timer()
+                    self._finish_clock_sync()
+                    clock_seconds = (first_seconds or 0.0) + self._timer() - t  # started beside the observation
+            timings = RestoreTimings(ssh_reconnect=ssh_side.reconnect, clock=clock_seconds, cdp_reconnect=cdp_seconds,
+                                     first_observation=first_seconds, total=self._timer() - start,
+                                     probe=ssh_side.probe, kept=ssh_side.kept)
+            return RestoreReport(timings=timings, clock_sync=self._clock_sync if not self._clock_due else None,
+                                 epoch=self._state.epoch, observation=first)
 
-    def _timed_ssh(self, kept: bool) -> tuple[float, float, ClockSync, bool]:
+    def _timed_ssh(self, resync: bool) -> _SshSide:
+        """Probe the transport, make it again if it died, then (if asked) resync the clock."""
         t0 = self._timer()
+        kept = self._channel.alive(timeout=self._probe_timeout)
+        t1 = self._timer()
         moved = False
         if not kept:
+            self._channel.drop()  # dead even if it has not noticed: forwards wait for the new one
             report = self._channel.reconnect(timeout=self._reconnect_timeout)
             moved = self._cdp in report.moved
-        t1 = self._timer()
+        t2 = self._timer()
+        if not resync:
+            return _SshSide(probe=t1 - t0, kept=kept, reconnect=t2 - t1 if not kept else 0.0, moved=moved)
         sync = self._channel.resync_clock()
-        return (t1 - t0 if not kept else 0.0), self._timer() - t1, sync, moved
+        return _SshSide(probe=t1 - t0, kept=kept, reconnect=t2 - t1 if not kept else 0.0, moved=moved,
+                        clock=self._timer() - t2, sync=sync)
 
-    def _timed_cdp(self, observe: bool, kept: bool) -> tuple[float, ObserveResult | None, float | None]:
-        """Attach CDP again unless the connection was kept (the forward's port survives the restore; a connection
-        through a dead transport does not), then, if asked, take the first browser observation (the caller holds
-        the lock and waits for this thread)."""
+    def _timed_cdp(self, observe: bool, connected: bool) -> tuple[float, ObserveResult | None, float | None]:
+        """Attach CDP again unless the connection is still open (the forward's port survives the restore; a
+        connection through a dead transport does not), then, if asked, take the first browser observation (the
+        caller holds the lock and waits for this thread)."""
         assert self._browser is not None
         t0 = self._timer()
-        if not kept:
+        if not connected:
             self._browser.connect(self._cdp_url())
         t1 = self._timer()
         if not observe:
-            return (t1 - t0 if not kept else 0.0), None, None
+            return (t1 - t0 if not connected else 0.0), None, None
         first = self._observe(Surface.BROWSER)
-        return (t1 - t0 if not kept else 0.0), first, self._timer() - t1
+        return (t1 - t0 if not connected else 0.0), first, self._timer() - t1
 
     # ---------------------------------------------------------------------------------------- handoff
 

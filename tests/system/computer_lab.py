@@ -7,6 +7,7 @@ hook.
         lab.computer.observe()
         lab.manager.suspend(lab.vm.user); lab.manager.ensure_running(lab.vm.user)
         lab.restores[-1]                             # the RestoreReport the hook got, with per-step timings
+        lab.observe_on_restore = False               # the hook as the server's: no observation; `observe()` next
 
 Every domain is named with `prefix` and destroyed on the way out. With `network` (from `isolated_network`, which
 starts a libvirt network of its own and removes it afterwards) the VM joins it instead of user-mode networking.
@@ -64,6 +65,9 @@ class ComputerLab:
     restores: list[RestoreReport] = field(default_factory=list)
     boot_steps: dict[str, float] = field(default_factory=dict)
     """Seconds from `ensure_running` to: SSH answering, CDP attached (cold boot only)."""
+    observe_on_restore: bool = True
+    """The after-restore hook takes the first observation itself (`after_restore(observe=True)`); False: it does
+    what the server's does, and the clock resync goes on beside the caller's next `observe()`."""
 
     def boot(self, *, timeout: float = BOOT_TIMEOUT) -> None:
         """Cold boot, then wait (bounded) for SSH and for Chromium's DevTools; nothing is observed yet."""
@@ -158,7 +162,7 @@ def tool_computer(image_dir: Path, data_dir: Path, *, user: str, accel: AccelCho
 
         def after_restore(event: AfterRestore) -> None:
             if not event.cold_boot:  # a cold boot has no SSH for a minute yet: `boot()` waits for it instead
-                lab.restores.append(computer.after_restore(observe=True))
+                lab.restores.append(computer.after_restore(observe=lab.observe_on_restore))
 
         manager.add_after_restore_hook(after_restore)
         try:

@@ -217,7 +217,7 @@ def test_suspend_frees_ram_and_restore_continues_the_same_process(lab: Lab, gues
         assert up.state is VmState.RUNNING
     assert serial.next_count().pid == before.pid
     t.report("suspend/restore")
-    print(f"\nRAM running {running_ram / 2**20:.0f} MiB, saved 0 MiB; save file {save_size / 2**20:.1f} MiB (lzop)")
+    print(f"\nRAM running {running_ram / 2**20:.0f} MiB, saved 0 MiB; save file {save_size / 2**20:.1f} MiB")
 
 
 def test_a_reverted_snapshot_brings_the_disk_back_and_boots_from_it(lab: Lab, guest: Booted) -> None:

@@ -78,3 +78,32 @@ def test_a_restore_on_an_isolated_network_keeps_ssh_and_cdp_and_still_asks_for_a
     assert isinstance(filled, ActResult) and filled.outcome == "done", filled
     print(f"\nrestore to first observation {total:.2f} s: probe {timings.probe:.2f} s (kept), clock "
           f"{timings.clock:.2f} s, first observation {timings.first_observation or 0:.2f} s")
+
+
+def test_restored_as_the_server_does_it_the_clock_is_set_beside_the_agents_first_observation(
+        world: tuple[ComputerLab, ShopEgress]) -> None:
+    # The server's hook only reconnects (here: keeps) and bumps the epoch; the agent's observe comes next, and the
+    # clock resync runs beside it: that observe returns with the guest clock set again.
+    lab, _ = world
+    tc = lab.computer
+    before = tc.observe()
+    lab.observe_on_restore = False
+    try:
+        lab.manager.suspend(USER)
+        t = time.perf_counter()
+        lab.manager.ensure_running(USER)
+        hook = time.perf_counter() - t
+        report = lab.restores[-1]
+        assert report.timings.kept and report.observation is None and report.clock_sync is None
+        assert report.epoch > before.observation.epoch
+        seen = tc.observe()
+        total = time.perf_counter() - t
+    finally:
+        lab.observe_on_restore = True
+    assert seen.observation.epoch == report.epoch and seen.title == "Shop"
+    assert tc.clock_sync is not None and tc.clock_sync.applied, "observe waited for the resync beside it"
+    assert abs(tc.clock_sync.after.total_seconds()) < 5, "the guest clock is the host's again"
+    filled = tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="Grace"))
+    assert isinstance(filled, ActResult) and filled.outcome == "done", filled
+    print(f"\nas the server does it: restore to first observation {total:.2f} s (the hook {hook:.2f} s, probe "
+          f"{report.timings.probe:.2f} s; then observe with the clock beside it)")

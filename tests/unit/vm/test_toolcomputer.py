@@ -4,15 +4,17 @@ shell sees, restores reconnect and time every step, and the control lease shuts 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 
 from wakeful.proxy.clock import FakeClock
-from wakeful.vm.browser import BrowserDisconnected, BrowserTimeout, ElementGone
+from wakeful.vm.browser import BrowserDisconnected, BrowserTimeout, ElementGone, PageCapture
 from wakeful.vm.fake_browser import FakeBrowser
 from wakeful.vm.fake_guest import FakeChannel, FakeDesktop
+from wakeful.vm.guest import ClockSync, NotConnected
 from wakeful.vm.observe import (
     Accepted,
     BumpReason,
@@ -218,6 +220,7 @@ def test_after_restore_reconnects_resyncs_bumps_and_times_every_step(world: Worl
 def test_after_restore_attaches_cdp_once_more_when_the_first_attach_failed_before_ssh_was_back(world: World) -> None:
     world.observe()
     world.channel.drop()
+    world.browser.drop()  # under user-mode networking DevTools went with the transport
     world.browser.refuse_connects = 1
     report = world.tc.after_restore(observe=True)
     assert world.browser.connects == 3 and world.browser.connected
@@ -226,6 +229,7 @@ def test_after_restore_attaches_cdp_once_more_when_the_first_attach_failed_befor
 
 def test_after_restore_raises_when_the_second_cdp_attach_fails_too(world: World) -> None:
     world.channel.drop()
+    world.browser.drop()
     world.browser.refuse_connects = 2
     with pytest.raises(BrowserDisconnected):
         world.tc.after_restore(observe=True)
@@ -257,6 +261,99 @@ def test_after_restore_reconnects_both_when_the_kept_transport_no_longer_answers
     report = world.tc.after_restore(observe=True)
     assert world.channel.connects == 2 and world.browser.connects == 2
     assert not report.timings.kept and report.observation is not None
+
+
+def test_after_restore_takes_the_first_observation_on_the_kept_connection_while_the_probe_is_out(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The probe is a guest round trip; the observation through the kept DevTools connection proves as much, so it
+    # does not wait for the probe. Here the probe answers only once the page was captured.
+    captured = threading.Event()
+    capture = world.browser.capture
+
+    def capture_then_tell(*, screenshot: bool = True) -> PageCapture:
+        page = capture(screenshot=screenshot)
+        captured.set()
+        return page
+
+    def alive_once_captured(*, timeout: float = 2.0) -> bool:
+        world.channel.probes += 1
+        return captured.wait(10)
+
+    monkeypatch.setattr(world.browser, "capture", capture_then_tell)
+    monkeypatch.setattr(world.channel, "alive", alive_once_captured)
+    report = world.tc.after_restore(observe=True)
+    assert report.timings.kept and world.channel.probes == 1
+    assert world.channel.connects == 1 and world.browser.connects == 1 and world.channel.clock_syncs == 1
+    assert report.observation is not None and report.observation.observation.epoch == 2
+
+
+def test_after_restore_observes_again_through_a_new_connection_when_the_probe_finds_the_transport_dead(
+        world: World) -> None:
+    # The observation taken on the old connection meanwhile is not the one reported: that connection went with the
+    # transport, and the refs are issued from one taken after the attach.
+    world.channel.silent = True
+    report = world.tc.after_restore(observe=True)
+    assert not report.timings.kept and world.browser.connects == 2
+    assert report.observation is not None and world.tc.state.latest is not None
+    assert report.observation.observation.number == world.tc.state.latest.number
+    done(world.tc.act(Click(ref=report.observation.ref_for("button", "Pay"))))
+
+
+def test_after_restore_without_observing_leaves_the_clock_resync_to_run_beside_the_next_observation(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the server does: the hook reconnects, and the agent's own observe follows. The resync (a guest command)
+    # runs beside that observation, not before it; here it can only finish once the page was captured.
+    captured = threading.Event()
+    capture, resync = world.browser.capture, world.channel.resync_clock
+
+    def capture_then_tell(*, screenshot: bool = True) -> PageCapture:
+        page = capture(screenshot=screenshot)
+        captured.set()
+        return page
+
+    def resync_once_captured() -> ClockSync:
+        if not captured.wait(10):
+            raise NotConnected("fake guest: the clock resync was not beside the observation")
+        return resync()
+
+    monkeypatch.setattr(world.browser, "capture", capture_then_tell)
+    monkeypatch.setattr(world.channel, "resync_clock", resync_once_captured)
+    report = world.tc.after_restore()
+    assert report.clock_sync is None and report.timings.clock is None and report.epoch == 2
+    seen = world.observe()
+    assert world.channel.clock_syncs == 1 and world.tc.clock_sync is not None
+    assert world.tc.clock_sync.before == timedelta(seconds=-3)
+    assert seen.observation.epoch == 2
+    done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+    world.observe()
+    assert world.channel.clock_syncs == 1, "one resync per restore"
+
+
+def test_a_clock_resync_that_failed_beside_the_observation_fails_it_and_the_next_observation_tries_again(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    resync = world.channel.resync_clock
+    failures = [NotConnected("fake guest: the connection dropped while setting the clock")]
+
+    def flaky() -> ClockSync:
+        if failures:
+            raise failures.pop()
+        return resync()
+
+    monkeypatch.setattr(world.channel, "resync_clock", flaky)
+    world.tc.after_restore()
+    with pytest.raises(NotConnected):
+        world.observe()
+    seen = world.observe()
+    assert world.channel.clock_syncs == 1 and world.tc.clock_sync is not None
+    assert world.tc.wait_for_clock() is world.tc.clock_sync and world.channel.clock_syncs == 1
+    done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+
+
+def test_wait_for_clock_sets_the_clock_a_restore_left_behind_without_observing(world: World) -> None:
+    assert world.tc.wait_for_clock() is None, "no restore, nothing to set"
+    world.tc.after_restore()
+    sync = world.tc.wait_for_clock()
+    assert sync is not None and sync.before == timedelta(seconds=-3) and world.channel.clock_syncs == 1
 
 
 def test_after_restore_attaches_cdp_again_when_only_ssh_survived(world: World) -> None:
