@@ -23,6 +23,17 @@ from wakeful.server.store.db import make_engine, migrate, write
 from wakeful.server.store.users import ensure_user
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Two pytest processes share the run (pytest-xdist, `--dist loadgroup` in pyproject.toml). A file's tests stay
+    together in one of them: module fixtures (the crash campaigns, a served world) see every selected test of their
+    file and are built once. Every test that boots a guest is in one group: the image is built once, and two guests
+    under TCG never take both cores from the rest."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        group = "guests" if path.startswith("tests/system/") else path
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
