@@ -2,7 +2,7 @@
 
 The module boots one guest, once, and saves it (the product's managed save); each test restores it instead of
 booting its own, and saves it again after. The only boots are the ones a test is about: that first boot, and the
-one after a snapshot is reverted. Timings are printed (run with -s to see them), never asserted.
+one after a snapshot is reverted. Timings are printed (run with `-n 0 -s` to see them), never asserted.
 """
 
 from __future__ import annotations

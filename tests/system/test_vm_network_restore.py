@@ -4,7 +4,7 @@ removed after it; nothing on it leaves the host), behind the real egress proxy l
 Saved and restored, the VM keeps its TCP connections: they live in the host's kernel and in the guest's saved memory,
 not in the QEMU process. So the restore keeps the SSH transport and the DevTools connection through it (nothing is
 reconnected), still resyncs the clock and still needs a fresh observation before any act. Timings are printed
-(run with -s), never asserted.
+(run with `-n 0 -s`), never asserted.
 """
 
 from __future__ import annotations

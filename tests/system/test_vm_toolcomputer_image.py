@@ -3,7 +3,7 @@ here), real Chromium in the guest, and the real egress proxy between it and a sh
 
 The VM boots once for the module; the tests run in order as one story and work from suspend/restore after that.
 Chromium under TCG is slow (boot to DevTools 125–140 s, a page 15–80 s, a screenshot ~3 s): every wait is bounded
-and generous, nothing sleeps for a result, and timings are printed (run with -s), never asserted.
+and generous, nothing sleeps for a result, and timings are printed (run with `-n 0 -s`), never asserted.
 """
 
 from __future__ import annotations
