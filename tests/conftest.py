@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine
@@ -24,20 +25,37 @@ from wakeful.server.store.users import ensure_user
 
 # The longest groups, handed out first (a process takes the next group when it is done with one): the guests' boots
 # under TCG (a quarter of the run), then the crash campaigns.
-FIRST = ("guests", "tests/integration/test_crash_recovery.py")
+GUESTS = "tests/system/"
+FIRST = (GUESTS, "tests/integration/test_crash_recovery.py")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Two pytest processes share the run (pytest-xdist, `--dist loadgroup` in pyproject.toml). A file's tests stay
-    together in one of them: module fixtures (the crash campaigns, a served world) see every selected test of their
-    file and are built once. Every test that boots a guest is in one group: the image is built once, and two guests
-    under TCG never take both cores from the rest."""
-    groups: dict[str, str] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        groups[item.nodeid] = group = "guests" if path.startswith("tests/system/") else path
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: FIRST.index(groups[item.nodeid]) if groups[item.nodeid] in FIRST else len(FIRST))
+def _group(path: str) -> str:
+    """The group of the test file at `path` (relative to the repository): its own, or the guests' one."""
+    return GUESTS if path.startswith(GUESTS) else path
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest groups first (`pytest_xdist_make_scheduler` hands groups out in this order)."""
+    def rank(item: pytest.Item) -> int:
+        group = _group(item.path.relative_to(config.rootpath).as_posix())
+        return FIRST.index(group) if group in FIRST else len(FIRST)
+
+    items.sort(key=rank)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Two pytest processes share the run (pytest-xdist, `-n 2` in pyproject.toml). A file's tests stay together in
+    one of them: module fixtures (the crash campaigns, a served world) see every selected test of their file and are
+    built once. Every test that boots a guest is in one group: the image is built once, and two guests under TCG
+    never take both cores from the rest. (xdist's own `loadgroup` marks do not reach pytest 9's test ids.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileGuestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0])
+
+    return ByFileGuestsTogether(config, log)
 
 
 @pytest.fixture
