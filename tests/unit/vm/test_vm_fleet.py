@@ -10,36 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from wakeful.proxy.clock import FakeClock
+from tests.support.fleet import manager_on
 from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, NoHostAvailable
-from wakeful.vm.fake import FakeDisks, FakeHypervisor
+from wakeful.vm.fake import FakeHypervisor
 from wakeful.vm.hosts import Host, HostFleet
 from wakeful.vm.hypervisor import DomainState, ProxyCredential
-from wakeful.vm.lifecycle import VmManager, VmSettings
-from wakeful.vm.lifecycle_rules import VmSize, VmState
+from wakeful.vm.lifecycle import VmManager
+from wakeful.vm.lifecycle_rules import VmState
 from wakeful.vm.placement import HostMark, HostSpec
 
 CREDENTIAL = ProxyCredential(user_id="alice", token="s3cret-token")
-
-
-@pytest.fixture
-def images(tmp_path: Path) -> Path:
-    images = tmp_path / "images"
-    images.mkdir()
-    for name in ("vmlinux", "initrd.img"):
-        (images / name).write_bytes(b"\x7fELF")
-    (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
-    return images
-
-
-@pytest.fixture
-def a() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def b() -> FakeHypervisor:
-    return FakeHypervisor()
 
 
 def fleet_of(shared: Path, a: FakeHypervisor, b: FakeHypervisor, *, a_mib: int = 4096, b_mib: int = 2048,
@@ -48,13 +28,6 @@ def fleet_of(shared: Path, a: FakeHypervisor, b: FakeHypervisor, *, a_mib: int =
                            hypervisor=a),
                       Host(spec=HostSpec(name="b", uri="fake://b", memory_mib=b_mib, max_restores=max_restores),
                            hypervisor=b)], shared, busy_wait=busy_wait)
-
-
-def manager_on(fleet: HostFleet, shared: Path, images: Path, **more: object) -> VmManager:
-    settings = VmSettings(data_dir=shared, base_image=images / "base.qcow2", kernel=images / "vmlinux",
-                          initrd=images / "initrd.img", size=VmSize(memory_mib=1024, vcpus=1, disk_gib=4),
-                          port_range=(21000, 21099), proxy_port=3129, domain_prefix="wkt-", **more)  # type: ignore[arg-type]
-    return VmManager(settings, fleet, clock=FakeClock(), disks=FakeDisks(), port_free=lambda port: True)
 
 
 @pytest.fixture

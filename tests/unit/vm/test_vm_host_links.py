@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from wakeful.proxy.clock import FakeClock
+from tests.support.fleet import manager_on
 from wakeful.vm.errors import HostUnreachable, NoHostAvailable, VmError, VmNotFound
-from wakeful.vm.fake import FakeDisks, FakeHypervisor
+from wakeful.vm.fake import FakeHypervisor
 from wakeful.vm.guest import HostKeyMismatch
 from wakeful.vm.hosts import Host, HostFleet
-from wakeful.vm.lifecycle import VmManager, VmSettings
-from wakeful.vm.lifecycle_rules import VmSize
+from wakeful.vm.lifecycle import VmManager
 from wakeful.vm.placement import HostMark, HostSpec
 
 
@@ -36,28 +35,8 @@ class FakeLink:
 
 
 @pytest.fixture
-def images(tmp_path: Path) -> Path:
-    images = tmp_path / "images"
-    images.mkdir()
-    for name in ("vmlinux", "initrd.img"):
-        (images / name).write_bytes(b"\x7fELF")
-    (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
-    return images
-
-
-@pytest.fixture
 def link() -> FakeLink:
     return FakeLink()
-
-
-@pytest.fixture
-def a() -> FakeHypervisor:
-    return FakeHypervisor()
-
-
-@pytest.fixture
-def b() -> FakeHypervisor:
-    return FakeHypervisor()
 
 
 @pytest.fixture
@@ -70,10 +49,7 @@ def fleet(tmp_path: Path, a: FakeHypervisor, b: FakeHypervisor, link: FakeLink) 
 
 @pytest.fixture
 def manager(fleet: HostFleet, tmp_path: Path, images: Path) -> VmManager:
-    settings = VmSettings(data_dir=tmp_path / "shared", base_image=images / "base.qcow2", kernel=images / "vmlinux",
-                          initrd=images / "initrd.img", size=VmSize(memory_mib=1024, vcpus=1, disk_gib=4),
-                          port_range=(21000, 21099), proxy_port=3129, domain_prefix="wkt-")
-    return VmManager(settings, fleet, clock=FakeClock(), disks=FakeDisks(), port_free=lambda port: True)
+    return manager_on(fleet, tmp_path / "shared", images)
 
 
 def test_the_guest_socket_of_a_computer_on_a_linked_host_goes_through_that_hosts_link(
