@@ -46,6 +46,7 @@ log = logging.getLogger("wakeful.vm")
 _TARGET = re.compile(r"^(?P<user>[A-Za-z0-9._-]+)@(?P<host>[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:(?P<port>\d{1,5}))?$")
 _CHUNK = 65536
 _RSA = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+_BACKOFF_CAP = 12
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +81,13 @@ class HostTunnel:
     """One SSH transport to one host, kept and remade on demand (see the module docstring)."""
 
     def __init__(self, *, name: str, ssh: HostSsh, proxy: tuple[str, int] | None = None, timeout: float = 10.0,
-                 keepalive: float = 15.0, retry_after: float = 5.0,
+                 keepalive: float = 5.0, retry_after: float = 5.0,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         """`proxy`: where the egress proxy listens here (127.0.0.1:<proxy_port>); the host's 127.0.0.1 at the same
         port is forwarded to it, since that is where guest connectors look (None: no proxy).
-        `keepalive`: seconds between SSH keepalives, so a dead link is noticed.
+        `keepalive`: seconds between the keeper's checks (see `_keep`); 0 for no keeper (the tunnel is then only
+        remade when something uses it).
+        `timeout`: for connecting, and for the host to answer a keeper's keepalive.
         `retry_after`: for this long after a failed attempt the same error is raised at once, without trying again:
         placement asks every host each time it measures, and an unreachable host would cost `timeout` each time."""
         self.name, self.ssh = name, ssh
@@ -102,6 +105,10 @@ class HostTunnel:
         self._failed: tuple[float, VmError] | None = None
         self._transport: paramiko.Transport | None = None
         self._closed = False
+        self._lost: float | None = None
+        """When the transport was lost (monotonic), until it is made again: one log line per drop and recovery."""
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
 
     @property
     def where(self) -> str:
@@ -117,7 +124,9 @@ class HostTunnel:
         """Connect unless the transport is alive; `host_unreachable`, `host_key_mismatch` or `auth_failed` if not."""
         self._live()
 
-    def _live(self) -> paramiko.Transport:
+    def _live(self, *, retry: bool = False) -> paramiko.Transport:
+        """The transport, connected again if it died. `retry`: try now even within `retry_after` of a failure (the
+        keeper, which has its own backoff)."""
         with self._lock:
             if self._closed:
                 raise HostUnreachable(f"the tunnel to {self.where} was closed")
@@ -125,10 +134,8 @@ class HostTunnel:
             if transport is not None and transport.is_active():
                 return transport
             if transport is not None:
-                transport.close()
-                log.info("the SSH tunnel to %s dropped; connecting again", self.where)
-            self._transport = None
-            if self._failed is not None and self._monotonic() - self._failed[0] < self._retry_after:
+                self._drop(transport, "the connection ended")
+            if not retry and self._failed is not None and self._monotonic() - self._failed[0] < self._retry_after:
                 raise self._failed[1]
             try:
                 self._transport = transport = self._connect()
@@ -136,7 +143,60 @@ class HostTunnel:
                 self._failed = (self._monotonic(), exc)
                 raise
             self._failed = None
+            if self._lost is not None:
+                log.info("the SSH tunnel to %s is back after %.1f s", self.where, self._monotonic() - self._lost)
+                self._lost = None
+            if self._keepalive > 0 and self._keeper is None:
+                self._keeper = threading.Thread(target=self._keep, name=f"host-{self.name}-keeper", daemon=True)
+                self._keeper.start()
             return transport
+
+    def _drop(self, transport: paramiko.Transport, why: str) -> None:
+        """Close a transport found dead (with the lock held); logged once per drop, not per reconnect attempt."""
+        if self._transport is transport:
+            self._transport = None
+            if self._lost is None:
+                self._lost = self._monotonic()
+                log.warning("the SSH tunnel to %s dropped (%s); connecting again", self.where, why)
+        transport.close()
+
+    # ------------------------------------------------------------------------------------------ the keeper
+
+    def _keep(self) -> None:
+        """From the first connection until `close()`: every `keepalive` seconds, a transport that died is made again
+        (and with it the proxy forward, which guests on the host use without the api asking anything), and a live
+        one must answer a keepalive within `timeout` or is closed as dead. After failed attempts the wait doubles, up
+        to `_BACKOFF_CAP` times `keepalive`; the first attempt after a drop is made at once."""
+        failures = 0
+        while not self._stop.wait(_backoff(self._keepalive, failures)):
+            transport = self._transport
+            if transport is not None and transport.is_active():
+                if self._answers(transport):
+                    continue
+                with self._lock:
+                    self._drop(transport, f"no answer to a keepalive within {self._timeout:g} s")
+            if self._stop.is_set():
+                return
+            try:
+                self._live(retry=True)
+            except VmError:
+                failures += 1  # `_failed` now holds the error: placement sees it at once, without trying itself
+            else:
+                failures = 0
+
+    def _answers(self, transport: paramiko.Transport) -> bool:
+        """Whether the host answers a keepalive within `timeout`. paramiko's own keepalive wants no reply, so it never
+        notices a peer that went silent; and `global_request(wait=True)` waits as long as the transport looks active,
+        which a silent peer's does for as long as TCP holds on: it is asked on a thread of its own, waited for with a
+        bound, and ends once the caller closes the transport."""
+        def ask() -> None:
+            with contextlib.suppress(paramiko.SSHException, OSError, EOFError):
+                transport.global_request("keepalive@openssh.com", wait=True)  # OpenSSH answers "failure": an answer
+
+        asking = threading.Thread(target=ask, name=f"host-{self.name}-keepalive", daemon=True)
+        asking.start()
+        asking.join(self._timeout)
+        return not asking.is_alive() and transport.is_active()
 
     def _sock(self) -> socket.socket | paramiko.ProxyCommand:
         ssh = self.ssh
@@ -183,8 +243,6 @@ class HostTunnel:
                 raise HostUnreachable(f"{self.where} refused to forward its 127.0.0.1:{self._proxy[1]} to the "
                                       f"egress proxy ({exc}): its sshd needs AllowTcpForwarding, and that port must "
                                       "be free there") from None
-        if self._keepalive > 0:
-            transport.set_keepalive(int(max(1, self._keepalive)))
         return transport
 
     # ------------------------------------------------------------------------------------------ channels
@@ -201,9 +259,7 @@ class HostTunnel:
                                    f"{exc.text}") from None
         except (paramiko.SSHException, EOFError, OSError) as exc:
             with self._lock:
-                if self._transport is transport:
-                    self._transport = None
-            transport.close()
+                self._drop(transport, str(exc))
             raise HostUnreachable(f"the SSH connection to {self.where} dropped: {exc}") from None
 
     def _to_proxy(self, chan: paramiko.Channel, origin: tuple[str, int], server: tuple[str, int]) -> None:
@@ -228,11 +284,22 @@ class HostTunnel:
             conn.close()
 
     def close(self) -> None:
+        """Close the transport and stop the keeper (waiting for it a bounded time)."""
+        self._stop.set()
         with self._lock:
             self._closed = True
             transport, self._transport = self._transport, None
+            keeper = self._keeper
         if transport is not None:
             transport.close()
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(self._timeout + 1.0)
+
+
+def _backoff(every: float, failures: int) -> float:
+    """How long the keeper waits before its next check: `every`, doubled per failed attempt, at most
+    `_BACKOFF_CAP` times `every`."""
+    return every * min(1 << min(failures, 16), _BACKOFF_CAP)
 
 
 def _pump(conn: socket.socket, chan: paramiko.Channel) -> None:
