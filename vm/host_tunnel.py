@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import select
 import socket
 import threading
 import time
@@ -37,14 +36,13 @@ import paramiko  # noqa: TID251 - the host tunnel is the second module that talk
 
 from wakeful.vm.errors import HostUnreachable, VmError
 from wakeful.vm.guest import AuthFailed, BadKey, GuestUnreachable, HostKeyMismatch
-from wakeful.vm.ssh_channel import parse_public_key
+from wakeful.vm.ssh_channel import parse_public_key, pump
 
 __all__ = ["HostSsh", "HostTunnel"]
 
 log = logging.getLogger("wakeful.vm")
 
 _TARGET = re.compile(r"^(?P<user>[A-Za-z0-9._-]+)@(?P<host>[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:(?P<port>\d{1,5}))?$")
-_CHUNK = 65536
 _RSA = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
 _BACKOFF_CAP = 12
 
@@ -276,7 +274,7 @@ class HostTunnel:
             return
         conn.settimeout(None)
         try:
-            _pump(conn, chan)
+            pump(conn, chan, half_close=True)
         except (OSError, EOFError, paramiko.SSHException):
             pass  # either side went away: both are closed below, and the guest sees its connection end
         finally:
@@ -301,23 +299,3 @@ def _backoff(every: float, failures: int) -> float:
     `_BACKOFF_CAP` times `every`."""
     return every * min(1 << min(failures, 16), _BACKOFF_CAP)
 
-
-def _pump(conn: socket.socket, chan: paramiko.Channel) -> None:
-    """Both directions until the proxy's side ends. The guest's side ending (a request sent, nothing more to say)
-    is passed on as a half-close, and the response still comes back."""
-    reading: list[socket.socket | paramiko.Channel] = [conn, chan]
-    while True:
-        ready, _, _ = select.select(reading, [], [])
-        if conn in ready:
-            data = conn.recv(_CHUNK)
-            if not data:
-                return
-            chan.sendall(data)
-        if chan in ready:
-            data = chan.recv(_CHUNK)
-            if data:
-                conn.sendall(data)
-            else:
-                reading.remove(chan)
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_WR)
