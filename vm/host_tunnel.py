@@ -3,7 +3,7 @@
 Under user-mode networking everything of a running computer lives on its host's loopback: the guest's SSH forward
 (QEMU's hostfwd on 127.0.0.1), and the egress proxy connector slirp runs there per guest connection
 (`busybox nc 127.0.0.1 <proxy port>`, see `vm.domain_xml`). On another host the api reaches them through this
-tunnel, made once and remade when it dies:
+tunnel, made once and remade when it dies (by the keeper below, or by the next use):
 
     tunnel = HostTunnel(name="kvm2", ssh=HostSsh.parse("root@kvm2", host_key=pinned, client_key=key),
                         proxy=("127.0.0.1", 8788))
@@ -18,6 +18,12 @@ tunnel, made once and remade when it dies:
 
 The host key is pinned in the settings and nothing else is accepted (`host_key_mismatch`), never trust-on-first-use.
 A host that cannot be reached raises `HostUnreachable`, a `HypervisorUnavailable`: the fleet counts it as gone.
+
+From its first connection until `close()` a tunnel has a keeper thread: every `keepalive` seconds it remakes a
+transport that died (and with it the remote forward, which the host's guests use without the api asking anything),
+and asks a live one for an answer (`keepalive@openssh.com`), closing it as dead when none comes within `timeout`, so
+a host whose network went silent is noticed and counts as unreachable. Failed attempts back off; a drop and a
+recovery are logged once each.
 """
 
 from __future__ import annotations

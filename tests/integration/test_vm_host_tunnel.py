@@ -19,8 +19,11 @@ from tests.support.polling import wait_until
 from tests.support.serve import free_port
 from tests.support.sshd import Sshd, keygen
 from wakeful.vm.errors import HostUnreachable
+from wakeful.vm.fake import FakeHypervisor
 from wakeful.vm.guest import AuthFailed, GuestUnreachable, HostKeyMismatch
 from wakeful.vm.host_tunnel import HostSsh, HostTunnel
+from wakeful.vm.hosts import Host, HostFleet
+from wakeful.vm.placement import HostSpec
 from wakeful.vm.ssh_channel import GuestChannel
 
 
@@ -164,12 +167,16 @@ def test_the_keeper_keeps_trying_with_a_backoff_until_the_host_comes_back(host: 
         tunnel.close()
 
 
-def test_a_host_that_stops_answering_is_marked_unreachable_by_the_keeper(host: Sshd, proxy: FakeProxy) -> None:
+def test_a_host_that_stops_answering_is_marked_unreachable_by_the_keeper_and_placement_counts_it_gone(
+        host: Sshd, proxy: FakeProxy, tmp_path: Path) -> None:
     tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port), keepalive=0.2)
+    fleet = HostFleet([Host(spec=HostSpec(name="a", uri="fake://a", memory_mib=2048), hypervisor=FakeHypervisor()),
+                       Host(spec=HostSpec(name="b", uri="fake://b", memory_mib=2048), hypervisor=FakeHypervisor(),
+                            link=tunnel)], tmp_path / "shared")
     assert host.pid is not None
     stopped: list[int] = []
     try:
-        tunnel.ensure()
+        assert [(h.name, h.reachable) for h in fleet.loads()] == [("a", True), ("b", True)]
         assert forward_answers(proxy.port)
         for pid in [host.pid, *host.sessions()]:  # the peer (and its listener) freeze: TCP stays up, nothing answers
             os.kill(pid, signal.SIGSTOP)
@@ -178,6 +185,7 @@ def test_a_host_that_stops_answering_is_marked_unreachable_by_the_keeper(host: S
         with pytest.raises(HostUnreachable) as caught:
             tunnel.ensure()
         assert caught.value.code == "host_unreachable"
+        assert [(h.name, h.reachable) for h in fleet.loads()] == [("a", True), ("b", False)]
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
