@@ -28,7 +28,6 @@ recovery are logged once each.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import socket
@@ -192,15 +191,23 @@ class HostTunnel:
         """Whether the host answers a keepalive within `timeout`. paramiko's own keepalive wants no reply, so it never
         notices a peer that went silent; and `global_request(wait=True)` waits as long as the transport looks active,
         which a silent peer's does for as long as TCP holds on: it is asked on a thread of its own, waited for with a
-        bound, and ends once the caller closes the transport."""
+        bound, and ends once the caller closes the transport. A request that cannot be sent is no answer either:
+        behind a proxy command paramiko never reads the stream's end as the connection's, and a failed write is
+        all that shows it."""
+        answered: list[bool] = []
+
         def ask() -> None:
-            with contextlib.suppress(paramiko.SSHException, OSError, EOFError):
+            try:
                 transport.global_request("keepalive@openssh.com", wait=True)  # OpenSSH answers "failure": an answer
+            except (paramiko.SSHException, OSError, EOFError):
+                answered.append(False)
+            else:
+                answered.append(True)
 
         asking = threading.Thread(target=ask, name=f"host-{self.name}-keepalive", daemon=True)
         asking.start()
         asking.join(self._timeout)
-        return not asking.is_alive() and transport.is_active()
+        return answered == [True] and transport.is_active()
 
     def _sock(self) -> socket.socket | paramiko.ProxyCommand:
         ssh = self.ssh

@@ -153,6 +153,20 @@ def test_the_keeper_brings_the_proxy_forward_back_after_the_hosts_sshd_session_d
         tunnel.close()
 
 
+def test_the_keeper_notices_the_drop_behind_a_proxy_command_too(host: Sshd, proxy: FakeProxy) -> None:
+    # paramiko's ProxyCommand never reads an end of stream as the connection ending: only a write that fails shows it
+    tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port), proxy_command="/bin/busybox nc %h %p", keepalive=0.2)
+    try:
+        tunnel.ensure()
+        assert forward_answers(proxy.port)
+        for pid in host.sessions():
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not forward_answers(proxy.port), 10, "the forward to die with the session")
+        wait_until(lambda: forward_answers(proxy.port), 20, "the keeper to bring the forward back")
+    finally:
+        tunnel.close()
+
+
 def test_the_keeper_keeps_trying_with_a_backoff_until_the_host_comes_back(host: Sshd, proxy: FakeProxy) -> None:
     tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port), keepalive=0.2)
     try:
