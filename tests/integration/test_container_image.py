@@ -265,10 +265,11 @@ def test_the_compose_file_comes_up_on_postgresql_and_keeps_a_delivery_across_dow
     env = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}
     url = f"http://127.0.0.1:{port}"
 
-    def compose(*args: str) -> None:
+    def compose(*args: str) -> str:
         done = subprocess.run(["podman-compose", "-p", project, *COMPOSE_PODMAN, *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
 
     def answers(path: str) -> bool:
         try:
@@ -294,10 +295,11 @@ def test_the_compose_file_comes_up_on_postgresql_and_keeps_a_delivery_across_dow
         log = subprocess.run([*PODMAN, "logs", app_name], capture_output=True, text=True, timeout=60)
         said = log.stdout + log.stderr
         assert "wakeful serving on http://0.0.0.0:8787 (database postgresql+psycopg://wakeful" in said, said[-3000:]
-        token = subprocess.run([*PODMAN, "exec", app_name, "wakeful", "token"], capture_output=True, text=True,
-                               timeout=120)
-        assert token.returncode == 0 and token.stdout.startswith("wk_"), token.stderr
-        auth = {"Authorization": f"Bearer {token.stdout.strip()}"}
+        # podman-compose prints the podman command it runs and its exit code around what the command prints.
+        said = compose("exec", "-T", "wakeful", "wakeful", "token")
+        tokens = [line for line in said.splitlines() if line.startswith("wk_")]
+        assert len(tokens) == 1 and "exit code: 0" in said, said
+        auth = {"Authorization": f"Bearer {tokens[0]}"}
 
         body = b'{"text": "a delivery through compose"}'
 
