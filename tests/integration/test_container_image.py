@@ -241,6 +241,17 @@ def postgres_image() -> Iterator[str]:
         subprocess.run([*PODMAN, "rmi", "--force", tag], capture_output=True, timeout=120)
 
 
+@needs_compose
+def test_the_debian_built_postgres_refuses_to_initialise_without_a_password(postgres_image: str) -> None:
+    name = f"wakeful-test-{uuid.uuid4().hex[:12]}"
+    try:
+        ran = subprocess.run([*PODMAN, "run", "--name", name, *LIMITS, "--network=none", postgres_image],
+                             capture_output=True, text=True, timeout=120)
+        assert ran.returncode != 0 and "set POSTGRES_PASSWORD to make the database" in ran.stderr, ran.stderr
+    finally:
+        subprocess.run([*PODMAN, "rm", "--force", "--volumes", name], capture_output=True, timeout=120)
+
+
 # The settings a deployment adds beside compose.yaml: docker compose and podman-compose both read this file.
 OVERRIDE = """services:
   wakeful:
@@ -316,6 +327,14 @@ def test_the_compose_file_comes_up_on_postgresql_and_keeps_a_delivery_across_dow
                                  f"SELECT source FROM events WHERE id = '{event_id}'"],
                                 capture_output=True, text=True, timeout=60)
         assert stored.stdout.strip() == "hook", stored.stderr
+        # The password is kept as SCRAM, and a client on the network without it is turned away.
+        scram = subprocess.run([*PODMAN, "exec", db_name, "psql", "-U", "wakeful", "-d", "wakeful", "-Atc",
+                                "SELECT rolpassword LIKE 'SCRAM-SHA-256$%' FROM pg_authid WHERE rolname = 'wakeful'"],
+                               capture_output=True, text=True, timeout=60)
+        assert scram.stdout.strip() == "t", scram.stderr
+        wrong = subprocess.run([*PODMAN, "exec", db_name, "psql", "postgresql://wakeful:wrong@127.0.0.1/wakeful", "-c",
+                                "SELECT 1"], capture_output=True, text=True, timeout=60)
+        assert wrong.returncode != 0 and "password authentication failed" in wrong.stderr, wrong.stderr
 
         compose("down")
         assert listed("container") == set()
