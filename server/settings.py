@@ -29,6 +29,7 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from sqlalchemy.engine import make_url
 
 __all__ = ["RESOLVED_ENV", "ComputerHost", "ConfigFileError", "Settings", "SourceSettings", "child_environment",
            "config_file", "load_settings", "parse_listen"]
@@ -441,6 +442,11 @@ class Settings(BaseSettings):
     @property
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{self.data_dir / 'wakeful.db'}"
+
+    @property
+    def db_shown(self) -> str:
+        """`db_url` as logs and terminals may show it: a password in it is masked."""
+        return make_url(self.db_url).render_as_string(hide_password=True)
 
 
 def parse_listen(value: str) -> tuple[str, int]:

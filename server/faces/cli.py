@@ -262,7 +262,7 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets=sockets)
             if self.started and not self.should_exit:
-                err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_url})",
+                err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_shown})",
                           soft_wrap=True)
 
     app = create_app(runtime, proxy_child=False, await_proxy=await_proxy)
@@ -306,7 +306,7 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
         runtime.stop()
         _fail(exc)
     err.print(f"wakeful worker running {settings.workers} worker threads (pid {os.getpid()}, database "
-              f"{settings.db_url})", soft_wrap=True)
+              f"{settings.db_shown})", soft_wrap=True)
     received = signal.sigwait(stop_signals)
     err.print(f"wakeful worker: {signal.Signals(received).name}: finishing the runs in progress")
     runtime.stop()

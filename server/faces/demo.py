@@ -120,7 +120,7 @@ def _script(runtime: Runtime, merchant: Merchant, out: Callable[[str], None]) ->
                                       title="Cancel my Pro subscription but keep this month's benefits",
                                       completion=COMPLETION)
     runtime.signals.work.set()
-    out(f"delegated: {task_id} (database {runtime.settings.db_url})")
+    out(f"delegated: {task_id} (database {runtime.settings.db_shown})")
 
     def waiting_action() -> str | None:
         """This delegation's action awaiting approval (a data directory used before holds earlier runs' too)."""

@@ -69,6 +69,9 @@ def _die_with_the_test() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: no orphan if the test dies
 
 
+DB_PASSWORD = "never-in-a-log-5c1f"  # a stand-in: the trusting test cluster ignores it
+
+
 class Child:
     """One `wakeful <command>` process, its output in `log_path`."""
 
@@ -181,10 +184,12 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, Sink]]:
     database_url = postgres_database(request.getfixturevalue("postgres_server"))
+    # The cluster trusts loopback: the password is ignored there, and must show in no log.
+    with_password = database_url.replace("://postgres@", f"://postgres:{DB_PASSWORD}@", 1)
     port = free_port()
     with Sink() as sink:
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")},
-               **server_env(tmp_path, sink.url), "WAKEFUL_DATABASE_URL": database_url, "WAKEFUL_HOST": "127.0.0.1",
+               **server_env(tmp_path, sink.url), "WAKEFUL_DATABASE_URL": with_password, "WAKEFUL_HOST": "127.0.0.1",
                "WAKEFUL_PORT": str(port), "WAKEFUL_PROXY": "false", "WAKEFUL_COMPUTERS": "false",
                "WAKEFUL_WORKERS": "2"}
         for u in range(USERS):  # source h<u> delivers to user u<u>
@@ -309,3 +314,5 @@ def test_three_workers_killed_at_random_lose_no_event_and_apply_every_message_on
     assert_every_event_settled_exactly_once(c.records, sink)  # type: ignore[arg-type]
     assert_every_message_applied_exactly_once(c.records, sink)  # type: ignore[arg-type]
     assert runs["workers"] > WORKERS, "the runs were not shared between the worker processes"
+    for child in [c.api, *c.workers]:
+        assert DB_PASSWORD not in child.log(), f"the {child.command} log shows the database password"
