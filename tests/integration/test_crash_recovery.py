@@ -74,6 +74,9 @@ def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None,
         "WAKEFUL_POLL_INTERVAL": "0.2",
         "WAKEFUL_IDLE_POLL_MAX": "1",  # recovery waits on lease expiry, which only polling notices
         "WAKEFUL_DISPATCH_BACKOFF": "0.1",
+        # A keyed delivery's run waits this long for others to join it (2 s by default): every trial waited it out
+        # before it could settle. A batch is posted in parallel, so a short window still has deliveries joining.
+        "WAKEFUL_COALESCE_SECONDS": "0.2",
         # Low enough that a run of crashes after claiming really fails events, so the explicit-failure path
         # (one notice, no reply) is exercised under crashes as well as the happy path.
         "WAKEFUL_EVENT_MAX_ATTEMPTS": "4",
@@ -436,10 +439,10 @@ PARALLEL_CAMPAIGNS = 2  # one per core: a campaign is mostly one server process 
 # The points a webhook passes on its way to a delivered reply. The action points (`after_attempt_persisted`,
 # `after_send`) need a run that dispatches an action, which the tests' echo handler never does.
 WEBHOOK_POINTS = ("after_event_commit", "after_claim", "before_run_commit", "after_outbox_write", "after_dispatch")
-# On PostgreSQL, the points where its claims differ from SQLite's (`FOR UPDATE SKIP LOCKED`, the outbox's hold): a
-# campaign is minutes of a loaded machine (two took 13 min side by side at load 7), so not all five twice, and half
-# the trials; `test_workers_pg` has worker processes die at the other run points while deliveries keep coming.
-PG_POINTS = ("after_claim", "after_dispatch")
+# On PostgreSQL, every point again (its claims differ from SQLite's: `FOR UPDATE SKIP LOCKED`, the outbox's hold),
+# with fewer trials each to keep the module's time bounded (figures in the commit that set the count);
+# `test_workers_pg` has worker processes die at random while deliveries keep coming.
+PG_POINTS = WEBHOOK_POINTS
 PG_TRIALS_PER_POINT = TRIALS_PER_POINT // 2
 
 
@@ -468,8 +471,10 @@ def campaigns(request: pytest.FixtureRequest,
 
 def test_every_point_on_the_webhook_path_is_a_crash_point_the_server_knows() -> None:
     assert set(WEBHOOK_POINTS) <= set(POINTS)
-    tests = [name for name in globals() if name.startswith("test_crash_")]
-    assert [p for p in WEBHOOK_POINTS if not any(t.startswith(f"test_crash_{p}_") for t in tests)] == []
+    tests = [name for name in globals() if name.startswith(("test_crash_", "test_pg_crash_"))]
+    for prefix in ("test_crash_", "test_pg_crash_"):
+        missing = [p for p in WEBHOOK_POINTS if not any(t.startswith(f"{prefix}{p}_") for t in tests)]
+        assert missing == [], f"points on the webhook path without a {prefix}<point>_… test: {missing}"
 
 
 def judge(campaigns: dict[str, Future[Outcome]], point: str, wanted: int = TRIALS_PER_POINT) -> Outcome:
@@ -504,9 +509,23 @@ def test_crash_after_dispatch_redelivers_and_the_receiver_applies_each_message_o
     assert_one_redelivery_per_crash(judge(campaigns, "after_dispatch"))
 
 
+def test_pg_crash_after_event_commit_loses_no_acknowledged_event(campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "after_event_commit@postgresql", PG_TRIALS_PER_POINT)
+
+
 def test_pg_crash_after_claim_leaves_every_event_processed_or_failed_once(
         campaigns: dict[str, Future[Outcome]]) -> None:
     judge(campaigns, "after_claim@postgresql", PG_TRIALS_PER_POINT)
+
+
+def test_pg_crash_before_run_commit_replies_to_every_event_exactly_once(
+        campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "before_run_commit@postgresql", PG_TRIALS_PER_POINT)
+
+
+def test_pg_crash_after_outbox_write_still_delivers_every_committed_message(
+        campaigns: dict[str, Future[Outcome]]) -> None:
+    judge(campaigns, "after_outbox_write@postgresql", PG_TRIALS_PER_POINT)
 
 
 def test_pg_crash_after_dispatch_redelivers_once_the_hold_lapses_and_the_receiver_applies_each_message_once(
