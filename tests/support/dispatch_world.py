@@ -13,8 +13,8 @@ URL), and the real tool layer writing actions into that same database.
     with dispatch_world(tmp_path, subscriptions=12, database_url=postgres_database(server)) as w: ...
 
 The default `wakeful serve` run handler proposes nothing, so the test process creates the work itself, through
-`server.tools.ToolLayer` against the same database (SQLite in WAL mode serves both processes; PostgreSQL any number). Everything
-asserted is read back from the server's database or from the simulator's own effect records.
+`server.tools.ToolLayer` against the same database (SQLite in WAL mode serves both processes, as PostgreSQL does).
+Everything asserted is read back from the server's database or from the simulator's own effect records.
 """
 
 from __future__ import annotations
