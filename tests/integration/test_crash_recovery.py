@@ -55,6 +55,9 @@ CRASH_PROBABILITY = (0.1, 0.3)  # drawn per server start
 DELIVERY_DEADLINE = 60.0  # seconds one delivery may take to be acknowledged, restarts included
 SETTLE_TIMEOUT = 30.0  # seconds for an armed server to finish a trial's work (or die trying)
 DRAIN_TIMEOUT = 60.0  # seconds for the final, unarmed server to finish everything
+# A keyed delivery's run waits this long for others to join it (2 s by default), and every trial waited it out
+# before it could settle. A batch is posted in parallel, so deliveries still join within the shorter window.
+COALESCE_SECONDS = "0.2"
 # SIGTERM: uvicorn (>= 0.29) shuts down gracefully, then re-raises the signal, so a clean stop reads as -SIGTERM.
 CLEAN_EXIT = (0, -signal.SIGTERM)
 
@@ -74,9 +77,6 @@ def server_env(data_dir: Path, notify_url: str, crash_at: str | None = None,
         "WAKEFUL_POLL_INTERVAL": "0.2",
         "WAKEFUL_IDLE_POLL_MAX": "1",  # recovery waits on lease expiry, which only polling notices
         "WAKEFUL_DISPATCH_BACKOFF": "0.1",
-        # A keyed delivery's run waits this long for others to join it (2 s by default): every trial waited it out
-        # before it could settle. A batch is posted in parallel, so a short window still has deliveries joining.
-        "WAKEFUL_COALESCE_SECONDS": "0.2",
         # Low enough that a run of crashes after claiming really fails events, so the explicit-failure path
         # (one notice, no reply) is exercised under crashes as well as the happy path.
         "WAKEFUL_EVENT_MAX_ATTEMPTS": "4",
@@ -151,7 +151,8 @@ class Supervisor:
         for _ in range(MAX_STARTS_IN_A_ROW):
             self.starts += 1
             crash_at = f"{self.point}:{self.rng.uniform(*CRASH_PROBABILITY):.2f}" if self.armed else None
-            server = ServeProcess(server_env(self.data_dir, self.notify_url, crash_at, self.database_url),
+            env = server_env(self.data_dir, self.notify_url, crash_at, self.database_url)
+            server = ServeProcess({**env, "WAKEFUL_COALESCE_SECONDS": COALESCE_SECONDS},
                                   log_path=self.data_dir / f"serve-{self.starts:03d}.log")
             self.server = server
             try:
