@@ -451,11 +451,12 @@ PARALLEL_CAMPAIGNS = 2  # one per core: a campaign is mostly one server process 
 # `after_send`) need a run that dispatches an action, which the tests' echo handler never does.
 WEBHOOK_POINTS = ("after_event_commit", "after_claim", "before_run_commit", "after_outbox_write", "after_dispatch")
 # On PostgreSQL, every point again (its claims differ from SQLite's: `FOR UPDATE SKIP LOCKED`, the outbox's hold),
-# with fewer trials each to keep the module's time bounded: at load 4-7 a PostgreSQL campaign of 10 counted trials
-# took 145-259 s (mean 209), so three more campaigns at 10 would add ~5.4 min to the module (two at a time); at 8
-# the five together add ~3.7 min. `test_workers_pg` has worker processes die at random while deliveries keep coming.
+# as many trials as on SQLite. Measured with `-n 0 --durations=0` at load 4-7: the two campaigns of old (10 trials, a
+# 2 s coalescing window per trial) took 145 + 256 s; with the 0.2 s window, the five at 12 trials took 71-90 s each
+# (396 s, ~6.6 s a counted trial), so five at 20 add ~2.2 min of module wall (two at a time) over the old two.
+# `test_workers_pg` has worker processes die at random while deliveries keep coming.
 PG_POINTS = WEBHOOK_POINTS
-PG_TRIALS_PER_POINT = 8
+PG_TRIALS_PER_POINT = TRIALS_PER_POINT
 
 
 @pytest.fixture(scope="module")
