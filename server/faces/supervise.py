@@ -153,10 +153,12 @@ class Supervisor:
                 new_decider_token(self._settings)
             for child in self._children.values():
                 child.due = 0.0
-            return self._loop()
+            code = self._loop()
         finally:
             signal.set_wakeup_fd(-1)
-            self._stop_all()
+            crashed = self._stop_all()
+        # A child that reached an armed crash point while being stopped died there all the same: serve says so.
+        return faults.EXIT_CODE if crashed and code == 0 else code
 
     def _asked_to_stop(self, signum: int, _frame: object) -> None:
         if not self._stopping:
@@ -322,14 +324,20 @@ class Supervisor:
             child.wait(None)
             self._forget(child)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self) -> bool:
+        """Stop every child, the api first; True when one died at an armed crash point meanwhile."""
+        crashed = False
         for name in ("api", "worker", "proxy"):
             child = self._children.get(name)
             if child is None or child.pid is None:
                 continue
             pid, code = child.pid, self._terminate(child)
+            if code == faults.EXIT_CODE and self._settings.crash_at:
+                log.error("%s (pid %d) died at a crash point while stopping: serve exits with its code", name, pid)
+                crashed = True
             log.info("%s (pid %d) stopped (%s)", name, pid, "SIGTERM" if code == -signal.SIGTERM
                      else _how(code).removeprefix("exited with "))
             self._forget(child)
         with contextlib.suppress(FileNotFoundError):
             (self._settings.decider_socket.parent / TOKEN_FILE).unlink()
+        return crashed

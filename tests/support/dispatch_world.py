@@ -1,5 +1,6 @@
 """A world for killing `wakeful serve` mid-dispatch: the merchant simulator on loopback in the test process, a real
-`wakeful serve` subprocess over one SQLite file, and the real tool layer writing actions into that same file.
+`wakeful serve` subprocess over one database (the data directory's SQLite file, or a PostgreSQL database given by
+URL), and the real tool layer writing actions into that same database.
 
     with dispatch_world(tmp_path, subscriptions=12) as w:
         w.start(crash_at="after_send:1")              # armed: dies with 77 at the point
@@ -9,9 +10,11 @@
         w.start()                                     # unarmed: recovery
         wait_until(lambda: w.settled(proposed.action_id), ...)
 
+    with dispatch_world(tmp_path, subscriptions=12, database_url=postgres_database(server)) as w: ...
+
 The default `wakeful serve` run handler proposes nothing, so the test process creates the work itself, through
-`server.tools.ToolLayer` against the same database file (SQLite in WAL mode serves both processes). Everything
-asserted is read back from the server's database or from the simulator's own effect records.
+`server.tools.ToolLayer` against the same database (SQLite in WAL mode serves both processes, as PostgreSQL does).
+Everything asserted is read back from the server's database or from the simulator's own effect records.
 """
 
 from __future__ import annotations
@@ -86,8 +89,9 @@ def holds_for(violation: Callable[[], object], seconds: float, what: str) -> Non
 
 class DispatchWorld:
     def __init__(self, data_dir: Path, merchant: Merchant, merchant_url: str, *, reconcile_interval: float,
-                 poll_interval: float) -> None:
+                 poll_interval: float, database_url: str | None = None) -> None:
         self.data_dir = data_dir
+        self.database_url = database_url  # None: the data directory's SQLite file
         self.merchant = merchant
         self.merchant_url = merchant_url
         self.reconcile_interval = reconcile_interval
@@ -112,9 +116,14 @@ class DispatchWorld:
             "WAKEFUL_POLL_INTERVAL": str(self.poll_interval),
             "WAKEFUL_IDLE_POLL_MAX": "1",  # recovery waits on lease expiry, which only polling notices
             "WAKEFUL_RESEND_AFTER": "2",
+            # A dead worker's claims are free again after the lease (30 s by default): its sessions, and on
+            # PostgreSQL the dispatch intent its drain had claimed (the outbox's hold), which recovery must take up.
+            "WAKEFUL_LEASE": "3",
         }
         if crash_at:
             env["WAKEFUL_CRASH_AT"] = crash_at
+        if self.database_url:
+            env["WAKEFUL_DATABASE_URL"] = self.database_url
         return env
 
     def start(self, crash_at: str | None = None) -> ServeProcess:
@@ -130,7 +139,7 @@ class DispatchWorld:
 
     def _connect(self) -> None:
         """Open the database the server has just migrated, and equip the test process to act as a client."""
-        self._engine = make_engine(f"sqlite:///{self.data_dir / 'wakeful.db'}")
+        self._engine = make_engine(self.database_url or f"sqlite:///{self.data_dir / 'wakeful.db'}")
         with write(self._engine) as conn:
             owner = users.user_id_by_name(conn, "owner")
             self._token = users.issue_token(conn, user_id=owner)
@@ -301,7 +310,8 @@ class DispatchWorld:
 
     def ledger_export(self) -> list[dict[str, Any]]:
         """`wakeful ledger export` over the data directory, as the operator would run it."""
-        done = subprocess.run([str(WAKEFUL), "ledger", "export", "--data-dir", str(self.data_dir)],
+        database = ["--database-url", self.database_url] if self.database_url else []
+        done = subprocess.run([str(WAKEFUL), "ledger", "export", "--data-dir", str(self.data_dir), *database],
                               capture_output=True, text=True, timeout=60, check=False,
                               env={k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")})
         assert done.returncode == 0, done.stderr
@@ -311,12 +321,14 @@ class DispatchWorld:
 
 @contextmanager
 def dispatch_world(data_dir: Path, *, subscriptions: int, reconcile_interval: float = 0.2,
-                   poll_interval: float = 0.1) -> Iterator[DispatchWorld]:
-    """The merchant on loopback with `sub_0` … `sub_<n-1>`, and a world whose server is not started yet."""
+                   poll_interval: float = 0.1, database_url: str | None = None) -> Iterator[DispatchWorld]:
+    """The merchant on loopback with `sub_0` … `sub_<n-1>`, and a world whose server is not started yet; its
+    database is `database_url` (an empty PostgreSQL database the first start migrates) or the data directory's
+    SQLite file."""
     app, merchant = create_merchant(subscriptions=[{"id": f"sub_{i}"} for i in range(subscriptions)])
     with serve(app) as url:
         world = DispatchWorld(data_dir, merchant, url, reconcile_interval=reconcile_interval,
-                              poll_interval=poll_interval)
+                              poll_interval=poll_interval, database_url=database_url)
         try:
             yield world
         finally:
