@@ -16,6 +16,7 @@ observed focused window into the guest, where the same shell command checks it b
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
@@ -303,6 +304,7 @@ class ToolComputer:
             self._start_clock_sync()
             seen = self._observe(surface)
             self._finish_clock_sync()
+            self._background.submit(self._keep_clock)
             return seen
 
     def wait_for_clock(self) -> ClockSync | None:
@@ -311,6 +313,13 @@ class ToolComputer:
         with self._lock:
             self._finish_clock_sync()
             return self._clock_sync
+
+    def _keep_clock(self) -> None:
+        """Start the guest's clock keeper unless it runs (a no-op then), so that the resync after the next restore is
+        a line each way rather than a new shell beside the first observation. In the background, after an
+        observation: its start costs the guest's vCPU a moment, never while the agent waits for a restore."""
+        with contextlib.suppress(VmError):  # the transport went away meanwhile: the next observation asks again
+            self._channel.keep_clock()
 
     def _start_clock_sync(self) -> None:
         """After a restore, set the guest clock in the background (one guest command) unless that already runs."""
