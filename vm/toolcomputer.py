@@ -7,6 +7,7 @@
     ... the VM is restored ...
     tc.after_restore()                             # bump the epoch, keep or reconnect SSH ‖ CDP; the clock is
     tc.observe()                                   #   resynced beside this first observation, which waits for it
+    tc.before_suspend()                            # the guest drops its page cache: less to save and restore
 
 `act` always asks `check_act` first and records the act (consuming the observation) before anything executes, so
 a failure half-way still needs a new observation. Before a browser act it reads the current view (tab, URL,
@@ -81,9 +82,11 @@ from wakeful.vm.observe import (
     view_change,
 )
 
-__all__ = ["ActResult", "ConnectTimings", "ObserveResult", "RefElement", "RestoreReport", "RestoreTimings",
-           "ToolComputer"]
+__all__ = ["SHED_CACHE", "ActResult", "ConnectTimings", "ObserveResult", "RefElement", "RestoreReport",
+           "RestoreTimings", "ToolComputer"]
 
+SHED_CACHE = "sync; echo 1 > /proc/sys/vm/drop_caches"
+"""The guest command `before_suspend` runs: write dirty pages out, then drop the clean page cache."""
 Outcome = Literal["done", "failed", "unknown"]
 # Errors raised before the act touched the page: nothing happened. Anything else (a timeout, a dropped connection)
 # leaves the outcome unknown, to be reconciled by observing, never by repeating the act.
@@ -516,6 +519,15 @@ class ToolComputer:
                                      probe=ssh_side.probe, kept=ssh_side.kept)
             return RestoreReport(timings=timings, clock_sync=self._clock_sync if not self._clock_due else None,
                                  epoch=self._state.epoch, observation=first)
+
+    def before_suspend(self) -> None:
+        """The VM is about to be suspended: the guest drops its clean page cache (file pages no process maps). Freed
+        pages are zeroed (`init_on_free=1`) and a zero page costs next to nothing to save and restore, so the saved
+        state, and the restore that reads it back, shrink by the cache's size (a fifth of the state here). Raises
+        what the guest command raised; a VM not connected is left as it is."""
+        with self._lock:
+            if self._channel.connected:
+                self._channel.run(SHED_CACHE, timeout=self._reconnect_timeout).check("dropping the guest's page cache")
 
     def _timed_ssh(self, resync: bool) -> _SshSide:
         """Probe the transport, make it again if it died, then (if asked) resync the clock."""
