@@ -426,8 +426,9 @@ class GuestChannel:
             return self._ready_keeper() is not None
 
     def _keeper_alive(self, keeper: _Keeper) -> bool:
-        return (keeper.transport is self._transport() and keeper.transport.is_active() and not keeper.chan.closed
-                and not keeper.chan.eof_received)
+        current = self._transport()
+        return (current is not None and keeper.transport is current and current.is_active()
+                and not keeper.chan.closed and not keeper.chan.eof_received)
 
     def _ready_keeper(self) -> _Keeper | None:
         """The clock keeper on the current transport once it has said it is ready (without waiting for it)."""
