@@ -165,7 +165,7 @@ def _our_cycle(lab: ComputerLab) -> Cycle:
     report = lab.restores[-1]
     assert report.observation is not None and report.observation.elements, "the first observation saw the page"
     return Cycle(suspend=suspend, suspended_ram=ram, save_bytes=size, restore_total=total, report=report,
-                 keeper=lab.channel.keeping)
+                 keeper=report.clock_sync is not None and report.clock_sync.kept)
 
 
 def _server_cycle(lab: ComputerLab) -> ServerCycle:

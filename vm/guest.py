@@ -110,6 +110,8 @@ class ClockSync:
     through the clock keeper, from the host's line to the keeper's answer."""
     applied: bool = True
     """False when the clock was left alone because the "guest" is this very machine (see `resync_clock`)."""
+    kept: bool = False
+    """It went through the clock keeper running in the guest (no shell was started)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -485,14 +485,14 @@ class GuestChannel:
         rtt = timedelta(microseconds=(t1 - t0) / 1000)
         if here:
             offset = timedelta(microseconds=(before - t0) / 1000)
-            return ClockSync(before=offset, after=offset, round_trip=rtt, applied=False)
+            return ClockSync(before=offset, after=offset, round_trip=rtt, applied=False, kept=True)
         if abs(after - t1) > _CLOSE_ENOUGH_NS:
             again = self._exchange(keeper, here, deadline, timeout)
             if again is None:
                 return None
             t1, after = again[1], again[3]
         return ClockSync(before=timedelta(microseconds=(before - t0) / 1000),
-                         after=timedelta(microseconds=(after - t1) / 1000), round_trip=rtt, applied=True)
+                         after=timedelta(microseconds=(after - t1) / 1000), round_trip=rtt, applied=True, kept=True)
 
     def _exchange(self, keeper: _Keeper, here: bool, deadline: float,
                   timeout: float) -> tuple[int, int, int, int] | None:
