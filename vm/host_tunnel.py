@@ -3,7 +3,7 @@
 Under user-mode networking everything of a running computer lives on its host's loopback: the guest's SSH forward
 (QEMU's hostfwd on 127.0.0.1), and the egress proxy connector slirp runs there per guest connection
 (`busybox nc 127.0.0.1 <proxy port>`, see `vm.domain_xml`). On another host the api reaches them through this
-tunnel, made once and remade when it dies:
+tunnel, made once and remade when it dies (by the keeper below, or by the next use):
 
     tunnel = HostTunnel(name="kvm2", ssh=HostSsh.parse("root@kvm2", host_key=pinned, client_key=key),
                         proxy=("127.0.0.1", 8788))
@@ -18,14 +18,18 @@ tunnel, made once and remade when it dies:
 
 The host key is pinned in the settings and nothing else is accepted (`host_key_mismatch`), never trust-on-first-use.
 A host that cannot be reached raises `HostUnreachable`, a `HypervisorUnavailable`: the fleet counts it as gone.
+
+From its first connection until `close()` a tunnel has a keeper thread: every `keepalive` seconds it remakes a
+transport that died (and with it the remote forward, which the host's guests use without the api asking anything),
+and asks a live one for an answer (`keepalive@openssh.com`), closing it as dead when none comes within `timeout`, so
+a host whose network went silent is noticed and counts as unreachable. Failed attempts back off; a drop and a
+recovery are logged once each.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-import select
 import socket
 import threading
 import time
@@ -37,15 +41,15 @@ import paramiko  # noqa: TID251 - the host tunnel is the second module that talk
 
 from wakeful.vm.errors import HostUnreachable, VmError
 from wakeful.vm.guest import AuthFailed, BadKey, GuestUnreachable, HostKeyMismatch
-from wakeful.vm.ssh_channel import parse_public_key
+from wakeful.vm.ssh_channel import parse_public_key, pump
 
 __all__ = ["HostSsh", "HostTunnel"]
 
 log = logging.getLogger("wakeful.vm")
 
 _TARGET = re.compile(r"^(?P<user>[A-Za-z0-9._-]+)@(?P<host>[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:(?P<port>\d{1,5}))?$")
-_CHUNK = 65536
 _RSA = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+_BACKOFF_CAP = 12
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,11 +84,13 @@ class HostTunnel:
     """One SSH transport to one host, kept and remade on demand (see the module docstring)."""
 
     def __init__(self, *, name: str, ssh: HostSsh, proxy: tuple[str, int] | None = None, timeout: float = 10.0,
-                 keepalive: float = 15.0, retry_after: float = 5.0,
+                 keepalive: float = 5.0, retry_after: float = 5.0,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         """`proxy`: where the egress proxy listens here (127.0.0.1:<proxy_port>); the host's 127.0.0.1 at the same
         port is forwarded to it, since that is where guest connectors look (None: no proxy).
-        `keepalive`: seconds between SSH keepalives, so a dead link is noticed.
+        `keepalive`: seconds between the keeper's checks (see `_keep`); 0 for no keeper (the tunnel is then only
+        remade when something uses it).
+        `timeout`: for connecting, and for the host to answer a keeper's keepalive.
         `retry_after`: for this long after a failed attempt the same error is raised at once, without trying again:
         placement asks every host each time it measures, and an unreachable host would cost `timeout` each time."""
         self.name, self.ssh = name, ssh
@@ -102,6 +108,10 @@ class HostTunnel:
         self._failed: tuple[float, VmError] | None = None
         self._transport: paramiko.Transport | None = None
         self._closed = False
+        self._lost: float | None = None
+        """When the transport was lost (monotonic), until it is made again: one log line per drop and recovery."""
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
 
     @property
     def where(self) -> str:
@@ -117,7 +127,9 @@ class HostTunnel:
         """Connect unless the transport is alive; `host_unreachable`, `host_key_mismatch` or `auth_failed` if not."""
         self._live()
 
-    def _live(self) -> paramiko.Transport:
+    def _live(self, *, retry: bool = False) -> paramiko.Transport:
+        """The transport, connected again if it died. `retry`: try now even within `retry_after` of a failure (the
+        keeper, which has its own backoff)."""
         with self._lock:
             if self._closed:
                 raise HostUnreachable(f"the tunnel to {self.where} was closed")
@@ -125,10 +137,8 @@ class HostTunnel:
             if transport is not None and transport.is_active():
                 return transport
             if transport is not None:
-                transport.close()
-                log.info("the SSH tunnel to %s dropped; connecting again", self.where)
-            self._transport = None
-            if self._failed is not None and self._monotonic() - self._failed[0] < self._retry_after:
+                self._drop(transport, "the connection ended")
+            if not retry and self._failed is not None and self._monotonic() - self._failed[0] < self._retry_after:
                 raise self._failed[1]
             try:
                 self._transport = transport = self._connect()
@@ -136,7 +146,68 @@ class HostTunnel:
                 self._failed = (self._monotonic(), exc)
                 raise
             self._failed = None
+            if self._lost is not None:
+                log.info("the SSH tunnel to %s is back after %.1f s", self.where, self._monotonic() - self._lost)
+                self._lost = None
+            if self._keepalive > 0 and self._keeper is None:
+                self._keeper = threading.Thread(target=self._keep, name=f"host-{self.name}-keeper", daemon=True)
+                self._keeper.start()
             return transport
+
+    def _drop(self, transport: paramiko.Transport, why: str) -> None:
+        """Close a transport found dead (with the lock held); logged once per drop, not per reconnect attempt."""
+        if self._transport is transport:
+            self._transport = None
+            if self._lost is None:
+                self._lost = self._monotonic()
+                log.warning("the SSH tunnel to %s dropped (%s); connecting again", self.where, why)
+        transport.close()
+
+    # ------------------------------------------------------------------------------------------ the keeper
+
+    def _keep(self) -> None:
+        """From the first connection until `close()`: every `keepalive` seconds, a transport that died is made again
+        (and with it the proxy forward, which guests on the host use without the api asking anything), and a live
+        one must answer a keepalive within `timeout` or is closed as dead. After failed attempts the wait doubles, up
+        to `_BACKOFF_CAP` times `keepalive`; the first attempt after a drop is made at once."""
+        failures = 0
+        while not self._stop.wait(_backoff(self._keepalive, failures)):
+            transport = self._transport
+            if transport is not None and transport.is_active():
+                if self._answers(transport):
+                    continue
+                with self._lock:
+                    self._drop(transport, f"no answer to a keepalive within {self._timeout:g} s")
+            if self._stop.is_set():
+                return
+            try:
+                self._live(retry=True)
+            except VmError:
+                failures += 1  # `_failed` now holds the error: placement sees it at once, without trying itself
+            else:
+                failures = 0
+
+    def _answers(self, transport: paramiko.Transport) -> bool:
+        """Whether the host answers a keepalive within `timeout`. paramiko's own keepalive wants no reply, so it never
+        notices a peer that went silent; and `global_request(wait=True)` waits as long as the transport looks active,
+        which a silent peer's does for as long as TCP holds on: it is asked on a thread of its own, waited for with a
+        bound, and ends once the caller closes the transport. A request that cannot be sent is no answer either:
+        behind a proxy command paramiko never reads the stream's end as the connection's, and a failed write is
+        all that shows it."""
+        answered: list[bool] = []
+
+        def ask() -> None:
+            try:
+                transport.global_request("keepalive@openssh.com", wait=True)  # OpenSSH answers "failure": an answer
+            except (paramiko.SSHException, OSError, EOFError):
+                answered.append(False)
+            else:
+                answered.append(True)
+
+        asking = threading.Thread(target=ask, name=f"host-{self.name}-keepalive", daemon=True)
+        asking.start()
+        asking.join(self._timeout)
+        return answered == [True] and transport.is_active()
 
     def _sock(self) -> socket.socket | paramiko.ProxyCommand:
         ssh = self.ssh
@@ -183,8 +254,6 @@ class HostTunnel:
                 raise HostUnreachable(f"{self.where} refused to forward its 127.0.0.1:{self._proxy[1]} to the "
                                       f"egress proxy ({exc}): its sshd needs AllowTcpForwarding, and that port must "
                                       "be free there") from None
-        if self._keepalive > 0:
-            transport.set_keepalive(int(max(1, self._keepalive)))
         return transport
 
     # ------------------------------------------------------------------------------------------ channels
@@ -201,9 +270,7 @@ class HostTunnel:
                                    f"{exc.text}") from None
         except (paramiko.SSHException, EOFError, OSError) as exc:
             with self._lock:
-                if self._transport is transport:
-                    self._transport = None
-            transport.close()
+                self._drop(transport, str(exc))
             raise HostUnreachable(f"the SSH connection to {self.where} dropped: {exc}") from None
 
     def _to_proxy(self, chan: paramiko.Channel, origin: tuple[str, int], server: tuple[str, int]) -> None:
@@ -220,7 +287,7 @@ class HostTunnel:
             return
         conn.settimeout(None)
         try:
-            _pump(conn, chan)
+            pump(conn, chan, half_close=True)
         except (OSError, EOFError, paramiko.SSHException):
             pass  # either side went away: both are closed below, and the guest sees its connection end
         finally:
@@ -228,29 +295,20 @@ class HostTunnel:
             conn.close()
 
     def close(self) -> None:
+        """Close the transport and stop the keeper (waiting for it a bounded time)."""
+        self._stop.set()
         with self._lock:
             self._closed = True
             transport, self._transport = self._transport, None
+            keeper = self._keeper
         if transport is not None:
             transport.close()
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(self._timeout + 1.0)
 
 
-def _pump(conn: socket.socket, chan: paramiko.Channel) -> None:
-    """Both directions until the proxy's side ends. The guest's side ending (a request sent, nothing more to say)
-    is passed on as a half-close, and the response still comes back."""
-    reading: list[socket.socket | paramiko.Channel] = [conn, chan]
-    while True:
-        ready, _, _ = select.select(reading, [], [])
-        if conn in ready:
-            data = conn.recv(_CHUNK)
-            if not data:
-                return
-            chan.sendall(data)
-        if chan in ready:
-            data = chan.recv(_CHUNK)
-            if data:
-                conn.sendall(data)
-            else:
-                reading.remove(chan)
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_WR)
+def _backoff(every: float, failures: int) -> float:
+    """How long the keeper waits before its next check: `every`, doubled per failed attempt, at most
+    `_BACKOFF_CAP` times `every`."""
+    return every * min(1 << min(failures, 16), _BACKOFF_CAP)
+

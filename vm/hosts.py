@@ -17,7 +17,8 @@ What it does that one host does not:
   (SSH host key), forwards and proxy credential — the VM's identity follows it, because all of it lives in the
   shared directory and the image, never on a host;
 * a host other than the api's own is reached over SSH (`Host.link`, a `vm.host_tunnel.HostTunnel`): the guest
-  channel's socket is a channel through it (`open_to`), and a host whose link cannot be made counts as gone;
+  channel's socket is a channel through it (`open_to`), and a host whose link cannot be made counts as gone (the
+  tunnel keeps itself up between uses, and closes itself when the host stops answering);
 * a host that does not answer counts as gone: a computer that was running there is lost to its last saved state
   (or boots cold from its disk); one saved from it resumes elsewhere.
 

@@ -54,7 +54,7 @@ from wakeful.vm.guest import (
     RunResult,
 )
 
-__all__ = ["CLOCK_KEEPER", "SET_CLOCK", "GuestChannel", "clock_keeper", "parse_public_key"]
+__all__ = ["CLOCK_KEEPER", "SET_CLOCK", "GuestChannel", "clock_keeper", "parse_public_key", "pump"]
 
 _CHUNK = 65536
 
@@ -72,6 +72,30 @@ class _TransportErrorsAtDebug(logging.Filter):
 
 
 logging.getLogger("paramiko.transport").addFilter(_TransportErrorsAtDebug())
+
+
+def pump(conn: socket.socket, chan: paramiko.Channel, *, half_close: bool = False) -> None:
+    """Copy both ways between a socket and a channel until `conn` ends, or `chan` ends. With `half_close`, the
+    channel ending is passed on to `conn` as a half-close instead (its side has said all it will: a request sent)
+    and `conn`'s answer still goes back, until `conn` ends. Errors are the caller's; it closes both."""
+    reading: list[socket.socket | paramiko.Channel] = [conn, chan]
+    while True:
+        ready, _, _ = select.select(reading, [], [])
+        if conn in ready:
+            data = conn.recv(_CHUNK)
+            if not data:
+                return
+            chan.sendall(data)
+        if chan in ready:
+            data = chan.recv(_CHUNK)
+            if data:
+                conn.sendall(data)
+            elif not half_close:
+                return
+            else:
+                reading.remove(chan)
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_WR)
 
 
 def parse_public_key(line: str) -> paramiko.PKey:
@@ -632,18 +656,7 @@ class GuestChannel:
         try:
             transport = self._live_transport(wait=self._forward_wait)
             chan = pipe.chan = transport.open_channel("direct-tcpip", remote, peer, timeout=self._forward_wait)
-            while True:
-                ready, _, _ = select.select([conn, chan], [], [])
-                if conn in ready:
-                    data = conn.recv(_CHUNK)
-                    if not data:
-                        return
-                    chan.sendall(data)
-                if chan in ready:
-                    data = chan.recv(_CHUNK)
-                    if not data:
-                        return
-                    conn.sendall(data)
+            pump(conn, chan)
         except (GuestError, paramiko.SSHException, EOFError, OSError, ValueError):
             return  # the client sees its connection close; the next one tries again
         finally:

@@ -5,6 +5,9 @@ since both ends share this machine's loopback); an unreachable host is `host_unr
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator
@@ -16,8 +19,11 @@ from tests.support.polling import wait_until
 from tests.support.serve import free_port
 from tests.support.sshd import Sshd, keygen
 from wakeful.vm.errors import HostUnreachable
+from wakeful.vm.fake import FakeHypervisor
 from wakeful.vm.guest import AuthFailed, GuestUnreachable, HostKeyMismatch
 from wakeful.vm.host_tunnel import HostSsh, HostTunnel
+from wakeful.vm.hosts import Host, HostFleet
+from wakeful.vm.placement import HostSpec
 from wakeful.vm.ssh_channel import GuestChannel
 
 
@@ -115,6 +121,99 @@ def test_a_guest_connection_to_the_hosts_proxy_port_reaches_the_egress_proxy_her
             assert conn.recv(65536).startswith(b"HTTP/1.0 200 OK")
     finally:
         tunnel.close()
+
+
+def forward_answers(port: int) -> bool:
+    """Whether a connection to the host's 127.0.0.1:`port` (the remote forward) comes back to the fake proxy."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+            conn.sendall(b"ping")
+            conn.shutdown(socket.SHUT_WR)
+            return conn.recv(65536).startswith(b"HTTP/1.0 200 OK")
+    except OSError:
+        return False
+
+
+def test_the_keeper_brings_the_proxy_forward_back_after_the_hosts_sshd_session_dies_with_nothing_else_using_it(
+        host: Sshd, proxy: FakeProxy, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wakeful.vm")
+    tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port), keepalive=0.2)
+    try:
+        tunnel.ensure()
+        assert forward_answers(proxy.port)
+        for pid in host.sessions():  # the connection's sshd dies; the listener stays, as when sshd is restarted
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not forward_answers(proxy.port), 10, "the forward to die with the session")
+        wait_until(lambda: forward_answers(proxy.port), 20, "the keeper to bring the forward back")
+        assert tunnel.connected()
+        messages = [r.getMessage() for r in caplog.records if "tunnel" in r.getMessage()]
+        assert len([m for m in messages if "dropped" in m]) == 1, messages  # once per drop, not per attempt
+        assert len([m for m in messages if "is back" in m]) == 1, messages
+    finally:
+        tunnel.close()
+
+
+def test_the_keeper_notices_the_drop_behind_a_proxy_command_too(host: Sshd, proxy: FakeProxy) -> None:
+    # paramiko's ProxyCommand never reads an end of stream as the connection ending: only a write that fails shows it
+    tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port), proxy_command="/bin/busybox nc %h %p", keepalive=0.2)
+    try:
+        tunnel.ensure()
+        assert forward_answers(proxy.port)
+        for pid in host.sessions():
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not forward_answers(proxy.port), 10, "the forward to die with the session")
+        wait_until(lambda: forward_answers(proxy.port), 20, "the keeper to bring the forward back")
+    finally:
+        tunnel.close()
+
+
+def test_the_keeper_keeps_trying_with_a_backoff_until_the_host_comes_back(host: Sshd, proxy: FakeProxy) -> None:
+    tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port), keepalive=0.2)
+    try:
+        tunnel.ensure()
+        host.stop()
+        wait_until(lambda: not tunnel.connected(), 10, "the tunnel to notice the stop")
+        with pytest.raises(HostUnreachable):
+            tunnel.ensure()
+        host.start()
+        wait_until(lambda: forward_answers(proxy.port), 30, "the keeper to reconnect once the host is back")
+    finally:
+        tunnel.close()
+
+
+def test_a_host_that_stops_answering_is_marked_unreachable_by_the_keeper_and_placement_counts_it_gone(
+        host: Sshd, proxy: FakeProxy, tmp_path: Path) -> None:
+    tunnel = tunnel_to(host, proxy=("127.0.0.2", proxy.port), keepalive=0.2)
+    fleet = HostFleet([Host(spec=HostSpec(name="a", uri="fake://a", memory_mib=2048), hypervisor=FakeHypervisor()),
+                       Host(spec=HostSpec(name="b", uri="fake://b", memory_mib=2048), hypervisor=FakeHypervisor(),
+                            link=tunnel)], tmp_path / "shared")
+    assert host.pid is not None
+    stopped: list[int] = []
+    try:
+        assert [(h.name, h.reachable) for h in fleet.loads()] == [("a", True), ("b", True)]
+        assert forward_answers(proxy.port)
+        for pid in [host.pid, *host.sessions()]:  # the peer (and its listener) freeze: TCP stays up, nothing answers
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        wait_until(lambda: not tunnel.connected(), 30, "the keeper to notice that the host does not answer")
+        with pytest.raises(HostUnreachable) as caught:
+            tunnel.ensure()
+        assert caught.value.code == "host_unreachable"
+        assert [(h.name, h.reachable) for h in fleet.loads()] == [("a", True), ("b", False)]
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        tunnel.close()
+
+
+def test_closing_the_tunnel_stops_its_keeper(host: Sshd) -> None:
+    tunnel = tunnel_to(host, keepalive=0.2)
+    tunnel.ensure()
+    assert any(t.name == "host-b-keeper" for t in threading.enumerate())
+    tunnel.close()
+    wait_until(lambda: not any(t.name == "host-b-keeper" for t in threading.enumerate()), 10,
+               "the keeper thread to end")
+    assert not tunnel.connected()
 
 
 def test_a_host_presenting_another_key_is_refused(host: Sshd, tmp_path: Path) -> None:

@@ -139,6 +139,11 @@ class Sshd:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+    def sessions(self) -> list[int]:
+        """The PIDs of the processes serving its connections (each connection's sshd children), to signal one
+        connection without the listener."""
+        return _descendants(self._proc.pid) if self._proc is not None else []
+
     def restart(self) -> Sshd:
         self.stop()
         return self.start()
