@@ -528,6 +528,10 @@ class GuestChannel:
             line, keeper.pending = self._line(keeper.chan, keeper.pending, deadline, timeout)
         except (paramiko.SSHException, EOFError, OSError):
             line = b""
+        except GuestTimeout:
+            keeper.chan.close()  # wedged: the next resync starts a shell, and the next observation a new keeper
+            self._keeper = None
+            raise
         t1 = self._wall_ns()
         if not line:
             keeper.chan.close()
