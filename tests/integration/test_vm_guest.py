@@ -333,6 +333,20 @@ def test_the_clock_keeper_sets_the_clock_with_a_line_each_way_instead_of_a_shell
     assert abs(sync.before.total_seconds()) < 60 and abs(sync.after.total_seconds()) < 60
 
 
+def test_a_clock_the_keeper_left_off_is_set_once_more_and_no_more(sshd: Sshd, tmp_path: Path) -> None:
+    # The host's clock here runs a second ahead of the "guest" (this machine), whose clock the keeper only records:
+    # the first set leaves it a second off, so it is set once more (the keeper awake by then), and that is all.
+    target = tmp_path / "clock"
+    chan = _channel(sshd, wall_ns=lambda: time.time_ns() + 10**9,
+                    keeper=clock_keeper(f"open({str(target)!r}, 'a').write(str(t) + '\\n')"))
+    with chan:
+        chan.connect()
+        chan.keep_clock()
+        sync = _resync_through_the_keeper(chan)
+    assert len(target.read_text().split()) == 2
+    assert sync.kept and sync.after.total_seconds() < -0.5
+
+
 def test_a_clock_keeper_that_died_leaves_the_resync_to_a_shell(sshd: Sshd, tmp_path: Path) -> None:
     target = tmp_path / "clock"
     chan = _channel(sshd, set_clock=f'echo "$t" > {target}', keeper=clock_keeper("sys.exit(0)"))
