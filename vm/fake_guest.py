@@ -34,6 +34,8 @@ class FakeChannel:
         self.forwards: dict[tuple[str, int], int] = {}
         self.connects = 0
         self.clock_syncs = 0
+        self.keepers = 0
+        """Calls of `keep_clock`."""
         self.unreachable = 0
         self.silent = False
         self.probes = 0
@@ -75,6 +77,11 @@ class FakeChannel:
             raise NotConnected("fake guest: not connected")
         self.clock_syncs += 1
         return ClockSync(before=timedelta(seconds=-3), after=timedelta(0), round_trip=timedelta(milliseconds=1))
+
+    def keep_clock(self) -> None:
+        if not self._connected:
+            raise NotConnected("fake guest: not connected")
+        self.keepers += 1
 
     def reconnect(self, *, timeout: float = 30.0) -> ReconnectReport:
         self._connected = False

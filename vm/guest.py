@@ -106,9 +106,12 @@ class ClockSync:
     """Guest clock minus host clock before the resync."""
     after: timedelta
     round_trip: timedelta
-    """From sending the guest command until the guest first answered with its clock (the shell's start included)."""
+    """From sending the guest command until the guest first answered with its clock (the shell's start included), or
+    through the clock keeper, from the host's line to the keeper's answer."""
     applied: bool = True
     """False when the clock was left alone because the "guest" is this very machine (see `resync_clock`)."""
+    kept: bool = False
+    """It went through the clock keeper running in the guest (no shell was started)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +136,8 @@ class Channel(Protocol):
     def forward(self, remote_host: str, remote_port: int) -> int: ...
 
     def resync_clock(self) -> ClockSync: ...
+
+    def keep_clock(self) -> None: ...
 
     def reconnect(self, *, timeout: float = ...) -> ReconnectReport: ...
 

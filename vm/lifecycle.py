@@ -61,7 +61,7 @@ from wakeful.vm.lifecycle_rules import (
 )
 from wakeful.vm.seed import build_seed
 
-__all__ = ["AfterRestore", "AfterRestoreHook", "VmInfo", "VmManager", "VmSettings"]
+__all__ = ["AfterRestore", "AfterRestoreHook", "BeforeSuspendHook", "VmInfo", "VmManager", "VmSettings"]
 
 log = logging.getLogger("wakeful.vm")
 
@@ -150,6 +150,8 @@ class AfterRestore:
 
 
 AfterRestoreHook = Callable[[AfterRestore], None]
+BeforeSuspendHook = Callable[[VmInfo], None]
+"""Runs on a running VM just before it is suspended: what the guest can shed so that less is saved and restored."""
 
 
 @dataclass(eq=False)
@@ -196,6 +198,7 @@ class VmManager:
         self._disks = disks or QemuImg()
         self._port_free = port_free
         self._hooks: list[AfterRestoreHook] = []
+        self._suspend_hooks: list[BeforeSuspendHook] = []
         self._records: dict[str, _Record] = {}
         self._lock = threading.Lock()
         self._book_lock = threading.Lock()
@@ -281,6 +284,11 @@ class VmManager:
         """`hook` runs, in registration order, each time a VM comes up (boot or restore), before the caller
         that asked for it continues. An exception propagates to that caller; the VM stays running."""
         self._hooks.append(hook)
+
+    def add_before_suspend_hook(self, hook: BeforeSuspendHook) -> None:
+        """`hook` runs, in registration order, on a running VM just before it is suspended. A hook that fails is
+        logged and the suspend goes on: it only makes the saved state smaller."""
+        self._suspend_hooks.append(hook)
 
     # ------------------------------------------------------------------------------------------ provisioning
 
@@ -420,6 +428,8 @@ class VmManager:
         record = self._record(user)
         with record.lock:
             self._sync(record)
+            next_state(record.info.state, Op.SUSPEND, vm=record.info.name)
+            self._before_suspend(record)
             self._set(record, Op.SUSPEND)
             try:
                 self._hv.suspend_to_disk(record.info.name)
@@ -427,6 +437,13 @@ class VmManager:
                 self._sync(record)
                 raise
             return record.info
+
+    def _before_suspend(self, record: _Record) -> None:
+        for hook in self._suspend_hooks:
+            try:
+                hook(record.info)
+            except Exception:  # the suspend does not depend on it
+                log.warning("a before-suspend hook failed for %s; suspending anyway", record.info.name, exc_info=True)
 
     def stop(self, user: str) -> VmInfo:
         """Hard stop; a saved state is discarded too. The next start is a cold boot."""
@@ -493,6 +510,7 @@ class VmManager:
                 continue  # an activity holds the lock: it is not idle
             try:
                 if record.info.state is VmState.RUNNING and is_idle(record.activity, now, self.settings.idle_after):
+                    self._before_suspend(record)
                     self._set(record, Op.SUSPEND)
                     self._hv.suspend_to_disk(record.info.name)
                     suspended.append(record.info.user)

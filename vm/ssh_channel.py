@@ -54,7 +54,7 @@ from wakeful.vm.guest import (
     RunResult,
 )
 
-__all__ = ["SET_CLOCK", "GuestChannel", "parse_public_key", "pump"]
+__all__ = ["CLOCK_KEEPER", "SET_CLOCK", "GuestChannel", "clock_keeper", "parse_public_key", "pump"]
 
 _CHUNK = 65536
 
@@ -125,6 +125,17 @@ class _Forward:
 
 
 @dataclass(eq=False)
+class _Keeper:
+    """The clock keeper's session on one transport."""
+
+    chan: paramiko.Channel
+    transport: paramiko.Transport
+    pending: bytearray
+    boot_id: str | None = None
+    """From its first line; None until it has started."""
+
+
+@dataclass(eq=False)
 class _Pipe:
     conn: socket.socket
     chan: paramiko.Channel | None = None
@@ -149,6 +160,59 @@ _CLOCK_SCRIPT = (
     'read -r t || exit 0; {{ {setter}; }} >/dev/null || exit 3; echo "set ${{EPOCHREALTIME:-$(date +%s.%N)}}"')
 
 
+# The clock keeper: one Python process in the guest, started once on a transport (`keep_clock`) and kept with it.
+# A resync through it is one line each way, with no new session, shell or `date` to start: after a restore under TCG
+# those cost the guest's one vCPU a second or more (its translated code went with the old QEMU process), right when
+# the first observation needs it. It answers `ready BOOT_ID` once, then for each `set NANOS` (or `read`) line
+# `BEFORE AFTER` (the guest clock in nanoseconds just before and after setting it) or `error TEXT`. A new keeper ends
+# the previous one (its transport died with a restore under user-mode networking, leaving it blocked on a read).
+_KEEPER_SOURCE = """\
+import os, signal, sys, time
+tag = "wakeful-clock-keeper"
+pidfile = "/run/wakeful/clock-keeper.pid"
+try:
+    old = int(open(pidfile).read())
+    if old != os.getpid() and tag.encode() in open("/proc/%d/cmdline" % old, "rb").read():
+        os.kill(old, signal.SIGTERM)
+except (OSError, ValueError):
+    pass
+try:
+    with open(pidfile, "w") as f:
+        f.write(str(os.getpid()))
+except OSError:
+    pass
+boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+sys.stdout.write("ready " + boot + "\\n")
+sys.stdout.flush()
+for line in sys.stdin:
+    words = line.split()
+    before = time.time_ns()
+    try:
+        if words[:1] == ["set"]:
+            t = int(words[1])
+            {setter}
+        out = "%d %d" % (before, time.time_ns())
+    except Exception as exc:
+        out = "error %s" % str(exc).replace("\\n", " ")
+    sys.stdout.write(out + "\\n")
+    sys.stdout.flush()
+"""
+
+
+def clock_keeper(setter: str = "time.clock_settime_ns(time.CLOCK_REALTIME, t)") -> str:
+    """The guest command that runs the clock keeper; `setter` is the Python statement that sets the clock to `t`
+    (nanoseconds since the epoch): tests on a host replace it."""
+    source = _KEEPER_SOURCE.format(setter=setter)
+    return "exec python3 -c " + shlex.quote(source)
+
+
+_CLOSE_ENOUGH_NS = 50_000_000
+"""How far off the guest clock may land through the keeper before it is set once more (50 ms)."""
+
+CLOCK_KEEPER = clock_keeper()
+"""The default clock keeper: sets the guest clock with clock_settime (the guest image has python3)."""
+
+
 def _epoch_ns(text: bytes) -> int:
     """`1733162400.123456` (any number of decimals, either separator) as nanoseconds."""
     seconds, _, fraction = text.decode().replace(",", ".").partition(".")
@@ -159,7 +223,8 @@ class GuestChannel:
     def __init__(self, *, host: str = "127.0.0.1", port: int, user: str, client_key_path: Path | str,
                  pinned_host_key: str, keepalive: float = 0.0, forward_wait: float = 20.0,
                  max_output: int = 64 * 1024 * 1024, wall_ns: Callable[[], int] = time.time_ns,
-                 set_clock: str = SET_CLOCK, sock: Callable[[], object | None] | None = None) -> None:
+                 set_clock: str = SET_CLOCK, keeper: str | None = CLOCK_KEEPER,
+                 sock: Callable[[], object | None] | None = None) -> None:
         """`keepalive`: seconds between SSH keepalives, 0 for none (the default). A VM on an isolated network keeps
         its TCP connection through a save and restore only if the host sends nothing while it is saved: an unanswered
         keepalive then sits in TCP's retransmission backoff, so the first message after the restore waits seconds
@@ -167,6 +232,8 @@ class GuestChannel:
         instead (`alive`, after a restore).
         `forward_wait`: how long a forwarded connection waits for a live transport (during a reconnect).
         `set_clock`: the guest shell command that sets its clock to `$t` (tests on a host replace it).
+        `keeper`: the guest command `keep_clock` starts (see `clock_keeper`; tests on a host replace it), None for
+        none: every resync then starts a shell.
         `sock`: called before each connection attempt for a socket-like object to use instead of connecting to
         `host:port` (None from it: connect directly); it raises `guest_unreachable` to be retried, anything else
         (`host_unreachable`) to fail the reconnect at once."""
@@ -181,6 +248,9 @@ class GuestChannel:
         self._max_output = max_output
         self._wall_ns = wall_ns
         self._set_clock = set_clock
+        self._keeper_command = keeper
+        self._keeper: _Keeper | None = None
+        self._keeper_lock = threading.Lock()
         self._sock = sock
         self._client: paramiko.SSHClient | None = None
         self._cond = threading.Condition()
@@ -360,12 +430,124 @@ class GuestChannel:
             # Wakes on output or close; the cap re-checks the exit status, which does not wake the pipe.
             select.select([chan], [], [], min(remaining, 0.05))
 
+    def keep_clock(self, *, timeout: float = 10.0) -> None:
+        """Start the clock keeper on the current transport unless it already runs there. Returns once the guest's
+        sshd took the command; until the keeper has started and said so, resyncs still start a shell."""
+        if self._keeper_command is None:
+            return
+        with self._keeper_lock:
+            if self._keeper is not None and self._keeper_alive(self._keeper):
+                return
+            transport = self._live_transport()
+            try:
+                chan = transport.open_session(timeout=timeout)
+                chan.exec_command(self._keeper_command)
+            except (paramiko.SSHException, EOFError, OSError) as exc:
+                raise NotConnected(f"cannot start the clock keeper on the guest: {exc}") from None
+            self._keeper = _Keeper(chan=chan, transport=transport, pending=bytearray())
+
+    @property
+    def keeping(self) -> bool:
+        """The clock keeper runs on the current transport and has said it is ready: resyncs go through it."""
+        with self._keeper_lock:
+            return self._ready_keeper() is not None
+
+    def _keeper_alive(self, keeper: _Keeper) -> bool:
+        current = self._transport()
+        return (current is not None and keeper.transport is current and current.is_active()
+                and not keeper.chan.closed and not keeper.chan.eof_received)
+
+    def _ready_keeper(self) -> _Keeper | None:
+        """The clock keeper on the current transport once it has said it is ready (without waiting for it)."""
+        keeper = self._keeper
+        if keeper is None:
+            return None
+        if keeper.boot_id is None and self._keeper_alive(keeper):
+            while keeper.chan.recv_ready():
+                keeper.pending += keeper.chan.recv(_CHUNK)
+            if b"\n" in keeper.pending:
+                line, _, rest = bytes(keeper.pending).partition(b"\n")
+                keeper.pending = bytearray(rest)
+                word, _, boot_id = line.decode(errors="replace").strip().partition(" ")
+                if word == "ready" and boot_id:
+                    keeper.boot_id = boot_id
+                else:
+                    keeper.chan.close()  # not our keeper talking: leave it
+        if keeper.boot_id is None or not self._keeper_alive(keeper):
+            if keeper.chan.closed or keeper.chan.eof_received or keeper.transport is not self._transport():
+                keeper.chan.close()
+                self._keeper = None
+            return None
+        return keeper
+
     def resync_clock(self, *, timeout: float = 10.0) -> ClockSync:
-        """Set the guest clock from the host's in one guest command: the shell reports its boot id and clock, the
-        host answers with its own time on stdin, the shell sets the clock and reports it again.
+        """Set the guest clock from the host's. Through the clock keeper when it runs on this transport
+        (`keep_clock`): the host sends its time on one line, the keeper sets the clock and answers with it before and
+        after. Otherwise in one guest command: the shell reports its boot id and clock, the host answers with its own
+        time on stdin, the shell sets the clock and reports it again.
 
         Refuses to set it (`applied=False`) when the "guest" shares this machine's boot id: pointed at the host's own
         sshd (as in tests), `date -s` would step the host clock that every other process relies on."""
+        with self._keeper_lock:
+            keeper = self._ready_keeper()
+            if keeper is not None:
+                sync = self._resync_through(keeper, timeout)
+                if sync is not None:
+                    return sync
+        return self._resync_in_shell(timeout)
+
+    def _resync_through(self, keeper: _Keeper, timeout: float) -> ClockSync | None:
+        """Through the clock keeper; None if it turned out gone (a shell does it then). The host's time goes on the
+        line it sends, so the clock lands behind by however long the keeper took to wake up and read it: right after
+        a restore under TCG, tenths of a second. When it landed that far off it is set once more, the keeper awake."""
+        deadline = time.monotonic() + timeout
+        here = keeper.boot_id == _local_boot_id() and self._keeper_command == CLOCK_KEEPER
+        first = self._exchange(keeper, here, deadline, timeout)
+        if first is None:
+            return None
+        t0, t1, before, after = first
+        rtt = timedelta(microseconds=(t1 - t0) / 1000)
+        if here:
+            offset = timedelta(microseconds=(before - t0) / 1000)
+            return ClockSync(before=offset, after=offset, round_trip=rtt, applied=False, kept=True)
+        if abs(after - t1) > _CLOSE_ENOUGH_NS:
+            again = self._exchange(keeper, here, deadline, timeout)
+            if again is None:
+                return None
+            t1, after = again[1], again[3]
+        return ClockSync(before=timedelta(microseconds=(before - t0) / 1000),
+                         after=timedelta(microseconds=(after - t1) / 1000), round_trip=rtt, applied=True, kept=True)
+
+    def _exchange(self, keeper: _Keeper, here: bool, deadline: float,
+                  timeout: float) -> tuple[int, int, int, int] | None:
+        """One line to the keeper and its answer: (host time sent, host time answered, guest clock before, guest
+        clock after), in nanoseconds; None if the keeper is gone."""
+        t0 = self._wall_ns()
+        try:
+            keeper.chan.sendall(b"read\n" if here else f"set {t0}\n".encode())
+            line, keeper.pending = self._line(keeper.chan, keeper.pending, deadline, timeout)
+        except (paramiko.SSHException, EOFError, OSError):
+            line = b""
+        except GuestTimeout:
+            keeper.chan.close()  # wedged: the next resync starts a shell, and the next observation a new keeper
+            self._keeper = None
+            raise
+        t1 = self._wall_ns()
+        if not line:
+            keeper.chan.close()
+            self._keeper = None
+            return None
+        if line.startswith(b"error"):
+            raise CommandFailed(f"setting the guest clock failed: {line[6:200].decode(errors='replace')}", status=-1)
+        try:
+            before_text, after_text = line.split()
+            return t0, t1, int(before_text), int(after_text)
+        except ValueError:
+            keeper.chan.close()
+            self._keeper = None
+            raise CommandFailed(f"the guest clock keeper answered {line[:200]!r}", status=-1) from None
+
+    def _resync_in_shell(self, timeout: float) -> ClockSync:
         deadline = time.monotonic() + timeout
         transport = self._live_transport()
         t0 = self._wall_ns()

@@ -171,11 +171,17 @@ class VmComputers:
         """Guards `_locks`; each user's lock then covers provisioning, booting and connecting that user's VM only,
         so one user's cold boot (minutes under TCG) holds nobody else up."""
         manager.add_after_restore_hook(self._after_restore)
+        manager.add_before_suspend_hook(self._before_suspend)
 
     def _after_restore(self, restored: Any) -> None:
         tc = self._computers.get(restored.vm.user)
         if tc is not None:
             tc.after_restore()  # reconnect SSH ‖ CDP, resync the clock, bump the epoch: observe before acting
+
+    def _before_suspend(self, vm: Any) -> None:
+        tc = self._computers.get(vm.user)
+        if tc is not None:
+            tc.before_suspend()  # the guest drops its page cache: a smaller saved state, a faster restore
 
     def _user_lock(self, user_id: str) -> threading.Lock:
         with self._lock:

@@ -39,9 +39,12 @@ from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import actions, attempts, refusals, verdicts
 from wakeful.server.store.users import ensure_user
 from wakeful.vm.fake import FakeDisks, FakeHypervisor
+from wakeful.vm.fake_browser import FakeBrowser
+from wakeful.vm.fake_guest import FakeChannel
+from wakeful.vm.guest import RunResult
 from wakeful.vm.hypervisor import ProxyCredential
 from wakeful.vm.lifecycle import VmInfo, VmManager, VmSettings
-from wakeful.vm.toolcomputer import ToolComputer
+from wakeful.vm.toolcomputer import SHED_CACHE, ToolComputer
 
 pytestmark = pytest.mark.anyio
 
@@ -468,3 +471,26 @@ def test_vm_computers_provision_with_a_proxy_credential_and_reconnect_after_a_re
     assert computers.reap() == ["usr_1"]  # idle (idle_after 0): suspended to disk
     assert computers.computer("usr_1") is tc  # restored in place, same tool computer, reconnected by the hook
     assert tc.observe().observation.epoch > epoch and len(built) == 1
+
+
+def test_the_reaper_has_the_guest_drop_its_page_cache_before_suspending_it_and_suspends_it_if_that_fails(
+        tmp_path: Path, clock: FakeClock) -> None:
+    # Freed guest pages are zeroed and cost nothing to save: the saved state, and the restore, shrink by the cache.
+    manager = _fake_manager(tmp_path, clock)
+    channel = FakeChannel()
+
+    def connect(info: VmInfo) -> ToolComputer:
+        tc = ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=FakeBrowser())
+        tc.connect()
+        return tc
+
+    computers = VmComputers(manager, connect)
+    computers.computer("usr_1")
+    clock.advance(timedelta(seconds=1))
+    assert computers.reap() == ["usr_1"]
+    assert channel.commands == [SHED_CACHE]
+    computers.computer("usr_1")
+    channel.handler = lambda cmd, data: RunResult(status=1, stdout=b"", stderr=b"Permission denied")
+    clock.advance(timedelta(seconds=1))
+    assert computers.reap() == ["usr_1"]
+    assert manager.get("usr_1").state == "suspended"

@@ -20,8 +20,8 @@ import pytest
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd, keygen
 from tests.support.threaded import serving_on_thread
-from wakeful.vm.guest import GuestError
-from wakeful.vm.ssh_channel import GuestChannel
+from wakeful.vm.guest import ClockSync, GuestError
+from wakeful.vm.ssh_channel import GuestChannel, clock_keeper
 
 
 class _Hits(ThreadingHTTPServer):
@@ -308,6 +308,61 @@ def test_clock_resync_never_sets_the_clock_of_the_machine_it_runs_on(channel: Gu
     sync = channel.resync_clock()
     assert sync.applied is False
     assert sync.before == sync.after
+
+
+def _resync_through_the_keeper(chan: GuestChannel) -> ClockSync:
+    wait_until(lambda: chan.keeping, 60, "the clock keeper to start")
+    return chan.resync_clock()
+
+
+def test_the_clock_keeper_sets_the_clock_with_a_line_each_way_instead_of_a_shell(sshd: Sshd, tmp_path: Path) -> None:
+    # The shell's setter fails here, so a resync that succeeds went through the keeper, which got the host's time
+    # (nanoseconds) on its line. On a host the keeper records the time instead of setting the clock.
+    target = tmp_path / "clock"
+    chan = _channel(sshd, set_clock="exit 9", keeper=clock_keeper(f"open({str(target)!r}, 'w').write(str(t))"))
+    with chan:
+        chan.connect()
+        assert not chan.keeping
+        chan.keep_clock()
+        sync = _resync_through_the_keeper(chan)
+        chan.keep_clock()  # it runs: nothing new is started
+        again = chan.resync_clock()
+        host_now = time.time_ns()
+    assert abs(host_now - int(target.read_text())) < 60 * 10**9
+    assert sync.applied and again.applied and sync.kept and again.kept
+    assert abs(sync.before.total_seconds()) < 60 and abs(sync.after.total_seconds()) < 60
+
+
+def test_a_clock_the_keeper_left_off_is_set_once_more_and_no_more(sshd: Sshd, tmp_path: Path) -> None:
+    # The host's clock here runs a second ahead of the "guest" (this machine), whose clock the keeper only records:
+    # the first set leaves it a second off, so it is set once more (the keeper awake by then), and that is all.
+    target = tmp_path / "clock"
+    chan = _channel(sshd, wall_ns=lambda: time.time_ns() + 10**9,
+                    keeper=clock_keeper(f"open({str(target)!r}, 'a').write(str(t) + '\\n')"))
+    with chan:
+        chan.connect()
+        chan.keep_clock()
+        sync = _resync_through_the_keeper(chan)
+    assert len(target.read_text().split()) == 2
+    assert sync.kept and sync.after.total_seconds() < -0.5
+
+
+def test_a_clock_keeper_that_died_leaves_the_resync_to_a_shell(sshd: Sshd, tmp_path: Path) -> None:
+    target = tmp_path / "clock"
+    chan = _channel(sshd, set_clock=f'echo "$t" > {target}', keeper=clock_keeper("sys.exit(0)"))
+    with chan:
+        chan.connect()
+        chan.keep_clock()
+        sync = _resync_through_the_keeper(chan)  # the keeper exits on its line: the shell sets the clock
+        assert not chan.keeping
+    assert sync.applied and not sync.kept and target.read_text().strip()
+
+
+def test_the_clock_keeper_never_sets_the_clock_of_the_machine_it_runs_on(channel: GuestChannel) -> None:
+    channel.keep_clock()
+    sync = _resync_through_the_keeper(channel)
+    assert sync.applied is False and sync.before == sync.after and sync.kept
+    assert channel.keeping
 
 
 def test_a_transport_that_outlives_a_silence_is_alive_again_with_its_forwards(sshd: Sshd, http_server: _Hits) -> None:

@@ -165,6 +165,7 @@ def tool_computer(image_dir: Path, data_dir: Path, *, user: str, accel: AccelCho
                 lab.restores.append(computer.after_restore(observe=lab.observe_on_restore))
 
         manager.add_after_restore_hook(after_restore)
+        manager.add_before_suspend_hook(lambda _vm: computer.before_suspend())
         try:
             yield lab
         finally:

@@ -18,6 +18,7 @@ import pytest
 from computer_lab import ComputerLab, isolated_network, tool_computer
 from shop_lab import ShopEgress, shop_egress
 
+from tests.support.polling import wait_until
 from wakeful.vm.accel import choose_accel
 from wakeful.vm.observe import Fill, Navigate, Refused
 from wakeful.vm.toolcomputer import ActResult
@@ -57,6 +58,7 @@ def test_a_restore_on_an_isolated_network_keeps_ssh_and_cdp_and_still_asks_for_a
     assert shop.asked and all(r.user_id == shop.credential.user_id for r in shop.asked), (
         "the proxy knew the VM by its address")
     boot_id = lab.channel.run("cat /proc/sys/kernel/random/boot_id", timeout=60).stdout
+    wait_until(lambda: lab.channel.keeping, 300, "the clock keeper an observation started to be ready")
 
     lab.manager.suspend(USER)
     t = time.perf_counter()
@@ -68,6 +70,7 @@ def test_a_restore_on_an_isolated_network_keeps_ssh_and_cdp_and_still_asks_for_a
     assert timings.kept, "the SSH transport outlived the save and restore"
     assert timings.ssh_reconnect == 0 and timings.cdp_reconnect == 0, "nothing was reconnected"
     assert report.clock_sync.applied, "the guest clock is set again after any restore"
+    assert report.clock_sync.kept, "through the clock keeper that outlived the restore with SSH: no shell started"
     assert report.observation is not None and report.observation.title == "Shop"
     assert report.epoch > before.observation.epoch
     assert lab.channel.run("cat /proc/sys/kernel/random/boot_id", timeout=60).stdout == boot_id, "not rebooted"
@@ -103,6 +106,7 @@ def test_restored_as_the_server_does_it_the_clock_is_set_beside_the_agents_first
     assert seen.observation.epoch == report.epoch and seen.title == "Shop"
     assert tc.clock_sync is not None and tc.clock_sync.applied, "observe waited for the resync beside it"
     assert abs(tc.clock_sync.after.total_seconds()) < 5, "the guest clock is the host's again"
+    assert tc.clock_sync.kept, "through the clock keeper"
     filled = tc.act(Fill(ref=seen.ref_for("textbox", "Name"), text="Grace"))
     assert isinstance(filled, ActResult) and filled.outcome == "done", filled
     print(f"\nas the server does it: restore to first observation {total:.2f} s (the hook {hook:.2f} s, probe "

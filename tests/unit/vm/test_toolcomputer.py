@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 
+from tests.support.polling import wait_until
 from wakeful.proxy.clock import FakeClock
 from wakeful.vm.browser import BrowserDisconnected, BrowserTimeout, ElementGone, PageCapture
 from wakeful.vm.fake_browser import FakeBrowser
@@ -347,6 +348,30 @@ def test_a_clock_resync_that_failed_beside_the_observation_fails_it_and_the_next
     assert world.channel.clock_syncs == 1 and world.tc.clock_sync is not None
     assert world.tc.wait_for_clock() is world.tc.clock_sync and world.channel.clock_syncs == 1
     done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+
+
+def test_an_observation_has_the_clock_keeper_started_in_the_background_for_the_next_restore(world: World) -> None:
+    # The keeper makes the resync beside the first observation after a restore a line each way, not a new shell.
+    world.observe()
+    wait_until(lambda: world.channel.keepers >= 1, 10, "the clock keeper to be asked for")
+    world.tc.after_restore()
+    world.observe()
+    assert world.channel.clock_syncs == 1
+    wait_until(lambda: world.channel.keepers >= 2, 10, "the keeper to be asked for again (a no-op while it runs)")
+
+
+def test_a_clock_keeper_that_cannot_start_fails_nothing(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = threading.Event()
+
+    def fail() -> None:
+        asked.set()
+        raise NotConnected("fake guest: the connection dropped")
+
+    monkeypatch.setattr(world.channel, "keep_clock", fail)
+    seen = world.observe()
+    assert asked.wait(10)
+    done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+    world.observe()
 
 
 def test_wait_for_clock_sets_the_clock_a_restore_left_behind_without_observing(world: World) -> None:

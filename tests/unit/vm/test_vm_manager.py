@@ -18,7 +18,7 @@ from wakeful.proxy.clock import FakeClock
 from wakeful.vm.errors import IllegalTransition, ImageMissing, LimitExceeded, NetworkUnusable, VmDead, VmNotFound
 from wakeful.vm.fake import FakeDisks, FakeHypervisor
 from wakeful.vm.hypervisor import DomainState, ProxyCredential
-from wakeful.vm.lifecycle import AfterRestore, VmManager, VmSettings
+from wakeful.vm.lifecycle import AfterRestore, VmInfo, VmManager, VmSettings
 from wakeful.vm.lifecycle_rules import Limits, VmSize, VmState
 
 IDLE = timedelta(minutes=10)
@@ -245,6 +245,27 @@ def test_a_hook_failure_reaches_the_caller_and_the_vm_stays_running(manager: VmM
     with pytest.raises(VmDead, match="ssh"):
         manager.ensure_running("alice")
     assert manager.get("alice").state is VmState.RUNNING
+
+
+def test_before_suspend_hooks_run_on_the_running_vm_and_one_that_fails_does_not_stop_the_suspend(
+        manager: VmManager, hv: FakeHypervisor) -> None:
+    seen: list[DomainState] = []
+
+    def shed(vm: VmInfo) -> None:
+        seen.append(hv.state(vm.name))
+
+    def broken(_: VmInfo) -> None:
+        raise VmDead("the guest did not answer")
+
+    manager.add_before_suspend_hook(broken)
+    manager.add_before_suspend_hook(shed)
+    manager.provision("alice")
+    manager.ensure_running("alice")
+    assert manager.suspend("alice").state is VmState.SUSPENDED
+    assert seen == [DomainState.RUNNING]
+    with pytest.raises(IllegalTransition):
+        manager.suspend("alice")  # nothing to suspend: the hooks are not asked either
+    assert seen == [DomainState.RUNNING]
 
 
 def test_snapshot_revert_rolls_back_the_disk_and_the_next_start_is_a_cold_boot(
