@@ -113,10 +113,16 @@ def image() -> Iterator[str]:
     made = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(wheels), str(ROOT),
                            "psycopg[binary]>=3.1"], capture_output=True, text=True, timeout=900)
     assert made.returncode == 0, made.stderr
-    tag = f"localhost/wakeful-test:{uuid.uuid4().hex[:12]}"
-    built = subprocess.run([*PODMAN, "build", *LIMITS, "--network", "none", "--build-arg", f"BASE={BASE}", "-f",
-                            str(CONTAINER / "Containerfile"), "-t", tag, str(ROOT)],
-                           capture_output=True, text=True, timeout=1800)
+    with _built("localhost/wakeful-test", CONTAINER / "Containerfile", ROOT, "--network", "none") as tag:
+        yield tag
+
+
+@contextlib.contextmanager
+def _built(name: str, containerfile: Path, context: Path, *flags: str) -> Iterator[str]:
+    """`containerfile` built on BASE under a tag of this run's own, removed afterwards."""
+    tag = f"{name}:{uuid.uuid4().hex[:12]}"
+    built = subprocess.run([*PODMAN, "build", *LIMITS, *flags, "--build-arg", f"BASE={BASE}", "-f", str(containerfile),
+                            "-t", tag, str(context)], capture_output=True, text=True, timeout=1800)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     try:
         yield tag
@@ -230,15 +236,9 @@ needs_compose = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def postgres_image() -> Iterator[str]:
     """The Debian-built PostgreSQL image of infra/container/postgres/, under a tag of this run's own."""
-    tag = f"localhost/wakeful-postgres-test:{uuid.uuid4().hex[:12]}"
-    built = subprocess.run([*PODMAN, "build", *LIMITS, "--build-arg", f"BASE={BASE}", "-f",
-                            str(CONTAINER / "postgres" / "Containerfile"), "-t", tag, str(CONTAINER / "postgres")],
-                           capture_output=True, text=True, timeout=1800)
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    try:
+    with _built("localhost/wakeful-postgres-test", CONTAINER / "postgres" / "Containerfile",
+                CONTAINER / "postgres") as tag:
         yield tag
-    finally:
-        subprocess.run([*PODMAN, "rmi", "--force", tag], capture_output=True, timeout=120)
 
 
 @needs_compose
