@@ -475,10 +475,15 @@ class GuestChannel:
                     keeper.chan.close()  # not our keeper talking: leave it
         if keeper.boot_id is None or not self._keeper_alive(keeper):
             if keeper.chan.closed or keeper.chan.eof_received or keeper.transport is not self._transport():
-                keeper.chan.close()
-                self._keeper = None
+                self._drop_keeper(keeper)
             return None
         return keeper
+
+    def _drop_keeper(self, keeper: _Keeper) -> None:
+        """Close a keeper that is gone, wedged or not ours: the next resync starts a shell, the next observation a
+        new keeper."""
+        keeper.chan.close()
+        self._keeper = None
 
     def resync_clock(self, *, timeout: float = 10.0) -> ClockSync:
         """Set the guest clock from the host's. Through the clock keeper when it runs on this transport
@@ -529,13 +534,11 @@ class GuestChannel:
         except (paramiko.SSHException, EOFError, OSError):
             line = b""
         except GuestTimeout:
-            keeper.chan.close()  # wedged: the next resync starts a shell, and the next observation a new keeper
-            self._keeper = None
+            self._drop_keeper(keeper)  # wedged
             raise
         t1 = self._wall_ns()
         if not line:
-            keeper.chan.close()
-            self._keeper = None
+            self._drop_keeper(keeper)
             return None
         if line.startswith(b"error"):
             raise CommandFailed(f"setting the guest clock failed: {line[6:200].decode(errors='replace')}", status=-1)
@@ -543,8 +546,7 @@ class GuestChannel:
             before_text, after_text = line.split()
             return t0, t1, int(before_text), int(after_text)
         except ValueError:
-            keeper.chan.close()
-            self._keeper = None
+            self._drop_keeper(keeper)
             raise CommandFailed(f"the guest clock keeper answered {line[:200]!r}", status=-1) from None
 
     def _resync_in_shell(self, timeout: float) -> ClockSync:

@@ -1,4 +1,4 @@
-"""Fixtures of the fleet tests (test_vm_fleet.py, test_vm_host_links.py): fake image files and two fake hosts."""
+"""Fixtures of the VM unit tests: fake image files (the manager and fleet tests), and two fake hosts (the fleet's)."""
 
 from __future__ import annotations
 

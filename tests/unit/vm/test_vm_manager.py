@@ -25,12 +25,7 @@ IDLE = timedelta(minutes=10)
 
 
 @pytest.fixture
-def settings(tmp_path: Path) -> VmSettings:
-    images = tmp_path / "images"
-    images.mkdir()
-    for name in ("vmlinux", "initrd.img"):
-        (images / name).write_bytes(b"\x7fELF")
-    (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
+def settings(tmp_path: Path, images: Path) -> VmSettings:  # `images`: the fake image files of conftest.py
     return VmSettings(data_dir=tmp_path / "data", base_image=images / "base.qcow2", kernel=images / "vmlinux",
                       initrd=images / "initrd.img", size=VmSize(memory_mib=1024, vcpus=1, disk_gib=4),
                       limits=Limits(max_memory_mib=2048, max_vcpus=2, max_disk_gib=8), port_range=(21000, 21099),
