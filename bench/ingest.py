@@ -6,7 +6,7 @@ timestamp, delivery ID and signature (the generic scheme signs all three with th
 starts: the open-loop generator gets one set of headers per request, and wrk's Lua (which cannot compute an HMAC)
 reads a pool of pre-signed deliveries, twice what the no-op endpoint took in the same time. Each load
 gets a fresh server: the deliveries carry no key, so they all go to the owner's triage session, whose runs (one at a
-time, each taking every pending event) give way to acknowledgements while deliveries keep coming, so a phase ends
+time, each taking up to `run_max_events` pending events) give way to acknowledgements while deliveries keep coming, so a phase ends
 with a backlog of them, and the backlog left by one phase would load the next. On each
 server the no-op phase runs first, while the server is idle, then the webhook phase. All servers start together
 (start-up is seconds of imports on a busy machine); each is stopped as soon as its load is done, so the ones still

@@ -10,8 +10,10 @@ One wake, end to end:
                         run → ended                                               ── one transaction
 A run that is interrupted (STOP, pause, the user's message) or fails commits none of its effects: its events stay
 pending for the next run, and a hold stays. A run that exhausts its budget commits what it did and tells the user.
-Every pending event of a session goes to its one next run: deliveries that arrived together are one run (the inbox
-makes an outside delivery due a short window after it arrived, so those that follow it join it).
+A session's pending events go to its one next run: deliveries that arrived together are one run (the inbox makes an
+outside delivery due a short window after it arrived, so those that follow it join it). A run takes at most
+`run_max_events` outside deliveries, the oldest first, and every preempting one (the user's messages, control); what
+it leaves is its session's next run, due behind the work other sessions already had due.
 """
 
 from __future__ import annotations
