@@ -573,9 +573,10 @@ class Worker:
 # long its claim and its commit hold the write lock, whatever burst waits (the inbox's acknowledgements queue behind
 # that lock). Taking every preempting event keeps a run from being interrupted by one it was not handed.
 _PENDING = and_(events.c.session_id == bindparam("session"), events.c.status == EventStatus.PENDING.value)
+# Two lists of IDs, each read from the (session, status, preempt, received_at) index: one condition on the rows
+# themselves would be tested on every pending event of the session, all of a burst's thousands.
 _TAKE_PENDING = (update(events)
-                 .where(_PENDING)
-                 .where(or_(events.c.preempt.is_(True),
+                 .where(or_(events.c.id.in_(select(events.c.id).where(_PENDING, events.c.preempt.is_(True))),
                             events.c.id.in_(select(events.c.id)
                                             .where(_PENDING, events.c.preempt.is_(False))
                                             .order_by(events.c.received_at, events.c.id)
