@@ -200,7 +200,7 @@ def run(quick: bool = False) -> list[Table]:
                f"PostgreSQL {where.parent.name} with fsync on",
                "events run and runs: from the first delivery until no event is pending and no run is running; a "
                "run takes up to `run_max_events` pending events of its session, so more runs per second means "
-               "smaller runs, not more work (on SQLite runs give way to acknowledgements while the inbox is busy: fewer, larger runs)",
+               "smaller runs, not more work (on SQLite runs give way to acknowledgements while the inbox is busy)",
                f"{os.cpu_count()} CPUs shared by the provider, the api, the workers and the database; "
                f"load average at the end {load}"])]
 

@@ -175,8 +175,9 @@ def test_a_burst_is_taken_a_capped_run_at_a_time_oldest_first_without_starving_o
         clock.advance(timedelta(milliseconds=1))
     runs = [m["source_ids"] for m in messages(engine)]
     chat = [e.source + ":" + e.source_id for e in event_rows(engine) if e.source == holds.CHAT_SOURCE]
-    assert runs == [["hook:d0", "hook:d1", "hook:d2"],  # the oldest three
-                    [f"delegation:{task_id}", "hook:b", *chat],  # the session due before the burst's rest, with every message: past the cap
+    # The oldest three; then the session due before the burst's rest, with every message (past the cap).
+    assert runs == [["hook:d0", "hook:d1", "hook:d2"],
+                    [f"delegation:{task_id}", "hook:b", *chat],
                     ["hook:d3", "hook:d4", "hook:d5"], ["hook:d6"]]
     assert {e.status for e in event_rows(engine)} == {EventStatus.PROCESSED}
 
