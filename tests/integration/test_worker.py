@@ -9,6 +9,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, event, select
 
 from tests.support.records import event_rows, messages, run_rows
@@ -17,6 +18,7 @@ from wakeful.server.core import control, holds, inbox, sessions
 from wakeful.server.core.worker import InboxRate, RunContext, RunShare, Worker, rest_after_run
 from wakeful.server.errors import StaleToken
 from wakeful.server.harness.handlers import EchoHandler, ScriptedHandler
+from wakeful.server.observe import metrics
 from wakeful.server.runtime import Role, Runtime, run_costs_cpu
 from wakeful.server.store.db import read, write, write_lock_time
 from wakeful.server.store.tables import ControlKind, EventStatus, RunOutcome, tasks
@@ -296,14 +298,25 @@ def test_daily_budget_defers_new_runs_to_the_next_day_without_losing_events(
     assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED, EventStatus.PROCESSED]
 
 
+def runs_counted(engine: Engine, outcome: RunOutcome) -> float:
+    """`wakeful_runs_total{outcome=…}` in what `GET /metrics` would answer now."""
+    for family in text_string_to_metric_families(metrics.exposition(engine).decode()):
+        for sample in family.samples:
+            if sample.name == "wakeful_runs_total" and sample.labels.get("outcome") == outcome.value:
+                return sample.value
+    return 0.0
+
+
 def test_abandoned_run_is_swept_and_its_events_are_taken_over(runtime: Runtime, engine: Engine, clock: FakeClock,
                                                               owner: str) -> None:
     deliver(engine, clock, owner, "d1")
+    counted = runs_counted(engine, RunOutcome.ABANDONED)
     dead = Worker(engine, runtime.settings, clock, EchoHandler())._claim()  # then the process "dies"
     assert dead is not None
     clock.advance(runtime.settings.lease + timedelta(seconds=1))
     runtime.sweep_once()
     assert [r.outcome for r in run_rows(engine)] == [RunOutcome.ABANDONED]
+    assert runs_counted(engine, RunOutcome.ABANDONED) == counted + 1  # wakeful_runs_total counts it too
     assert Worker(engine, runtime.settings, clock, EchoHandler()).run_once()
     assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED]
     assert len(messages(engine)) == 1
