@@ -587,7 +587,7 @@ _GIVE_ATTEMPT_BACK = (update(events).where(events.c.id.in_(bindparam("ids", expa
                       .values(attempts=events.c.attempts - 1))
 _START_RUN = runs.insert()
 _PREEMPTING = (select(events.c.id)
-               .where(and_(events.c.session_id == bindparam("session_id"), events.c.preempt.is_(True),
+               .where(and_(events.c.session_id == bindparam("session_id"), events.c.preempt == true(),
                            events.c.status == EventStatus.PENDING.value,
                            events.c.id.not_in(bindparam("handed", expanding=True))))
                .limit(1))
