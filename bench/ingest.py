@@ -4,11 +4,11 @@ Fixed offered loads (200, 500, 1000 req/s) use the open-loop generator in `_load
 intended send time); saturation uses wrk with a Lua script. Every webhook request is its own delivery, with its own
 timestamp, delivery ID and signature (the generic scheme signs all three with the body), signed just before its phase
 starts: the open-loop generator gets one set of headers per request, and wrk's Lua (which cannot compute an HMAC)
-reads a pool of pre-signed deliveries, twice what the no-op endpoint took in the same time. Each load
-gets a fresh server: the deliveries carry no key, so they all go to the owner's triage session, whose runs (one at a
-time, each taking every pending event) give way to acknowledgements while deliveries keep coming, so a phase ends
-with a backlog of them, and the backlog left by one phase would load the next. On each
-server the no-op phase runs first, while the server is idle, then the webhook phase. All servers start together
+reads a pool of pre-signed deliveries, twice what the no-op endpoint took in the same time. Each load gets a fresh
+server: the deliveries carry no key, so they all go to the owner's triage session, whose runs (one at a time, each
+taking up to `run_max_events` pending events) give way to acknowledgements while deliveries keep coming, so a phase
+ends with a backlog of them, and the backlog left by one phase would load the next. On each server the no-op phase
+runs first, while the server is idle, then the webhook phase. All servers start together
 (start-up is seconds of imports on a busy machine); each is stopped as soon as its load is done, so the ones still
 waiting idle beside it.
 

@@ -2,7 +2,8 @@
 
 N webhooks are sent 20 ms apart, each without a key, so each lands in the owner's triage session (one session, as a
 user's deliveries that match no task do) and wakes its run there: one run at a time per session, so an event arriving
-while the previous one's run is going waits for it (a run takes every pending event, so nothing waits longer).
+while the previous one's run is going waits for it (a run takes up to `run_max_events` pending events, so nothing
+waits longer).
 The client's clock (`time.time()`) and the server's `runs.started_at` (naive UTC) read the same machine's wall clock.
 The baseline is the same server's `/v1/noop` round trip, sent between the webhooks over the same connection.
 Target (issue): p50 <= 50 ms.

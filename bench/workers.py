@@ -8,7 +8,7 @@ different users), while the workers run them (the tests' echo handler: one reply
 
     ingest       deliveries acknowledged per second, while the workers run
     events run   events settled by a run per second, from the first delivery until none is left pending
-    runs         runs per second over the same span (a run takes every pending event of its session)
+    runs         runs per second over the same span (a run takes up to `run_max_events` pending events of its session)
 
 PostgreSQL runs in a throwaway cluster on loopback (`initdb` / `pg_ctl` from Debian's `postgresql` package) with
 fsync on, as SQLite runs with `synchronous=FULL`: both acknowledge only what is durable. The baseline column is
@@ -199,8 +199,8 @@ def run(quick: bool = False) -> list[Table]:
         notes=[f"baseline: SQLite (WAL, synchronous=FULL) with its one `wakeful worker`, same deliveries, same run; "
                f"PostgreSQL {where.parent.name} with fsync on",
                "events run and runs: from the first delivery until no event is pending and no run is running; a "
-               "run takes every pending event of its session, so more runs per second means smaller runs, not more "
-               "work (on SQLite runs give way to acknowledgements while the inbox is busy: fewer, larger runs)",
+               "run takes up to `run_max_events` pending events of its session, so more runs per second means "
+               "smaller runs, not more work (on SQLite runs give way to acknowledgements while the inbox is busy)",
                f"{os.cpu_count()} CPUs shared by the provider, the api, the workers and the database; "
                f"load average at the end {load}"])]
 

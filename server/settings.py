@@ -261,6 +261,10 @@ class Settings(BaseSettings):
     """Steps one run may take before it is ended and the user told."""
     run_max_seconds: float = 300.0
     """Wall-clock seconds one run may take."""
+    run_max_events: int = Field(default=32, ge=1)
+    """Outside deliveries one run takes at most, the oldest first (the user's messages and control are always all
+    taken); the rest are its session's next run, behind other sessions' work already due. It bounds how long a run
+    holds the database's write lock when it starts and when it commits, which acknowledgements queue behind."""
     run_max_tokens: int = 200_000
     """Model tokens (input + output) one run may use."""
     anthropic_api_key: SecretStr | None = None

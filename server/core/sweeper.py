@@ -25,6 +25,7 @@ from sqlalchemy import Engine, and_, delete, exists, or_, select, update
 
 from wakeful.server.core import sessions
 from wakeful.server.core.worker import any_poison_unheld, fail_poison_events
+from wakeful.server.observe import metrics
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import EventStatus, RunOutcome, approval_links, console_sessions, events, runs, todos
 from wakeful.server.store.tables import sessions as sessions_table
@@ -77,5 +78,6 @@ def sweep(engine: Engine, *, now: datetime, event_max_attempts: int) -> SweepRep
         signed_out = conn.execute(delete(console_sessions).where(console_sessions.c.expires_at <= now)).rowcount
         stale_links = conn.execute(delete(approval_links)
                                    .where(approval_links.c.expires_at <= now - LINK_KEPT)).rowcount
+    metrics.run_ended(RunOutcome.ABANDONED.value, count=abandoned)
     return SweepReport(abandoned_runs=abandoned, failed_events=failed, rescheduled=len(orphans), dropped_todos=dropped,
                        expired_sessions=signed_out, expired_links=stale_links)

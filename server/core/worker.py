@@ -10,8 +10,10 @@ One wake, end to end:
                         run → ended                                               ── one transaction
 A run that is interrupted (STOP, pause, the user's message) or fails commits none of its effects: its events stay
 pending for the next run, and a hold stays. A run that exhausts its budget commits what it did and tells the user.
-Every pending event of a session goes to its one next run: deliveries that arrived together are one run (the inbox
-makes an outside delivery due a short window after it arrived, so those that follow it join it).
+A session's pending events go to its one next run: deliveries that arrived together are one run (the inbox makes an
+outside delivery due a short window after it arrived, so those that follow it join it). A run takes at most
+`run_max_events` outside deliveries, the oldest first, and every preempting one (the user's messages, control); what
+it leaves is its session's next run, due behind the work other sessions already had due.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import Connection, Engine, Insert, and_, bindparam, select, update
+from sqlalchemy import Connection, Engine, Insert, and_, bindparam, false, select, true, union_all, update
 
 from wakeful.proxy.clock import Clock
 from wakeful.server.core import agenda, control, faults, helper_tasks, holds, outbox, sessions, timers, waits
@@ -192,6 +194,8 @@ class RunContext:
     token: int
     events: tuple[EventView, ...]
     todo_version: int | None
+    left_pending: bool
+    """The run took its `run_max_events` and more may wait: its session is due again, behind those due before."""
     lease_until: datetime
     _worker: Worker
     _started: float
@@ -471,7 +475,8 @@ class Worker:
                 session_id, token = claimed
                 user_id = users_of.pop(session_id)
                 fail_poison_events(conn, session_id=session_id, cap=self.settings.event_max_attempts, now=now)
-                pending = sorted(conn.execute(_TAKE_PENDING, {"session": session_id}),  # attempts counted
+                cap = self.settings.run_max_events
+                pending = sorted(conn.execute(_TAKE_PENDING, {"session": session_id, "cap": cap}),  # attempts counted
                                  key=lambda e: (e.received_at, e.id))
                 if not pending:
                     sessions.settle_todo(conn, session_id=session_id,
@@ -490,6 +495,7 @@ class Worker:
                 metrics.run_started(now, views)
                 return RunContext(run_id=run_id, session_id=session_id, user_id=user_id, token=token, events=views,
                                   todo_version=sessions.todo_version(conn, session_id),
+                                  left_pending=sum(not e.preempt for e in pending) >= cap,
                                   lease_until=now + self.settings.lease, _worker=self, _started=time.monotonic(),
                                   prior=_resumable_decisions(conn, session_id, run_id))
         return None
@@ -541,7 +547,8 @@ class Worker:
                                          "is saved.", "kind": "budget_exhausted"})
                 conn.execute(_PROCESSED, {"ids": ids, "status": EventStatus.PROCESSED.value, "run_id": ctx.run_id,
                                           "settled_at": now})
-                sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=ctx.todo_version, retry_at=None)
+                sessions.settle_todo(conn, session_id=ctx.session_id, seen_version=ctx.todo_version,
+                                     retry_at=now if ctx.left_pending else None)
             elif outcome is RunOutcome.INTERRUPTED:
                 # Not the events' fault: give the attempt back; the todo stays due for after START / resume.
                 conn.execute(_GIVE_ATTEMPT_BACK, {"ids": ids})
@@ -562,15 +569,25 @@ class Worker:
 
 # The statements of every run, built once (see `sessions`): a run executes them holding the write lock. An `UPDATE`
 # without `values()` sets the columns its parameters name.
-_TAKE_PENDING = (update(events).where(and_(events.c.session_id == bindparam("session"),
-                                           events.c.status == EventStatus.PENDING.value))
+# A run takes the user's messages and control (`preempt`) all, and the oldest `cap` of the rest: the cap bounds how
+# long its claim and its commit hold the write lock, whatever burst waits (the inbox's acknowledgements queue behind
+# that lock). Taking every preempting event keeps a run from being interrupted by one it was not handed.
+_PENDING = and_(events.c.session_id == bindparam("session"), events.c.status == EventStatus.PENDING.value)
+# One list of IDs, both parts read from the (session, status, preempt, received_at) index, then each row by its key:
+# a condition on the rows themselves would be tested on every pending event of the session, all of a burst's
+# thousands (and on PostgreSQL two lists OR'd were a scan of the whole table).
+_OLDEST = (select(events.c.id).where(_PENDING, events.c.preempt == false())
+           .order_by(events.c.received_at, events.c.id).limit(bindparam("cap")).subquery())
+_TAKE_PENDING = (update(events)
+                 .where(events.c.id.in_(union_all(select(events.c.id).where(_PENDING, events.c.preempt == true()),
+                                                  select(_OLDEST.c.id))))
                  .values(attempts=events.c.attempts + 1)
                  .returning(*events.c))
 _GIVE_ATTEMPT_BACK = (update(events).where(events.c.id.in_(bindparam("ids", expanding=True)))
                       .values(attempts=events.c.attempts - 1))
 _START_RUN = runs.insert()
 _PREEMPTING = (select(events.c.id)
-               .where(and_(events.c.session_id == bindparam("session_id"), events.c.preempt.is_(True),
+               .where(and_(events.c.session_id == bindparam("session_id"), events.c.preempt == true(),
                            events.c.status == EventStatus.PENDING.value,
                            events.c.id.not_in(bindparam("handed", expanding=True))))
                .limit(1))

@@ -89,13 +89,25 @@ def _kept_token(settings: Settings) -> str | None:
         return None
 
 
-def decider_token(settings: Settings) -> str:
-    """The running server's channel token (for `wakeful proxy`)."""
-    try:
-        return _token_path(settings).read_text().strip()
-    except FileNotFoundError:
-        raise WakefulError("decider_unavailable", f"no running `wakeful serve` for {settings.data_dir}: start it "
-                                                  "first (it answers the proxy's policy questions)") from None
+def decider_token(settings: Settings, *, wait: float = 0.0) -> str:
+    """The running server's channel token (for `wakeful proxy`), waiting up to `wait` seconds for `wakeful api` to
+    write it as it starts (under systemd the proxy's unit starts beside the api's)."""
+    path = _token_path(settings)
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        token = _kept_token(settings)
+        if token is not None:
+            return token
+        if time.monotonic() >= deadline:
+            break
+        if not said:
+            log.info("waiting up to %g s for `wakeful api` to open the decider channel (%s)", wait, path)
+            said = True
+        time.sleep(0.1)  # starting only: one file, read ten times a second for at most `wait`
+    within = f" within {wait:g} s" if wait else ""
+    raise WakefulError("decider_unavailable", f"no running `wakeful serve` or `wakeful api` for {settings.data_dir}"
+                                              f"{within}: start it first (it answers the proxy's policy questions)")
 
 
 class _InlineLookup:
@@ -353,15 +365,17 @@ class ProxyChild:
             self._watcher.join(timeout=15)
 
 
-def run_proxy(settings: Settings) -> None:
+def run_proxy(settings: Settings, *, await_api: float = 0.0) -> None:
     """`wakeful proxy`: serve on 127.0.0.1:<proxy_port> (and on `proxy_bridge_listen` for tool computers on the
-    isolated network) until SIGTERM, asking the running server's decider."""
+    isolated network) until SIGTERM, asking the running server's decider (waiting up to `await_api` seconds for it to
+    open its channel)."""
     from wakeful.proxy import server
     from wakeful.proxy.config import ProxyConfig
 
     keys = vault_keys(settings)
     config = ProxyConfig(
-        decider_socket=settings.decider_socket, decider_token=decider_token(settings), ca_dir=settings.proxy_dir,
+        decider_socket=settings.decider_socket, decider_token=decider_token(settings, wait=await_api),
+        ca_dir=settings.proxy_dir,
         keys=keys, listen_port=settings.proxy_port,
         vault=Vault(settings.vault_path, keys, key_file=None if _keys_in_env() else settings.vault_key_path),
         decider_timeout=settings.proxy_decider_timeout, upstream_cafile=settings.egress_upstream_ca,

@@ -55,7 +55,11 @@ def _vault_failed(exc: VaultError) -> typer.Exit:
 
 
 @proxy_app.callback()
-def proxy(ctx: typer.Context, data_dir: DataDir = None) -> None:
+def proxy(ctx: typer.Context, data_dir: DataDir = None,
+          await_api: Annotated[float, typer.Option(
+              "--await-api", min=0, metavar="SECONDS",
+              help="Wait up to this long for `wakeful api` to start (its systemd unit starts beside this one) "
+                   "instead of failing at once.")] = 0.0) -> None:
     """Without a subcommand: start the egress proxy on 127.0.0.1:<proxy_port> and run it until SIGTERM or Ctrl-C,
     asking a running `wakeful api` for every decision (`wakeful serve` starts both for you)."""
     if ctx.invoked_subcommand is not None:
@@ -70,7 +74,7 @@ def proxy(ctx: typer.Context, data_dir: DataDir = None) -> None:
     settings = settings_or_exit(data_dir, None)
     configure_logging(settings)  # `log_format`, secrets redacted: the same lines as the server's
     try:
-        run_proxy(settings)
+        run_proxy(settings, await_api=await_api)
     except WakefulError as exc:
         fail(exc)
     except VaultError as exc:

@@ -166,8 +166,10 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-def run_ended(outcome: str) -> None:
-    _m().runs.labels(outcome).inc()
+def run_ended(outcome: str, *, count: int = 1) -> None:
+    """`count` runs ended so: a worker's run as it commits, or the runs the sweeper wrote off (their worker died)."""
+    if count:
+        _m().runs.labels(outcome).inc(count)
 
 
 class RecordLike(Protocol):

@@ -23,9 +23,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.schema import Table
 
-__all__ = ["Busy", "OpenWrite", "begin_unless_busy", "bound", "connect_nowait", "current_revision", "insert_many",
-           "make_engine", "migrate", "newest_revision", "read", "sqlite_driver", "upsert", "write", "write_lock_time",
-           "write_unless_busy"]
+__all__ = ["Busy", "OpenWrite", "begin_unless_busy", "bound", "checkpoint", "connect_nowait", "current_revision",
+           "insert_many", "make_engine", "migrate", "newest_revision", "read", "sqlite_driver", "upsert", "write",
+           "write_lock_time", "write_unless_busy"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -178,6 +178,19 @@ def connect_nowait(engine: Engine) -> Connection:
     conn.detach()  # the pool must not hand this connection, with its busy timeout of 0, to anyone else
     sqlite_driver(conn).execute("PRAGMA busy_timeout = 0")
     return conn
+
+
+def checkpoint(engine: Engine) -> None:
+    """Copy SQLite's write-ahead log into the database, so that the next writer starts the log over.
+
+    First without waiting for anyone: the bulk of it, while this process's writers go on (a `PASSIVE` checkpoint).
+    Then, holding this process's write lock, what they wrote meanwhile, which is little: while they go on, a
+    checkpoint never catches up with the log's end, and SQLite starts the log over only once one has."""
+    with engine.connect() as conn:
+        driver = sqlite_driver(conn)
+        driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        with _writer_lock(engine):
+            driver.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
 
 
 class OpenWrite:

@@ -499,7 +499,7 @@ events = Table(
     _now_col("settled_at"),
     Column("authority", String(120), nullable=False),  # who sent it (`server.core.authority`)
     UniqueConstraint("source", "source_id"),
-    Index(None, "session_id", "status"),
+    Index(None, "session_id", "status", "preempt", "received_at", "id"),  # a session's pending events, oldest first
     Index(None, "status", "attempts"),  # pending events and poison ones, without reading the settled ones
     Index(None, "user_id", "corr_key"),
     Index(None, "user_id", "received_at"),  # the console's activity, newest first

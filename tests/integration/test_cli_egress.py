@@ -6,17 +6,21 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
 import httpx
 
 from tests.integration.test_cli import run
+from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess, free_port
 from wakeful.proxy.contract import RefusalCode
 from wakeful.proxy.rewrite import COOKIE_HEADERS, CREDENTIAL_HEADERS
 from wakeful.proxy.vault import Vault, load_keys
 from wakeful.proxy.wire import REQUEST_TOO_LARGE, UPSTREAM_FAILED, UPSTREAM_TIMEOUT, refusal_status
+from wakeful.server.egress.proxyctl import new_decider_token
+from wakeful.server.settings import Settings
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "egress.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", DOC, re.S)
@@ -129,3 +133,42 @@ def test_an_egress_policy_with_a_typo_stops_serve_with_the_line(tmp_path: Path) 
     result = subprocess.run([WAKEFUL, "serve"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "invalid_egress_policy" in result.stderr and "line 3" in result.stderr and "hots" in result.stderr
+
+
+def _proxy_env(data_dir: Path, port: int) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}
+    return clean | {"WAKEFUL_DATA_DIR": str(data_dir), "WAKEFUL_PROXY_PORT": str(port)}
+
+
+def _answers(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_proxy_await_api_waits_for_the_api_to_open_the_channel_then_serves(tmp_path: Path) -> None:
+    """Under systemd the proxy's unit starts as soon as the api's: without `--await-api` it would fail and be
+    restarted until the api has written the channel's token."""
+    port = free_port()
+    log = tmp_path / "proxy.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([WAKEFUL, "proxy", "--await-api", "60"], env=_proxy_env(tmp_path, port),
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        waiting = "waiting up to 60 s for `wakeful api`"
+        wait_until(lambda: proc.poll() is not None or waiting in log.read_text(), 60, "the proxy saying it waits")
+        assert proc.poll() is None and not _answers(port), log.read_text()
+        new_decider_token(Settings(data_dir=tmp_path))  # what `wakeful api` does as it starts
+        wait_until(lambda: _answers(port), 60, "the proxy listening once the token is there")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "Traceback" not in log.read_text()
+
+
+def test_proxy_await_api_gives_up_with_decider_unavailable(tmp_path: Path) -> None:
+    result = subprocess.run([WAKEFUL, "proxy", "--await-api", "1"], env=_proxy_env(tmp_path, free_port()),
+                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert result.returncode == 2, result.stderr
+    assert "decider_unavailable" in result.stderr and "within 1 s" in result.stderr
+    assert "Traceback" not in result.stderr

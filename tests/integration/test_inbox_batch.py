@@ -211,3 +211,35 @@ def test_the_event_loop_keeps_turning_while_a_batch_syncs_and_answers_only_once_
         committer.stop()
     assert loop_blocked == [False] and not answered_before_durable
     assert not recorded.duplicate and shape(engine)[:3] == (1, 1, 1)
+
+
+async def _persist_in_batches(committer: GroupCommitter, user: str, *, batches: int, size: int) -> None:
+    for b in range(batches):  # all of one gather arrive in one turn of the loop: one batch, one commit
+        await _persist_all(committer, [Delivery(user_id=user, source="hook", source_id=f"d{b}-{i}",
+                                                payload={"note": "x" * 200}) for i in range(size)])
+
+
+def _log_after_batches(path: Path, template: Path, *, checkpoint_every: float) -> int:
+    """Bytes in the write-ahead log after 400 batches of 10 deliveries, before the last connection closes (and
+    SQLite removes the log)."""
+    engine, user = fresh(path, template)
+    committer = GroupCommitter(engine, FakeClock(), checkpoint_every=checkpoint_every)
+    committer.start()
+    try:
+        asyncio.run(_persist_in_batches(committer, user, batches=400, size=10))
+        log_bytes = Path(f"{path}-wal").stat().st_size
+    finally:
+        committer.stop()
+    assert shape(engine)[0] == 4000
+    return log_bytes
+
+
+def test_the_loops_commits_leave_the_log_to_the_checkpointing_thread(tmp_path: Path, sqlite_template: Path) -> None:
+    """SQLite would checkpoint in the committing thread past 1,000 pages (4 MiB), and the next batch would wait for
+    it; with no checkpoint due, the log grows past that instead."""
+    assert _log_after_batches(tmp_path / "inbox.db", sqlite_template, checkpoint_every=3600.0) > 5 << 20
+
+
+def test_the_checkpointing_thread_keeps_the_log_small_while_the_loop_writes(
+        tmp_path: Path, sqlite_template: Path) -> None:
+    assert _log_after_batches(tmp_path / "inbox.db", sqlite_template, checkpoint_every=0.0) < 2 << 20

@@ -9,17 +9,19 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import Engine, event
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import Engine, event, select
 
 from tests.support.records import event_rows, messages, run_rows
 from wakeful.proxy.clock import FakeClock
-from wakeful.server.core import control, inbox, sessions
+from wakeful.server.core import control, holds, inbox, sessions
 from wakeful.server.core.worker import InboxRate, RunContext, RunShare, Worker, rest_after_run
 from wakeful.server.errors import StaleToken
 from wakeful.server.harness.handlers import EchoHandler, ScriptedHandler
+from wakeful.server.observe import metrics
 from wakeful.server.runtime import Role, Runtime, run_costs_cpu
-from wakeful.server.store.db import write, write_lock_time
-from wakeful.server.store.tables import ControlKind, EventStatus, RunOutcome
+from wakeful.server.store.db import read, write, write_lock_time
+from wakeful.server.store.tables import ControlKind, EventStatus, RunOutcome, tasks
 
 
 def deliver(engine: Engine, clock: FakeClock, owner: str, source_id: str, key: str | None = "thread-1") -> str:
@@ -155,6 +157,33 @@ def test_events_arriving_during_a_run_are_held_and_handed_to_the_next_run_togeth
     assert [m["source_ids"] for m in messages(engine)] == [["hook:d1"], ["hook:d2", "hook:d3"]]
 
 
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+def test_a_burst_is_taken_a_capped_run_at_a_time_oldest_first_without_starving_other_sessions(
+        runtime: Runtime, engine: Engine, clock: FakeClock, owner: str) -> None:
+    settings = runtime.settings.model_copy(update={"run_max_events": 3})
+    for i in range(7):  # the burst: one triage session, seven deliveries
+        deliver(engine, clock, owner, f"d{i}", key=None)
+        clock.advance(timedelta(milliseconds=1))
+    tasks_keyed(engine, clock, owner, "thread-b")  # another session's work, due after the burst's
+    with read(engine) as conn:
+        task_id = conn.execute(select(tasks.c.id)).scalar_one()
+    deliver(engine, clock, owner, "b", key="thread-b")
+    with write(engine) as conn:  # the user writes about the task four times: more preempting events than the cap
+        for text in ("one", "two", "three", "four"):
+            holds.say(conn, user_id=owner, task_id=task_id, text=text, actor="user", now=clock.now())
+    clock.advance(timedelta(milliseconds=1))
+    worker = Worker(engine, settings, clock, EchoHandler())
+    while worker.run_once():
+        clock.advance(timedelta(milliseconds=1))
+    runs = [m["source_ids"] for m in messages(engine)]
+    chat = [e.source + ":" + e.source_id for e in event_rows(engine) if e.source == holds.CHAT_SOURCE]
+    # The oldest three; then the session due before the burst's rest, with every message (past the cap).
+    assert runs == [["hook:d0", "hook:d1", "hook:d2"],
+                    [f"delegation:{task_id}", "hook:b", *chat],
+                    ["hook:d3", "hook:d4", "hook:d5"], ["hook:d6"]]
+    assert {e.status for e in event_rows(engine)} == {EventStatus.PROCESSED}
+
+
 def test_different_sessions_are_claimed_independently(runtime: Runtime, engine: Engine, clock: FakeClock,
                                                        owner: str) -> None:
     tasks_keyed(engine, clock, owner, "thread-a", "thread-b")
@@ -269,14 +298,25 @@ def test_daily_budget_defers_new_runs_to_the_next_day_without_losing_events(
     assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED, EventStatus.PROCESSED]
 
 
+def runs_counted(engine: Engine, outcome: RunOutcome) -> float:
+    """`wakeful_runs_total{outcome=…}` in what `GET /metrics` would answer now."""
+    for family in text_string_to_metric_families(metrics.exposition(engine).decode()):
+        for sample in family.samples:
+            if sample.name == "wakeful_runs_total" and sample.labels.get("outcome") == outcome.value:
+                return sample.value
+    return 0.0
+
+
 def test_abandoned_run_is_swept_and_its_events_are_taken_over(runtime: Runtime, engine: Engine, clock: FakeClock,
                                                               owner: str) -> None:
     deliver(engine, clock, owner, "d1")
+    counted = runs_counted(engine, RunOutcome.ABANDONED)
     dead = Worker(engine, runtime.settings, clock, EchoHandler())._claim()  # then the process "dies"
     assert dead is not None
     clock.advance(runtime.settings.lease + timedelta(seconds=1))
     runtime.sweep_once()
     assert [r.outcome for r in run_rows(engine)] == [RunOutcome.ABANDONED]
+    assert runs_counted(engine, RunOutcome.ABANDONED) == counted + 1  # wakeful_runs_total counts it too
     assert Worker(engine, runtime.settings, clock, EchoHandler()).run_once()
     assert [e.status for e in event_rows(engine)] == [EventStatus.PROCESSED]
     assert len(messages(engine)) == 1
