@@ -180,7 +180,7 @@ def _probe(lab: ComputerLab, spoof: str) -> tuple[set[bytes], bool]:
         sink.settimeout(3.0)
         args = [host, str(sink.getsockname()[1]), place.address, spoof, place.mac, "52:54:00:de:ad:01", host_mac]
         sent = lab.channel.run(["python3", "-c", PROBE, *args], timeout=120)
-        assert sent.stdout.strip() == "sent", sent
+        assert sent.stdout.strip() == b"sent", sent
         got: set[bytes] = set()
         with contextlib.suppress(TimeoutError):
             while True:
