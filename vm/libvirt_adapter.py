@@ -121,8 +121,11 @@ class LibvirtHypervisor:
         with self._calling(name, "find"):
             return conn.lookupByName(name)
 
-    def _xml(self, name: str, dom: libvirt.virDomain) -> str:
+    def _xml(self, name: str, dom: libvirt.virDomain, *, saved: bool = False) -> str:
+        """The domain's definition, or with `saved` the one in its managed-save image (the test driver keeps none)."""
         with self._calling(name, "read the definition of"):
+            if saved and not self._test_driver:
+                return str(dom.managedSaveGetXMLDesc(0))
             return str(dom.XMLDesc(0))
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -160,9 +163,10 @@ class LibvirtHypervisor:
             raise IllegalTransition(f"{name} has no saved state to restore", vm=name)
         spare = self._second_name(name)
         try:
-            # libvirt starts from the managed-save image when there is one; given up, the state is saved again
-            self._filtered(name, self._xml(name, dom), "restore", dom.createWithFlags, libvirt.VIR_DOMAIN_START_PAUSED,
-                           give_up=lambda: dom.managedSave(0))
+            # libvirt starts from the managed-save image when there is one, with the definition saved in it (the
+            # binding is read from there); given up, the state is saved again
+            self._filtered(name, self._xml(name, dom, saved=True), "restore", dom.createWithFlags,
+                           libvirt.VIR_DOMAIN_START_PAUSED, give_up=lambda: dom.managedSave(0))
         finally:
             if spare is not None:
                 threading.Thread(target=_unlink, args=(spare,), name=f"unlink-{name}", daemon=True).start()
