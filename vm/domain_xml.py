@@ -7,7 +7,7 @@ Security-relevant choices, all checked by unit tests that parse the XML back:
   production hosts a VM may instead join an isolated libvirt network (`DomainSpec.bridge`): a virtio interface
   with a fixed MAC on a tap of a fixed name (`tap_name`), and libvirt's `clean-traffic` filter pinning its reserved
   address. The filter is not a `<filterref>` on the interface: libvirt would tear it down at every stop and build it
-  again at every start, 127 ebtables/iptables runs, 1.4-1.7 s of each restore (measured). It is a libvirt filter
+  again at every start, 127 ebtables/iptables runs, ~1.4 s of each restore (measured). It is a libvirt filter
   binding on the tap's name instead, made from `<metadata>` (`FilterBinding`) while the VM is still paused and kept
   from one start to the next (see `vm.libvirt_adapter`): the same rules, built once per VM.
 * the proxy guest forward uses the per-connection `cmd:` form. The `tcp:` chardev form is a single stream opened

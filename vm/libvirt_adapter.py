@@ -10,7 +10,7 @@ What libvirt 9.0 does and does not do here (measured):
   stopped domain — drop the layers above the frozen one, stack a fresh overlay with `qemu-img`, point the disk at it.
   That needs the files on this host, so revert works on local connections only.
 * a `<filterref>` on an interface is torn down at every stop and built again at every start: for `clean-traffic`
-  127 ebtables/iptables runs, 1.4-1.7 s of every restore under TCG. A domain on an isolated network instead names
+  127 ebtables/iptables runs, ~1.4 s of every restore. A domain on an isolated network instead names
   its binding in `<metadata>` (`domain_xml.FilterBinding`): every start and restore here runs it paused, makes sure
   the binding exists on its tap as described (creates or replaces it: the tap exists now, so libvirt instantiates
   it), and only then resumes it. The rules match the tap by name, so a binding made once keeps filtering the tap
