@@ -287,7 +287,9 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
     notes = [
         f"acceleration: {f.accel}",
         "1 GiB, 1 vCPU guest from the real image; Chromium showing a page reached through the real egress proxy",
-        "networking: " + ("an isolated libvirt network (SSH to the VM's address; CDP through SSH)" if network
+        "networking: " + ("an isolated libvirt network (SSH to the VM's address; CDP through SSH); its clean-traffic "
+                          "filter is a binding made at the cold boot and kept on the VM's tap, so neither our "
+                          "restore nor the bare one rebuilds it" if network
                           else "QEMU user-mode (SSH through a 127.0.0.1 forward; CDP through SSH)"),
         "restore → first fresh observation = `VmManager.ensure_running` until the after-restore hook "
         "(`ToolComputer.after_restore(observe=True)`) returned; the baseline stops when `virsh restore` returns "

@@ -68,8 +68,8 @@ class NetworkInfo:
 @dataclass(frozen=True, kw_only=True)
 class BridgePlace:
     """A VM's fixed place on an isolated libvirt network: its MAC, and the address a DHCP reservation gives it.
-    The domain's interface carries libvirt's `clean-traffic` filter with this address, so the VM cannot send from
-    another one: the egress proxy knows the VM by it."""
+    libvirt's `clean-traffic` filter with this address and MAC holds on the VM's tap (a binding made before the VM
+    runs, see `vm.libvirt_adapter`), so the VM cannot send from another one: the egress proxy knows the VM by it."""
 
     network: str
     mac: str

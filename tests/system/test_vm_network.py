@@ -1,8 +1,7 @@
 """The isolated network of infra/README.md on the real libvirtd: defined exactly as the doc shows, and a tool
-computer's domain on it accepted by the real QEMU driver with its anti-spoofing filter.
-
-Neither is started: starting the network would put a bridge with a private-range address on this host, and traffic
-here may go only to loopback. Starting them is left to production hosts; everything up to it is checked here.
+computer's domain on it accepted by the real QEMU driver with its anti-spoofing filter named for the binding made
+before it runs. Neither is started here; test_vm_network_restore.py starts both (a network of its own, nothing
+leaves the host) and proves spoofing is blocked across restores.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from wakeful.vm.domain_xml import ANTI_SPOOFING
+from wakeful.vm.domain_xml import ANTI_SPOOFING, FilterBinding, filter_binding_of, tap_name
 from wakeful.vm.errors import NetworkUnusable
 from wakeful.vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
@@ -59,7 +58,7 @@ def test_the_documented_network_defines_isolated_and_is_refused_until_started(ne
         LibvirtHypervisor(URI).network(network)
 
 
-def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_the_anti_spoofing_filter(
+def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_its_anti_spoofing_binding(
         network: str, tmp_path: Path) -> None:
     filters = virsh("nwfilter-list").stdout
     assert re.search(rf"\s{ANTI_SPOOFING}\s*$", filters, re.MULTILINE), (
@@ -78,9 +77,11 @@ def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_the_anti_spoofing
         (nic,) = root.findall("devices/interface")
         assert nic.get("type") == "network" and nic.find("source").get("network") == network  # type: ignore[union-attr]
         assert nic.find("mac").get("address") == place.mac  # type: ignore[union-attr]
-        spoofing = nic.find("filterref")
-        assert spoofing is not None and spoofing.get("filter") == ANTI_SPOOFING
-        assert [(p.get("name"), p.get("value")) for p in spoofing.findall("parameter")] == [("IP", place.address)]
+        assert nic.find("target").get("dev") == tap_name(spec.name)  # type: ignore[union-attr]
+        assert nic.find("filterref") is None, "the filter is a binding made at each start, not rebuilt by libvirt"
+        assert filter_binding_of(ET.tostring(root, encoding="unicode")) == FilterBinding(
+            portdev=tap_name(spec.name), mac=place.mac, address=place.address, filter=ANTI_SPOOFING), (
+            "the real driver keeps the binding wakeful makes before the VM runs (see test_vm_network_restore.py)")
         assert "hostfwd" not in ET.tostring(root, encoding="unicode"), "no host port is forwarded"
     finally:
         hv.undefine(spec.name)

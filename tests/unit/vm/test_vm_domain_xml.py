@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from wakeful.vm.domain_xml import QEMU_NS, RELAY, SANDBOX, domain_xml
+from wakeful.vm.domain_xml import QEMU_NS, RELAY, SANDBOX, FilterBinding, domain_xml, filter_binding_of, tap_name
 from wakeful.vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards, ProxyCredential
 
 
@@ -138,18 +138,48 @@ def test_a_malformed_proxy_credential_is_refused(user_id: str, token: str) -> No
         ProxyCredential(user_id=user_id, token=token)
 
 
-def test_on_an_isolated_network_the_vm_has_one_filtered_interface_and_no_user_mode_networking() -> None:
+def test_on_an_isolated_network_the_vm_has_one_interface_on_its_fixed_tap_and_no_user_mode_networking() -> None:
     place = BridgePlace(network="wakeful", mac="52:54:00:ab:cd:ef", address="10.77.0.5")
-    root = ET.fromstring(domain_xml(replace(_spec(ssh=None, cdp=None, vnc=None, proxy=None), bridge=place)))
+    spec = replace(_spec(ssh=None, cdp=None, vnc=None, proxy=None), bridge=place)
+    root = ET.fromstring(domain_xml(spec))
     (nic,) = root.findall("devices/interface")
     assert nic.get("type") == "network"
     assert [(e.tag, e.attrib) for e in nic] == [
-        ("source", {"network": "wakeful"}), ("mac", {"address": "52:54:00:ab:cd:ef"}), ("model", {"type": "virtio"}),
-        ("filterref", {"filter": "clean-traffic"})]
-    assert [p.attrib for p in nic.findall("filterref/parameter")] == [{"name": "IP", "value": "10.77.0.5"}]
+        ("source", {"network": "wakeful"}), ("mac", {"address": "52:54:00:ab:cd:ef"}),
+        ("target", {"dev": tap_name(spec.name)}), ("model", {"type": "virtio"})], (
+        "no <filterref>: libvirt would tear it down and build it again at every stop and start")
     args = _qemu_args(root)
     assert "-netdev" not in args and not any("hostfwd" in a or "guestfwd" in a for a in args)
     assert args == ["-sandbox", SANDBOX], "the seccomp sandbox stays; nothing else is added"
+
+
+def test_on_an_isolated_network_the_domain_names_its_anti_spoofing_binding_on_that_tap() -> None:
+    place = BridgePlace(network="wakeful", mac="52:54:00:ab:cd:ef", address="10.77.0.5")
+    spec = replace(_spec(ssh=None, cdp=None, vnc=None, proxy=None), bridge=place)
+    assert filter_binding_of(domain_xml(spec)) == FilterBinding(
+        portdev=tap_name(spec.name), mac="52:54:00:ab:cd:ef", address="10.77.0.5", filter="clean-traffic")
+    assert filter_binding_of(domain_xml(_spec())) is None, "user-mode networking: nothing to bind"
+
+
+def test_the_binding_libvirt_is_given_is_clean_traffic_on_the_tap_with_the_mac_and_the_only_address() -> None:
+    binding = FilterBinding(portdev="wk0123456789ab", mac="52:54:00:ab:cd:ef", address="10.77.0.5")
+    root = ET.fromstring(binding.xml(owner="wk-alice", uuid="6f1c0f5e-0000-4000-8000-000000000001"))
+    assert root.tag == "filterbinding"
+    assert (root.findtext("owner/name"), root.findtext("owner/uuid")) == (
+        "wk-alice", "6f1c0f5e-0000-4000-8000-000000000001")
+    assert root.find("portdev").attrib == {"name": "wk0123456789ab"}  # type: ignore[union-attr]
+    assert root.find("mac").attrib == {"address": "52:54:00:ab:cd:ef"}  # type: ignore[union-attr]
+    assert root.find("filterref").attrib == {"filter": "clean-traffic"}  # type: ignore[union-attr]
+    assert [p.attrib for p in root.findall("filterref/parameter")] == [{"name": "IP", "value": "10.77.0.5"}]
+    assert FilterBinding.parse(ET.tostring(root, encoding="unicode")) == binding
+    assert FilterBinding.parse(binding.xml(owner="x", uuid="u").replace("10.77.0.5", "10.77.0.6")) != binding, (
+        "a binding that names another address is not the one wanted: it is replaced")
+
+
+def test_tap_names_are_fixed_per_domain_short_enough_and_never_one_libvirt_would_rename() -> None:
+    names = {tap_name(f"wk-user{i}") for i in range(200)}
+    assert len(names) == 200 and tap_name("wk-user1") == tap_name("wk-user1")
+    assert all(len(n) <= 15 and n.startswith("wk") and not n.startswith(("vnet", "macvtap", "vif")) for n in names)
 
 
 def test_on_user_mode_networking_there_is_no_libvirt_interface() -> None:

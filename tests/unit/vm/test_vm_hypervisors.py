@@ -17,6 +17,7 @@ import libvirt  # noqa: TID251 - the tests define the networks the adapter only 
 import pytest
 
 from tests.support.polling import wait_until
+from wakeful.vm.domain_xml import FilterBinding, filter_binding_of, tap_name
 from wakeful.vm.errors import IllegalTransition, ImageMissing, NetworkUnusable, SnapshotNotFound, VmNotFound
 from wakeful.vm.fake import FakeHypervisor
 from wakeful.vm.hypervisor import Accel, BridgePlace, DomainSpec, DomainState, Forwards, Hypervisor
@@ -80,14 +81,14 @@ def test_a_restore_holds_a_second_name_of_the_saved_file_until_it_returned_and_t
         saved.write_bytes(b"memory")
         (saves / f".{spec.name}.save.restored").write_bytes(b"left by a crash")
         seen: list[int] = []
-        create = libvirt.virDomain.create
+        create = libvirt.virDomain.createWithFlags
 
-        def create_and_count(dom: libvirt.virDomain) -> int:
+        def create_and_count(dom: libvirt.virDomain, flags: int = 0) -> int:
             seen.append(saved.stat().st_nlink)
-            return create(dom)
+            return create(dom, flags)
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(libvirt.virDomain, "create", create_and_count)
+            patch.setattr(libvirt.virDomain, "createWithFlags", create_and_count)
             hv.restore(spec.name)
         assert seen == [2], "libvirt started from a file with a second name"
         assert hv.state(spec.name) is DomainState.RUNNING
@@ -283,4 +284,7 @@ def test_a_domain_on_the_isolated_network_defines_with_its_filtered_interface(
         nic = root.find("devices/interface[@type='network']")
         assert nic is not None and nic.find("source").get("network") == isolated  # type: ignore[union-attr]
         assert nic.find("mac").get("address") == place.mac  # type: ignore[union-attr]
-        assert nic.find("filterref").get("filter") == "clean-traffic"  # type: ignore[union-attr]
+        assert nic.find("target").get("dev") == tap_name(spec.name), "the tap the binding is keyed on"  # type: ignore[union-attr]
+        assert nic.find("filterref") is None, "no filter libvirt would build again at every start"
+        assert filter_binding_of(ET.tostring(root, encoding="unicode")) == FilterBinding(
+            portdev=tap_name(spec.name), mac=place.mac, address=place.address, filter="clean-traffic")
