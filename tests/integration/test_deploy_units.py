@@ -77,12 +77,13 @@ def test_each_service_runs_as_wakeful_with_only_its_data_directory_writable(unit
 def test_each_service_starts_a_wakeful_command_the_cli_has(unit: Path) -> None:
     start = _directives(unit)["ExecStart"]
     assert len(start) == 1
-    binary, command = start[0].split()
+    binary, command, *options = start[0].split()
     assert binary == "/opt/wakeful/.venv/bin/wakeful"
     assert command in {"api", "worker", "proxy"}
     wakeful = shutil.which("wakeful", path=str(Path(sys.executable).parent))
     assert wakeful
-    result = subprocess.run([wakeful, command, "--help"], capture_output=True, text=True, timeout=60)
+    # With the unit's options: one the command does not have is refused before `--help` is read.
+    result = subprocess.run([wakeful, command, *options, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 
