@@ -92,19 +92,15 @@ def _kept_token(settings: Settings) -> str | None:
 def decider_token(settings: Settings, *, wait: float = 0.0) -> str:
     """The running server's channel token (for `wakeful proxy`), waiting up to `wait` seconds for `wakeful api` to
     write it as it starts (under systemd the proxy's unit starts beside the api's)."""
-    path = _token_path(settings)
     deadline = time.monotonic() + wait
-    said = False
-    while True:
-        token = _kept_token(settings)
-        if token is not None:
-            return token
-        if time.monotonic() >= deadline:
-            break
-        if not said:
-            log.info("waiting up to %g s for `wakeful api` to open the decider channel (%s)", wait, path)
-            said = True
+    token = _kept_token(settings)
+    if token is None and wait:
+        log.info("waiting up to %g s for `wakeful api` to open the decider channel (%s)", wait, _token_path(settings))
+    while token is None and time.monotonic() < deadline:
         time.sleep(0.1)  # starting only: one file, read ten times a second for at most `wait`
+        token = _kept_token(settings)
+    if token is not None:
+        return token
     within = f" within {wait:g} s" if wait else ""
     raise WakefulError("decider_unavailable", f"no running `wakeful serve` or `wakeful api` for {settings.data_dir}"
                                               f"{within}: start it first (it answers the proxy's policy questions)")
