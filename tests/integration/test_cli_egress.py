@@ -26,10 +26,14 @@ DOC = (Path(__file__).resolve().parents[2] / "docs" / "egress.md").read_text()
 BLOCKS = re.findall(r"```bash\n(.*?)```", DOC, re.S)
 
 
-def _bash(data_dir: Path, script: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _env(data_dir: Path, **env: str) -> dict[str, str]:
+    """This environment without any WAKEFUL_ setting, pointed at `data_dir`."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}
-    clean |= {"WAKEFUL_DATA_DIR": str(data_dir), "PATH": f"{WAKEFUL.parent}:{clean.get('PATH', '/usr/bin:/bin')}",
-              **env}
+    return clean | {"WAKEFUL_DATA_DIR": str(data_dir), **env}
+
+
+def _bash(data_dir: Path, script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = _env(data_dir, PATH=f"{WAKEFUL.parent}:{os.environ.get('PATH', '/usr/bin:/bin')}", **env)
     result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=clean, capture_output=True, text=True,
                             timeout=120, cwd=data_dir)
     assert result.returncode == 0, result.stderr
@@ -135,11 +139,6 @@ def test_an_egress_policy_with_a_typo_stops_serve_with_the_line(tmp_path: Path) 
     assert "invalid_egress_policy" in result.stderr and "line 3" in result.stderr and "hots" in result.stderr
 
 
-def _proxy_env(data_dir: Path, port: int) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("WAKEFUL_")}
-    return clean | {"WAKEFUL_DATA_DIR": str(data_dir), "WAKEFUL_PROXY_PORT": str(port)}
-
-
 def _answers(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
@@ -152,8 +151,9 @@ def test_proxy_await_api_waits_for_the_api_to_open_the_channel_then_serves(tmp_p
     port = free_port()
     log = tmp_path / "proxy.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([WAKEFUL, "proxy", "--await-api", "60"], env=_proxy_env(tmp_path, port),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen([WAKEFUL, "proxy", "--await-api", "60"],
+                                env=_env(tmp_path, WAKEFUL_PROXY_PORT=str(port)), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         waiting = "waiting up to 60 s for `wakeful api`"
         wait_until(lambda: proc.poll() is not None or waiting in log.read_text(), 60, "the proxy saying it waits")
@@ -167,8 +167,9 @@ def test_proxy_await_api_waits_for_the_api_to_open_the_channel_then_serves(tmp_p
 
 
 def test_proxy_await_api_gives_up_with_decider_unavailable(tmp_path: Path) -> None:
-    result = subprocess.run([WAKEFUL, "proxy", "--await-api", "1"], env=_proxy_env(tmp_path, free_port()),
-                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    result = subprocess.run([WAKEFUL, "proxy", "--await-api", "1"],
+                            env=_env(tmp_path, WAKEFUL_PROXY_PORT=str(free_port())), capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert result.returncode == 2, result.stderr
     assert "decider_unavailable" in result.stderr and "within 1 s" in result.stderr
     assert "Traceback" not in result.stderr
