@@ -2,9 +2,10 @@
 where podman and a local Debian 12 base image are at hand, the image built and serving, under systemd, and the
 compose file brought up with podman-compose on the Debian-built PostgreSQL image (infra/container/postgres/).
 
-The build tests need a base image already in local storage (no registry is reached): set WAKEFUL_CONTAINER_BASE to
-its name, e.g. one imported from a debootstrap tree (docs/deploy.md, "A container"). The PostgreSQL image and the
-systemd test take Debian packages from the mirror the base's sources.list names."""
+The build tests need a Debian 12 base image already in local storage (no registry is reached): the one
+`scripts/container-base` makes from a debootstrap tree (`scripts/install --all` runs it as root), or another named by
+WAKEFUL_CONTAINER_BASE. The PostgreSQL image and the systemd test take Debian packages from the mirror the base's
+sources.list names."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_the_entrypoint_refuses_a_data_directory_another_user_owns(tmp_path: Pat
     assert not (data_dir / "wakeful.db").exists()
 
 
-BASE = os.environ.get("WAKEFUL_CONTAINER_BASE", "")
+BASE = os.environ.get("WAKEFUL_CONTAINER_BASE") or "localhost/wakeful-base:bookworm"  # scripts/container-base's
 
 
 def _has_image(name: str) -> bool:
@@ -102,8 +103,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-needs_base = pytest.mark.skipif(not _has_image(BASE), reason="needs podman and a local Debian 12 base image named by "
-                                                                "WAKEFUL_CONTAINER_BASE (no registry is reached here)")
+needs_base = pytest.mark.skipif(not _has_image(BASE), reason=f"needs podman and the local Debian 12 base image {BASE} "
+                                                                "(scripts/container-base; no registry is reached)")
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +234,7 @@ def _service_names_resolve() -> bool:
 needs_compose = pytest.mark.skipif(
     not _has_image(BASE) or shutil.which("podman-compose") is None or not _service_names_resolve(),
     reason="needs podman, podman-compose, DNS on podman networks (Debian: golang-github-containernetworking-plugin-"
-           "dnsname) and a local Debian 12 base image named by WAKEFUL_CONTAINER_BASE")
+           f"dnsname) and the local Debian 12 base image {BASE} (scripts/container-base)")
 
 
 @pytest.fixture(scope="module")
