@@ -144,6 +144,16 @@ class HostTunnel:
         self._keeper: threading.Thread | None = None
 
     @property
+    def proxy(self) -> tuple[str, int] | None:
+        """Where the loopback forward goes (user-mode networking), if it is made."""
+        return self._proxy
+
+    @property
+    def network(self) -> NetworkForward | None:
+        """The isolated network's forward, if it is made instead."""
+        return self._network
+
+    @property
     def where(self) -> str:
         return f"host {self.name} ({self.ssh.user}@{self.ssh.host}:{self.ssh.port})"
 

@@ -9,10 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from tests.support.sshd import keygen
-from wakeful.server.computers.pool import host_tunnel, hypervisor_for
+from wakeful.server.computers.pool import default_link, host_tunnel, hypervisor_for
 from wakeful.server.settings import ComputerHost, Settings, load_settings
 from wakeful.vm.guest import BadKey
-from wakeful.vm.host_tunnel import HostTunnel
+from wakeful.vm.host_tunnel import HostTunnel, NetworkForward
 from wakeful.vm.hosts import HostFleet
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.placement import HostMark, HostSpec
@@ -127,10 +127,31 @@ def test_an_impossible_ssh_target_or_host_key_is_refused_naming_the_field(tmp_pa
         Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[{**REMOTE, field: value}])
 
 
-def test_hosts_over_ssh_on_an_isolated_network_are_refused_saying_why(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="source address"):
-        Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[REMOTE],
-                 computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128")
+def test_hosts_over_ssh_on_an_isolated_network_are_accepted_and_the_proxy_takes_them_on_its_relay_socket(
+        tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[REMOTE],
+                        computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128")
+    assert settings.proxy_relay_socket == tmp_path / "run" / "proxy-relay.sock"
+
+
+def test_the_relay_socket_exists_only_for_hosts_over_ssh_on_an_isolated_network(tmp_path: Path) -> None:
+    local = {"name": "kvm1", "uri": "qemu:///system", "memory_mib": 4096}
+    assert Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[local],
+                    computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128").proxy_relay_socket is None
+    assert Settings(data_dir=tmp_path, computer_shared_dir=tmp_path,
+                    computer_hosts=[REMOTE]).proxy_relay_socket is None  # user-mode: the credential names the VM
+
+
+def test_on_an_isolated_network_the_link_forwards_the_networks_address_to_the_relay_socket(tmp_path: Path) -> None:
+    host_key = keygen(tmp_path / "host")
+    keygen(tmp_path / "client")
+    remote = {**REMOTE, "ssh_host_key": host_key, "ssh_key": str(tmp_path / "client")}
+    settings = Settings(data_dir=tmp_path, computer_shared_dir=tmp_path / "shared", computer_hosts=[remote],
+                        computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128")
+    tunnel = default_link(settings)(settings.computer_hosts[0])
+    assert isinstance(tunnel, HostTunnel) and not tunnel.connected()
+    assert tunnel.network == NetworkForward(listen=("10.77.0.1", 3128), relay_socket=settings.proxy_relay_socket)
+    assert tunnel.proxy is None, "no loopback forward: the guests there have no connector"
 
 
 def test_only_hosts_with_ssh_get_a_link_and_it_carries_the_proxy_port(tmp_path: Path) -> None:
@@ -158,6 +179,7 @@ def test_the_default_link_is_an_unconnected_tunnel_to_the_target_with_the_pinned
     keygen(tmp_path / "client")
     tunnel = host_tunnel(host, proxy=("127.0.0.1", 8790))
     assert isinstance(tunnel, HostTunnel) and not tunnel.connected()
+    assert tunnel.proxy == ("127.0.0.1", 8790) and tunnel.network is None
     assert (tunnel.name, tunnel.ssh.user, tunnel.ssh.host, tunnel.ssh.port, tunnel.ssh.host_key) == (
         "kvm2", "root", "kvm2", 2222, host_key)
 
