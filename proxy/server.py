@@ -477,15 +477,19 @@ async def _relay_listener(socket_path: Path,
                           serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any]) -> asyncio.Server:
     """A unix listener at `path` that only this user can reach: its directory 0700 (made so if missing, refused if
     open to others), the socket 0600. A socket left by a proxy that was killed is replaced."""
+    _clear_socket_path(socket_path)
+    server = await asyncio.start_unix_server(serve, path=str(socket_path))
+    os.chmod(socket_path, 0o600)
+    return server
+
+
+def _clear_socket_path(socket_path: Path) -> None:
     socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if socket_path.parent.stat().st_mode & 0o077:
         raise OSError(f"the relay socket's directory {socket_path.parent} is open to others: chmod 700 it")
     with contextlib.suppress(FileNotFoundError):
         if stat.S_ISSOCK(socket_path.lstat().st_mode):
             socket_path.unlink()
-    server = await asyncio.start_unix_server(serve, path=str(socket_path))
-    os.chmod(socket_path, 0o600)
-    return server
 
 
 def _upstream_tls(config: ProxyConfig) -> ssl.SSLContext:

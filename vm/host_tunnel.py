@@ -34,8 +34,8 @@ recovery are logged once each.
 
 from __future__ import annotations
 
-import logging
 import ipaddress
+import logging
 import re
 import socket
 import threading
