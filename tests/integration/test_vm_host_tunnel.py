@@ -335,6 +335,13 @@ def test_a_proxy_port_the_host_will_not_forward_is_a_clear_error(tmp_path: Path,
             tunnel_to(strict, proxy=("127.0.0.2", proxy.port)).ensure()
 
 
+def documented_sshd_config() -> dict[str, str]:
+    """The sshd settings infra/README.md tells a host on an isolated network to set for the server's user."""
+    notes = (Path(__file__).resolve().parents[2] / "infra" / "README.md").read_text()
+    block = notes.split("### Hosts reached over SSH", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    return dict(line.split() for line in block.splitlines() if line.startswith("    "))
+
+
 def from_guest(port: int, data: bytes, *, source: str = GUEST) -> bytes:
     """A guest on the host's network connecting to the proxy's address there, from its own address."""
     with socket.socket() as conn:
@@ -352,7 +359,10 @@ def from_guest(port: int, data: bytes, *, source: str = GUEST) -> bytes:
 def test_on_an_isolated_network_a_guest_connection_reaches_the_relay_socket_headed_by_the_guests_address(
         tmp_path: Path, relay: FakeRelay) -> None:
     port = free_port()
-    with Sshd(tmp_path / "netted", forwarding="yes", gateway_ports="clientspecified") as host:
+    documented = documented_sshd_config()
+    assert documented == {"AllowTcpForwarding": "yes", "GatewayPorts": "clientspecified"}
+    with Sshd(tmp_path / "netted", forwarding=documented["AllowTcpForwarding"],
+              gateway_ports=documented["GatewayPorts"]) as host:
         tunnel = tunnel_to(host, network=NetworkForward(listen=(NETWORK_HOST, port), relay_socket=relay.path))
         try:
             tunnel.ensure()
