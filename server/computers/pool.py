@@ -36,7 +36,7 @@ from wakeful.server.store.tables import Risk
 from wakeful.vm.observe import ACT_KINDS, Act, DesktopClick, DesktopKey, DesktopType
 
 if TYPE_CHECKING:
-    from wakeful.vm.hosts import HostHypervisor, HostLink
+    from wakeful.vm.hosts import HostFleet, HostHypervisor, HostLink
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
     from wakeful.vm.lifecycle import VmInfo, VmManager
     from wakeful.vm.observe import Accepted, HandoffLease, LeaseGrant, Refused, Surface
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "ActArgs", "Computer", "Computers",
-           "LazyVmComputers", "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "execute",
-           "hypervisor_for", "network_settings", "observe"]
+           "LazyVmComputers", "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "default_link",
+           "execute", "guest_socket", "host_tunnel", "hypervisor_for", "network_settings", "observe"]
 
 OBSERVE_TOOL: Final = "computer__observe"
 ACT_TOOL: Final = "computer__act"
@@ -342,6 +342,14 @@ def host_tunnel(host: ComputerHost, *, proxy: tuple[str, int] | None,
     return HostTunnel(name=host.name, ssh=ssh, proxy=proxy, network=forward)
 
 
+def guest_socket(fleet: HostFleet | None, info: VmInfo) -> Callable[[], object | None] | None:
+    """What the guest channel speaks SSH over. On a host reached over SSH the guest's SSH is on that host's loopback
+    (a forward) or at its address on that host's isolated network: either way only that host reaches it, so each
+    (re)connect asks the fleet where the VM runs now and opens a channel there (None from it: here, directly).
+    Without a fleet: None, a plain TCP connection."""
+    return None if fleet is None else functools.partial(fleet.open_to, info.name, info.ssh_endpoint)
+
+
 VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
 """What the `computers` extra installs (`./scripts/install --computers`)."""
 
@@ -400,11 +408,8 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
 
     def connect(info: VmInfo) -> ToolComputer:
         host, port = info.ssh_endpoint
-        # On another host the guest's SSH is on its loopback (a forward) or on its isolated network: either way only
-        # that host reaches it, so each (re)connect asks the fleet where the VM runs now (None: here, directly).
-        sock = None if fleet is None else functools.partial(fleet.open_to, info.name, (host, port))
         channel = GuestChannel(host=host, port=port, user="root", client_key_path=info.keys.client_key,
-                               pinned_host_key=info.keys.host_public, sock=sock)
+                               pinned_host_key=info.keys.host_public, sock=guest_socket(fleet, info))
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0) if slow else CdpBrowser()
         return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=browser, desktop=XDesktop(channel),
                             reconnect_timeout=120.0 if slow else 60.0)

@@ -3,17 +3,18 @@ the hypervisor the server builds from it (one libvirt connection, or a fleet ove
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from tests.support.sshd import keygen
-from wakeful.server.computers.pool import default_link, host_tunnel, hypervisor_for
+from wakeful.server.computers.pool import default_link, guest_socket, host_tunnel, hypervisor_for
 from wakeful.server.settings import ComputerHost, Settings, load_settings
 from wakeful.vm.guest import BadKey
 from wakeful.vm.host_tunnel import HostTunnel, NetworkForward
-from wakeful.vm.hosts import HostFleet
+from wakeful.vm.hosts import Host, HostFleet
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.placement import HostMark, HostSpec
 
@@ -189,3 +190,36 @@ def test_an_unreadable_client_key_is_refused_when_the_tunnel_is_made(tmp_path: P
                                         "ssh_key": str(tmp_path / "nothing-here")})
     with pytest.raises(BadKey, match="cannot read the client key"):
         host_tunnel(host, proxy=None)
+
+
+class OpenedLink:
+    """A host link whose 'channels' are the addresses asked for."""
+
+    def ensure(self) -> None: ...
+
+    def open(self, address: tuple[str, int], *, timeout: float | None = None) -> object:
+        return address
+
+
+def test_a_computer_on_a_linked_hosts_isolated_network_is_reached_at_its_address_there_through_the_link(
+        tmp_path: Path) -> None:
+    from tests.support.fleet import manager_on
+    from wakeful.vm.fake import FakeHypervisor
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("vmlinux", "initrd.img"):
+        (images / name).write_bytes(b"\x7fELF")
+    (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
+    b = FakeHypervisor()
+    b.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/24")
+    fleet = HostFleet([Host(spec=HostSpec(name="b", uri="fake://b", memory_mib=4096), hypervisor=b,
+                            link=OpenedLink())], tmp_path / "shared")
+    manager = manager_on(fleet, tmp_path / "shared", images, network="wakeful",
+                         address_book=tmp_path / "address-book.json")
+    vm = manager.provision("ann")
+    manager.ensure_running("ann")
+    sock = guest_socket(fleet, vm)
+    assert vm.bridge is not None and sock is not None
+    assert sock() == (vm.bridge.address, 22)
+    assert guest_socket(None, vm) is None, "one host: the channel connects to the address itself"
