@@ -319,8 +319,9 @@ class HostTunnel:
         address, port = self._network.listen
         fix = "set GatewayPorts clientspecified in its sshd_config (for the api's user, e.g. in a Match block)"
         if not self._answers_at(transport, (address, port)):
-            raise ForwardRefused(f"{self.where} granted a forward on {address}:{port} but does not listen there "
-                                 f"(its sshd binds remote forwards to its loopback: GatewayPorts no): {fix}")
+            raise ForwardRefused(f"{self.where} granted a forward on {address}:{port} but does not answer there "
+                                 f"(its sshd binds remote forwards to its loopback, GatewayPorts no, or will not let "
+                                 f"the server connect there, PermitOpen): {fix}")
         if self._answers_at(transport, ("127.0.0.1", port)):
             raise ForwardRefused(f"{self.where} also answers at 127.0.0.1:{port}: its sshd bound the forward on "
                                  f"every address (GatewayPorts yes), or something else listens there: {fix}, and "

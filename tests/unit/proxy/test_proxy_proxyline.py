@@ -1,10 +1,16 @@
-"""The PROXY line a relayed connection begins with: what the api's host tunnel writes, the proxy reads strictly."""
+"""The PROXY line a relayed connection begins with: what the api's host tunnel writes, the proxy reads strictly;
+and the relay socket it is read on, which needs the address book."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from wakeful.proxy.config import ProxyConfig
 from wakeful.proxy.proxyline import MAX_LINE, MalformedProxyLine, ProxyLine, format_proxy_line, parse_proxy_line
+from wakeful.proxy.vault import KeyRing, Vault, generate_key
 
 
 def test_a_tcp4_line_names_the_source_and_destination() -> None:
@@ -59,3 +65,14 @@ def test_a_line_longer_than_the_protocol_allows_is_refused_without_being_quoted(
 def test_the_tunnel_cannot_write_a_line_for_an_address_that_is_not_ipv4() -> None:
     with pytest.raises(ValueError):
         format_proxy_line(ProxyLine(source="fd00::23", source_port=1, destination="10.77.0.1", destination_port=2))
+
+
+def test_the_relay_socket_needs_the_address_book(tmp_path: Path) -> None:
+    keys = KeyRing(current=generate_key())
+    base: dict[str, Any] = {"decider_socket": tmp_path / "d.sock", "decider_token": "t", "ca_dir": tmp_path,
+                            "keys": keys, "vault": Vault(tmp_path / "vault.json", keys)}
+    with pytest.raises(ValueError, match="relay_socket needs address_book"):
+        ProxyConfig(**base, relay_socket=tmp_path / "relay.sock")
+    config = ProxyConfig(**base, address_listen=("10.77.0.1", 3128), address_book=tmp_path / "address-book.json",
+                         relay_socket=tmp_path / "relay.sock")
+    assert config.relay_socket == tmp_path / "relay.sock"
