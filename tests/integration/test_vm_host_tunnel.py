@@ -412,3 +412,27 @@ def test_a_tunnel_takes_the_loopback_forward_or_the_network_one_not_both(host: S
     with pytest.raises(ValueError, match="not both"):
         tunnel_to(host, proxy=("127.0.0.2", 3128), network=NetworkForward(listen=(NETWORK_HOST, 3128),
                                                                           relay_socket=relay.path))
+
+
+def test_the_keeper_brings_the_network_forward_back_after_the_hosts_sshd_session_dies(
+        tmp_path: Path, relay: FakeRelay) -> None:
+    port = free_port()
+
+    def relayed() -> bool:
+        try:
+            return from_guest(port, b"ping").endswith(b"ping")
+        except OSError:
+            return False
+
+    with Sshd(tmp_path / "netted", forwarding="yes", gateway_ports="clientspecified") as host:
+        tunnel = tunnel_to(host, network=NetworkForward(listen=(NETWORK_HOST, port), relay_socket=relay.path),
+                           keepalive=0.2)
+        try:
+            tunnel.ensure()
+            assert relayed()
+            for pid in host.sessions():
+                os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not relayed(), 10, "the forward to die with the session")
+            wait_until(relayed, 20, "the keeper to bring the network forward back, checked again")
+        finally:
+            tunnel.close()
