@@ -475,8 +475,8 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> i
 
 async def _relay_listener(socket_path: Path,
                           serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any]) -> asyncio.Server:
-    """A unix listener at `socket_path` that only this user can reach: its directory 0700 (made so if missing, refused if
-    open to others), the socket 0600. A socket left by a proxy that was killed is replaced."""
+    """A unix listener at `socket_path` that only this user can reach: its directory 0700 (made so if missing,
+    refused if open to others), the socket 0600. A socket left by a proxy that was killed is replaced."""
     _clear_socket_path(socket_path)
     server = await asyncio.start_unix_server(serve, path=str(socket_path))
     os.chmod(socket_path, 0o600)
