@@ -20,7 +20,7 @@ the real `wakeful proxy` and decider (`shop_lab`). A computer on b takes its res
 reaches its port 22 at that address through the tunnel; its request to the proxy's address on b's network comes
 through the tunnel to the proxy's relay socket, headed by the address b's sshd saw, and the proxy asks the decider
 with that computer's identity from the address book. A request from b's own address on that network, which is in no
-book, is anonymous and refused.
+book, is anonymous and refused. Saved and restored on b, the computer is known by its address again.
 """
 
 from __future__ import annotations
@@ -307,6 +307,16 @@ def test_on_bs_isolated_network_a_computer_reaches_the_egress_proxy_known_by_its
     assert refused.startswith("HTTP/1.1 403") and "not_admitted" in refused, refused
     assert [(r.user_id, r.client_token, r.path) for r in shop.asked[1:]] == [(None, None, "/from-b")]
     assert shop.shop.count("GET", "/from-b") == 0
+
+    # Saved and restored on b: the same address, the same identity, through a tunnel that stayed up.
+    last = serial.last_count()
+    manager.suspend(NET_USER)
+    manager.ensure_running(NET_USER)
+    assert fleet.home(vm.name) == "b"
+    after = serial.next_count(timeout=60)
+    assert (after.pid, after.boot) == (last.pid, last.boot) and after.n > last.n
+    answer = http_get(fleet.open_to(vm.name, vm.ssh_endpoint, timeout=30), f"/cgi-bin/proxy?{shop.shop.url}again")
+    assert [(r.user_id, r.path) for r in shop.asked[2:]] == [(shop.credential.user_id, "/again")], answer
     manager.destroy(NET_USER)
     print(f"\non b's isolated network: provision and cold boot {booted:.2f} s; a guest request through the tunnel "
           f"to the proxy's relay socket and back {proxied:.2f} s")
