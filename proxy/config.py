@@ -37,6 +37,10 @@ class ProxyConfig:
     address alone, looked up in `address_book` (port 0 picks a free one; `ProxyServer.address_port` reports it)."""
     address_book: Path | None = None
     """The file the VM manager writes naming who holds each address on that network (see `proxy.addressbook`)."""
+    relay_socket: Path | None = None
+    """A unix socket (0600, in a 0700 directory: the wakeful user's alone) for tool computers on that network on
+    other hosts, relayed by the api's SSH tunnel: each connection begins with a PROXY line naming the computer's
+    address (`proxy.proxyline`) and is then known by it alone, as on the address listener. Needs `address_book`."""
     decider_timeout: float = 2.0
     """Seconds to wait for a verdict before refusing with `decider_unavailable`."""
     upstream_cafile: Path | None = None
@@ -104,3 +108,5 @@ class ProxyConfig:
             raise ValueError("malformed_rows_burst must be ≥ 0, malformed_rows_every and malformed_summary_every > 0")
         if (self.address_listen is None) != (self.address_book is None):
             raise ValueError("address_listen and address_book go together: one is set without the other")
+        if self.relay_socket is not None and self.address_book is None:
+            raise ValueError("relay_socket needs address_book: a relayed connection is known by its address alone")

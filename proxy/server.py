@@ -3,6 +3,9 @@
 `serve_proxy(config)` starts it and returns a `ProxyServer`; `run(config)` serves until SIGTERM or SIGINT. What
 happens to each request is in `proxy.exchange`. With `address_listen` it listens twice: on the loopback listener a
 client names itself with Proxy-Authorization; on the address listener its source address names it (`AddressBook`).
+With `relay_socket` too, tool computers on other hosts' isolated networks come relayed by the api's SSH tunnel on a
+unix socket, each connection headed by a PROXY line (`proxy.proxyline`) naming the address it came from: from there
+on it is served exactly as a connection on the address listener from that address.
 
 Every request read leaves one audit record, one refused while its head was still being read included, and so does
 every CONNECT: its own record once its tunnel is open (or refused), beside those of the requests inside it. A
@@ -14,10 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import ssl
+import stat
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import h11
 
@@ -42,6 +49,7 @@ from wakeful.proxy.exchange import (
 from wakeful.proxy.hosts import normalize_host
 from wakeful.proxy.limits import BodyBudget
 from wakeful.proxy.malformed import MalformedRows
+from wakeful.proxy.proxyline import MAX_LINE, MalformedProxyLine, parse_proxy_line
 from wakeful.proxy.rewrite import HeaderRejected
 from wakeful.proxy.sni import NEED_MORE, ClientHello, MalformedHello, client_hello_sni
 from wakeful.proxy.tls import LeafCertificates, load_or_create_ca, sni_of
@@ -84,6 +92,7 @@ class ProxyServer:
         self.port = 0
         self.address_host = config.address_listen[0] if config.address_listen else None
         self.address_port = 0
+        self.relay_socket = config.relay_socket
         self._book = AddressBook(config.address_book) if config.address_book is not None else None
         self._malformed = MalformedRows(config, shared.decider)
 
@@ -109,6 +118,13 @@ class ProxyServer:
                 raise
             self._servers.append(by_address)
             self.address_port = by_address.sockets[0].getsockname()[1]
+        if self.relay_socket is not None:
+            try:
+                self._servers.append(await _relay_listener(self.relay_socket, self._serve_relayed))
+            except OSError:
+                for server in self._servers:
+                    server.close()
+                raise
 
     async def close(self, *, audit_grace: float = _AUDIT_FLUSH_SECONDS) -> None:
         """Stop listening, cut open connections, then wait up to `audit_grace` seconds for the audit to drain."""
@@ -120,6 +136,9 @@ class ProxyServer:
         for server in self._servers:
             await server.wait_closed()
         self._servers = []
+        if self.relay_socket is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.relay_socket.unlink()
         self._shared.pool.close()
         self._malformed.close()
         if not await self.decider.flush(audit_grace):
@@ -141,13 +160,36 @@ class ProxyServer:
         request presenting another (or any, from an address not in the book) is refused as an identity change."""
         await self._accept(reader, writer, by_address=True)
 
-    def _identity_by_address(self, writer: asyncio.StreamWriter) -> Identity:
-        peer = writer.get_extra_info("peername")
-        if self._book is None or not isinstance(peer, tuple) or not peer:
-            return ANONYMOUS
-        return self._book.identity(str(peer[0]))
+    async def _serve_relayed(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The relay socket: the PROXY line the api's host tunnel wrote names the source address, which names the
+        identity as on the address listener."""
+        await self._accept(reader, writer, by_address=True, relayed=True)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, by_address: bool) -> None:
+    def _identity_of(self, address: str | None) -> Identity:
+        if self._book is None or address is None:
+            return ANONYMOUS
+        return self._book.identity(address)
+
+    async def _relayed_source(self, reader: asyncio.StreamReader) -> str | None:
+        """The source address the connection's PROXY line names; None (logged) when it does not begin with one
+        strict line within `request_head_timeout`. Read a byte at a time so that nothing past the line is taken from
+        the stream, and never more than `MAX_LINE` bytes."""
+        line = bytearray()
+        try:
+            async with asyncio.timeout(self.config.request_head_timeout):
+                while not line.endswith(b"\n") and len(line) <= MAX_LINE:
+                    line += await reader.readexactly(1)
+            return parse_proxy_line(bytes(line)).source
+        except MalformedProxyLine as exc:
+            log.warning("a relayed connection on %s did not begin with a PROXY line (%s); closed, nothing relayed",
+                        self.relay_socket, exc)
+        except (TimeoutError, asyncio.IncompleteReadError, OSError):
+            log.warning("a relayed connection on %s ended or stalled before its PROXY line was whole; closed",
+                        self.relay_socket)
+        return None
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, by_address: bool,
+                      relayed: bool = False) -> None:
         if len(self._connections) >= self.config.max_connections:
             # Answered before anything is read, so a flood of idle connections costs one short write each.
             await _refuse_raw(reader, writer, RefusalCode.TOO_MANY_CONNECTIONS,
@@ -161,7 +203,14 @@ class ProxyServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            connection = ClientConnection(self._identity_by_address(writer) if by_address else None)
+            if relayed:
+                source = await self._relayed_source(reader)
+                if source is None:
+                    return
+            else:
+                peer = writer.get_extra_info("peername")
+                source = str(peer[0]) if isinstance(peer, tuple) and peer else None
+            connection = ClientConnection(self._identity_of(source) if by_address else None)
             await self._requests(H11Stream(h11.SERVER, reader, writer), connection)
         except asyncio.CancelledError:
             pass  # close() cut this connection; asyncio would log a cancelled connection task as an error
@@ -424,6 +473,25 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> i
     return total
 
 
+async def _relay_listener(socket_path: Path,
+                          serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any]) -> asyncio.Server:
+    """A unix listener at `socket_path` that only this user can reach: its directory 0700 (made so if missing,
+    refused if open to others), the socket 0600. A socket left by a proxy that was killed is replaced."""
+    _clear_socket_path(socket_path)
+    server = await asyncio.start_unix_server(serve, path=str(socket_path))
+    os.chmod(socket_path, 0o600)
+    return server
+
+
+def _clear_socket_path(socket_path: Path) -> None:
+    socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if socket_path.parent.stat().st_mode & 0o077:
+        raise OSError(f"the relay socket's directory {socket_path.parent} is open to others: chmod 700 it")
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(socket_path.lstat().st_mode):
+            socket_path.unlink()
+
+
 def _upstream_tls(config: ProxyConfig) -> ssl.SSLContext:
     cafile = str(config.upstream_cafile) if config.upstream_cafile is not None else None
     context = ssl.create_default_context(cafile=cafile)
@@ -459,6 +527,8 @@ def run(config: ProxyConfig, *, ready: Callable[[ProxyServer], None] | None = No
         if server.address_host is not None:
             log.info("wakeful proxy listening for tool computers by address on %s:%d", server.address_host,
                      server.address_port)
+        if server.relay_socket is not None:
+            log.info("wakeful proxy taking tool computers on other hosts relayed on %s", server.relay_socket)
         if ready is not None:
             ready(server)
         try:

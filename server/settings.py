@@ -129,7 +129,10 @@ class ComputerHost(BaseModel):
     """`full`: takes no computer that is not running there already; `gone`: treated as unreachable."""
     ssh: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._-]+@([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:\d{1,5})?$")
     """For a host other than the api's own: `user@host[:port]`, where the api reaches it over SSH for its guests'
-    SSH forwards and to bring their egress proxy connections back (user-mode networking). Unset: this machine."""
+    SSH and to bring their egress proxy connections back: from its 127.0.0.1:`proxy_port` on user-mode networking,
+    from `proxy_bridge_listen` on `computer_network` (its sshd then needs `GatewayPorts clientspecified`, and the
+    proxy knows each connection by the guest address that sshd reports; see infra/README.md). Unset: this
+    machine."""
     ssh_host_key: str | None = None
     """With `ssh`: the host's SSH public key as one OpenSSH line (`ssh-ed25519 AAAA…`, from `/etc/ssh/
     ssh_host_ed25519_key.pub` there); no other key is accepted."""
@@ -240,7 +243,9 @@ class Settings(BaseSettings):
     the VM by that address. Unset: user-mode networking, every host forward on 127.0.0.1."""
     proxy_bridge_listen: str | None = None
     """`ADDRESS:PORT` where the egress proxy also listens for tool computers on `computer_network`: the network's
-    own host address. A connection there is known by its source address alone. Required with `computer_network`."""
+    own host address. A connection there is known by its source address alone. Required with `computer_network`.
+    On hosts reached over `ssh` the same address and port (each host has the network under the same name and
+    subnet): their sshd listens there for the api's tunnel (see `proxy_relay_socket`)."""
     reconcile_interval: float = 5.0
     """Seconds between the first and the second read of the provider about one action whose outcome is unknown (or
     whose accepted effect is not verified yet); each later gap doubles, up to `reconcile_backoff_max`, less up to a
@@ -380,11 +385,6 @@ class Settings(BaseSettings):
         names = [h.name for h in self.computer_hosts]
         for name in dict.fromkeys(n for n in names if names.count(n) > 1):
             raise ValueError(f"computer_hosts names {name} twice: give each host its own name")
-        remote = [h.name for h in self.computer_hosts if h.ssh is not None]
-        if remote and self.computer_network is not None:
-            raise ValueError(f"computer_hosts {', '.join(remote)} are reached over ssh, which works only with "
-                             "user-mode networking: on computer_network the egress proxy knows a computer by its "
-                             "source address, which a relay from another host would hide (see infra/README.md)")
         return self
 
     @model_validator(mode="after")
@@ -398,6 +398,15 @@ class Settings(BaseSettings):
     def bridge_listen(self) -> tuple[str, int] | None:
         """`proxy_bridge_listen` as (IPv4 address, port)."""
         return parse_listen(self.proxy_bridge_listen) if self.proxy_bridge_listen is not None else None
+
+    @property
+    def proxy_relay_socket(self) -> Path | None:
+        """With `computer_network` and hosts reached over `ssh`: where the egress proxy takes those hosts' tool
+        computers, relayed by the api's SSH tunnel to each, every connection headed by a PROXY line naming the
+        computer's address on its host's network (a unix socket, owner only). None otherwise."""
+        if self.computer_network is None or not any(h.ssh is not None for h in self.computer_hosts):
+            return None
+        return self.data_dir / "run" / "proxy-relay.sock"
 
     @property
     def address_book(self) -> Path:

@@ -15,6 +15,12 @@ tunnel, made once and remade when it dies (by the keeper below, or by the next u
 * a remote forward on the host's 127.0.0.1:<proxy port> brings each connection of a guest's proxy connector back
   to the egress proxy on the api's 127.0.0.1:<proxy port>. The connector inserts the VM's proxy credential before
   the bytes leave the host (`vm.domain_xml.RELAY`), so the proxy knows the VM by it exactly as on the api's host.
+* on an isolated network (`NetworkForward`) there is no connector: the guest connects to the network's host address
+  on its host, where the remote forward listens instead (the host's sshd needs `GatewayPorts clientspecified`; it is
+  checked, see `_check_bind`). The host's sshd names each connection's originator, the guest's address (libvirt's
+  clean-traffic filter keeps a guest from sending from another), and the tunnel hands the connection to the egress
+  proxy's relay socket here headed by a PROXY line naming it (`proxy.proxyline`): the proxy knows the VM by its
+  address alone, as it knows one on the api's own host.
 
 The host key is pinned in the settings and nothing else is accepted (`host_key_mismatch`), never trust-on-first-use.
 A host that cannot be reached raises `HostUnreachable`, a `HypervisorUnavailable`: the fleet counts it as gone.
@@ -28,6 +34,7 @@ recovery are logged once each.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 import socket
@@ -39,17 +46,36 @@ from pathlib import Path
 
 import paramiko  # noqa: TID251 - the host tunnel is the second module that talks SSH (the guest channel is the first)
 
+from wakeful.proxy.proxyline import ProxyLine, format_proxy_line
 from wakeful.vm.errors import HostUnreachable, VmError
 from wakeful.vm.guest import AuthFailed, BadKey, GuestUnreachable, HostKeyMismatch
 from wakeful.vm.ssh_channel import parse_public_key, pump
 
-__all__ = ["HostSsh", "HostTunnel"]
+__all__ = ["ForwardRefused", "HostSsh", "HostTunnel", "NetworkForward"]
 
 log = logging.getLogger("wakeful.vm")
 
 _TARGET = re.compile(r"^(?P<user>[A-Za-z0-9._-]+)@(?P<host>[A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:(?P<port>\d{1,5}))?$")
 _RSA = ("rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
 _BACKOFF_CAP = 12
+
+
+class ForwardRefused(HostUnreachable):
+    """The host's sshd would not listen where its guests look for the egress proxy, or listened elsewhere. A host
+    without the proxy is no use for tool computers: it counts as unreachable."""
+
+    code = "host_forward_refused"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkForward:
+    """On an isolated network: where the host's guests find the egress proxy, and where it takes them here."""
+
+    listen: tuple[str, int]
+    """The network's host address and the proxy's port there (`proxy_bridge_listen`: every host has the network
+    under the same name and subnet)."""
+    relay_socket: Path
+    """The egress proxy's relay socket on the api's machine (`ProxyConfig.relay_socket`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,11 +109,12 @@ class HostSsh:
 class HostTunnel:
     """One SSH transport to one host, kept and remade on demand (see the module docstring)."""
 
-    def __init__(self, *, name: str, ssh: HostSsh, proxy: tuple[str, int] | None = None, timeout: float = 10.0,
-                 keepalive: float = 5.0, retry_after: float = 5.0,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, name: str, ssh: HostSsh, proxy: tuple[str, int] | None = None,
+                 network: NetworkForward | None = None, timeout: float = 10.0, keepalive: float = 5.0,
+                 retry_after: float = 5.0, monotonic: Callable[[], float] = time.monotonic) -> None:
         """`proxy`: where the egress proxy listens here (127.0.0.1:<proxy_port>); the host's 127.0.0.1 at the same
         port is forwarded to it, since that is where guest connectors look (None: no proxy).
+        `network`: instead of `proxy`, for guests on an isolated network (see `NetworkForward`).
         `keepalive`: seconds between the keeper's checks (see `_keep`); 0 for no keeper (the tunnel is then only
         remade when something uses it).
         `timeout`: for connecting, and for the host to answer a keeper's keepalive.
@@ -99,7 +126,10 @@ class HostTunnel:
             self._key = paramiko.PKey.from_path(ssh.client_key)
         except (OSError, paramiko.SSHException, ValueError) as exc:
             raise BadKey(f"cannot read the client key {ssh.client_key} for host {name}: {exc}") from None
+        if proxy is not None and network is not None:
+            raise ValueError("a host tunnel forwards the loopback proxy port or the network's, not both")
         self._proxy = proxy
+        self._network = network
         self._timeout = timeout
         self._keepalive = keepalive
         self._lock = threading.Lock()
@@ -112,6 +142,16 @@ class HostTunnel:
         """When the transport was lost (monotonic), until it is made again: one log line per drop and recovery."""
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
+
+    @property
+    def proxy(self) -> tuple[str, int] | None:
+        """Where the loopback forward goes (user-mode networking), if it is made."""
+        return self._proxy
+
+    @property
+    def network(self) -> NetworkForward | None:
+        """The isolated network's forward, if it is made instead."""
+        return self._network
 
     @property
     def where(self) -> str:
@@ -254,7 +294,46 @@ class HostTunnel:
                 raise HostUnreachable(f"{self.where} refused to forward its 127.0.0.1:{self._proxy[1]} to the "
                                       f"egress proxy ({exc}): its sshd needs AllowTcpForwarding, and that port must "
                                       "be free there") from None
+        if self._network is not None:
+            address, port = self._network.listen
+            try:
+                transport.request_port_forward(address, port, handler=self._to_relay)
+                self._check_bind(transport)
+            except ForwardRefused:
+                transport.close()
+                raise
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                transport.close()
+                raise ForwardRefused(f"{self.where} refused to listen on {address}:{port} for its guests on the "
+                                     f"isolated network ({exc}): its sshd needs AllowTcpForwarding and GatewayPorts "
+                                     f"clientspecified, the network must be active there with host address "
+                                     f"{address}, and that port must be free there") from None
         return transport
+
+    def _check_bind(self, transport: paramiko.Transport) -> None:
+        """OpenSSH grants a forward on another address even when it will not bind there: with `GatewayPorts no` it
+        binds the loopback instead, with `yes` every address (the host's LAN included). Ask the host to connect to
+        the network's address (it must answer) and to its own 127.0.0.1 at that port (it must not: only
+        `clientspecified` binds exactly what was asked). These probes carry nothing: the proxy records nothing."""
+        assert self._network is not None
+        address, port = self._network.listen
+        fix = "set GatewayPorts clientspecified in its sshd_config (for the api's user, e.g. in a Match block)"
+        if not self._answers_at(transport, (address, port)):
+            raise ForwardRefused(f"{self.where} granted a forward on {address}:{port} but does not answer there "
+                                 f"(its sshd binds remote forwards to its loopback, GatewayPorts no, or will not let "
+                                 f"the server connect there, PermitOpen): {fix}")
+        if self._answers_at(transport, ("127.0.0.1", port)):
+            raise ForwardRefused(f"{self.where} also answers at 127.0.0.1:{port}: its sshd bound the forward on "
+                                 f"every address (GatewayPorts yes), or something else listens there: {fix}, and "
+                                 "keep that port free")
+
+    def _answers_at(self, transport: paramiko.Transport, address: tuple[str, int]) -> bool:
+        try:
+            probe = transport.open_channel("direct-tcpip", address, ("127.0.0.1", 0), timeout=self._timeout)
+        except paramiko.ChannelException:
+            return False
+        probe.close()
+        return True
 
     # ------------------------------------------------------------------------------------------ channels
 
@@ -277,12 +356,18 @@ class HostTunnel:
         """A guest connector on the host connected to the forwarded port: relay it to the egress proxy here."""
         threading.Thread(target=self._relay, args=(chan,), name=f"host-{self.name}-proxy", daemon=True).start()
 
-    def _relay(self, chan: paramiko.Channel) -> None:
-        assert self._proxy is not None
+    def _to_relay(self, chan: paramiko.Channel, origin: tuple[str, int], server: tuple[str, int]) -> None:
+        """A guest on the host's isolated network connected to the forward: relay it to the proxy's relay socket,
+        headed by the address the host's sshd says it came from."""
+        threading.Thread(target=self._relay, args=(chan, (origin, server)), name=f"host-{self.name}-proxy",
+                         daemon=True).start()
+
+    def _relay(self, chan: paramiko.Channel, ends: tuple[tuple[str, int], tuple[str, int]] | None = None) -> None:
+        """`ends`: the origin and the forward's address, on an isolated network (then to the relay socket)."""
         try:
-            conn = socket.create_connection(self._proxy, timeout=self._timeout)
-        except OSError as exc:
-            log.warning("the egress proxy on %s:%d does not answer a guest on %s: %s", *self._proxy, self.where, exc)
+            conn = self._dial(ends)
+        except (OSError, ValueError) as exc:
+            log.warning("the egress proxy does not take a guest connection from %s: %s", self.where, exc)
             chan.close()
             return
         conn.settimeout(None)
@@ -293,6 +378,26 @@ class HostTunnel:
         finally:
             chan.close()
             conn.close()
+
+    def _dial(self, ends: tuple[tuple[str, int], tuple[str, int]] | None) -> socket.socket:
+        """The connection to the egress proxy for one guest connection: its loopback listener, or (with `ends`) its
+        relay socket with the PROXY line written. `ValueError` for an origin that is not an IPv4 address."""
+        if ends is None:
+            assert self._proxy is not None
+            return socket.create_connection(self._proxy, timeout=self._timeout)
+        assert self._network is not None
+        (origin, origin_port), (_, port) = ends
+        head = format_proxy_line(ProxyLine(source=_ipv4(origin), source_port=origin_port,
+                                           destination=self._network.listen[0], destination_port=port))
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(self._timeout)
+            conn.connect(str(self._network.relay_socket))
+            conn.sendall(head)
+        except OSError:
+            conn.close()
+            raise
+        return conn
 
     def close(self) -> None:
         """Close the transport and stop the keeper (waiting for it a bounded time)."""
@@ -305,6 +410,15 @@ class HostTunnel:
             transport.close()
         if keeper is not None and keeper is not threading.current_thread():
             keeper.join(self._timeout + 1.0)
+
+
+def _ipv4(address: str) -> str:
+    """The IPv4 address an originator names (`::ffff:10.77.0.23` as `10.77.0.23`); `ValueError` for any other."""
+    ip = ipaddress.ip_address(address)
+    v4 = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else ip
+    if v4 is None:
+        raise ValueError(f"the guest connection came from {address}, not an IPv4 address")
+    return str(v4)
 
 
 def _backoff(every: float, failures: int) -> float:

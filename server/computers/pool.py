@@ -23,6 +23,7 @@ import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Protocol, get_args, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
@@ -35,7 +36,7 @@ from wakeful.server.store.tables import Risk
 from wakeful.vm.observe import ACT_KINDS, Act, DesktopClick, DesktopKey, DesktopType
 
 if TYPE_CHECKING:
-    from wakeful.vm.hosts import HostHypervisor, HostLink
+    from wakeful.vm.hosts import HostFleet, HostHypervisor, HostLink
     from wakeful.vm.hypervisor import Hypervisor, ProxyCredential
     from wakeful.vm.lifecycle import VmInfo, VmManager
     from wakeful.vm.observe import Accepted, HandoffLease, LeaseGrant, Refused, Surface
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["ACT_TOOL", "COMPUTER_TOOLS", "HANDOFF_TOOL", "OBSERVE_TOOL", "ActArgs", "Computer", "Computers",
-           "LazyVmComputers", "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "execute",
-           "hypervisor_for", "network_settings", "observe"]
+           "LazyVmComputers", "VmComputers", "act_from_args", "act_json", "act_of", "act_risk", "default_link",
+           "execute", "guest_socket", "host_tunnel", "hypervisor_for", "network_settings", "observe"]
 
 OBSERVE_TOOL: Final = "computer__observe"
 ACT_TOOL: Final = "computer__act"
@@ -306,8 +307,7 @@ def hypervisor_for(settings: Settings, connect: Callable[[str], HostHypervisor],
     from wakeful.vm.placement import HostMark, HostSpec
 
     assert settings.computer_shared_dir is not None, "Settings requires computer_shared_dir with computer_hosts"
-    make_link = link or functools.partial(host_tunnel, proxy=("127.0.0.1", settings.proxy_port) if settings.proxy
-                                          else None)
+    make_link = link or default_link(settings)
     hosts = [Host(spec=HostSpec(name=h.name, uri=h.uri, memory_mib=h.memory_mib, max_restores=h.max_restores,
                                 mark=HostMark(h.mark)), hypervisor=connect(h.uri),
                   link=make_link(h) if h.ssh is not None else None)
@@ -315,14 +315,39 @@ def hypervisor_for(settings: Settings, connect: Callable[[str], HostHypervisor],
     return HostFleet(hosts, settings.computer_shared_dir, busy_wait=settings.computer_busy_wait.total_seconds())
 
 
-def host_tunnel(host: ComputerHost, *, proxy: tuple[str, int] | None) -> HostLink:
-    """The SSH tunnel to a host with `ssh` set (not connected yet: the fleet connects it when it asks the host)."""
-    from wakeful.vm.host_tunnel import HostSsh, HostTunnel
+def default_link(settings: Settings) -> Callable[[ComputerHost], HostLink]:
+    """How the api reaches a host with `ssh`: `host_tunnel` with the forward its guests need to find the egress
+    proxy. On user-mode networking the host's 127.0.0.1:`proxy_port`, back to the proxy's loopback listener (the
+    guest's connector has put its credential in); on `computer_network` the network's host address there, back to
+    the proxy's relay socket with the guest's address (`proxy_relay_socket`). Nothing without the proxy."""
+    relay, listen = settings.proxy_relay_socket, settings.bridge_listen
+    if not settings.proxy:
+        return functools.partial(host_tunnel, proxy=None)
+    if relay is not None and listen is not None:
+        return functools.partial(host_tunnel, proxy=None, network=(listen, relay))
+    return functools.partial(host_tunnel, proxy=("127.0.0.1", settings.proxy_port))
+
+
+def host_tunnel(host: ComputerHost, *, proxy: tuple[str, int] | None,
+                network: tuple[tuple[str, int], Path] | None = None) -> HostLink:
+    """The SSH tunnel to a host with `ssh` set (not connected yet: the fleet connects it when it asks the host).
+    `network`: the address and port its guests find the proxy at on its isolated network, and the proxy's relay
+    socket here (`vm.host_tunnel.NetworkForward`)."""
+    from wakeful.vm.host_tunnel import HostSsh, HostTunnel, NetworkForward
 
     assert host.ssh is not None and host.ssh_host_key is not None and host.ssh_key is not None
     ssh = HostSsh.parse(host.ssh, host_key=host.ssh_host_key, client_key=host.ssh_key,
                         proxy_command=host.ssh_proxy_command)
-    return HostTunnel(name=host.name, ssh=ssh, proxy=proxy)
+    forward = NetworkForward(listen=network[0], relay_socket=network[1]) if network is not None else None
+    return HostTunnel(name=host.name, ssh=ssh, proxy=proxy, network=forward)
+
+
+def guest_socket(fleet: HostFleet | None, info: VmInfo) -> Callable[[], object | None] | None:
+    """What the guest channel speaks SSH over. On a host reached over SSH the guest's SSH is on that host's loopback
+    (a forward) or at its address on that host's isolated network: either way only that host reaches it, so each
+    (re)connect asks the fleet where the VM runs now and opens a channel there (None from it: here, directly).
+    Without a fleet: None, a plain TCP connection."""
+    return None if fleet is None else functools.partial(fleet.open_to, info.name, info.ssh_endpoint)
 
 
 VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
@@ -383,11 +408,8 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
 
     def connect(info: VmInfo) -> ToolComputer:
         host, port = info.ssh_endpoint
-        # On another host the forward is on its loopback: each (re)connect asks the fleet where the VM runs now.
-        sock = None if fleet is None or info.bridge is not None else functools.partial(
-            fleet.open_to, info.name, (host, port))
         channel = GuestChannel(host=host, port=port, user="root", client_key_path=info.keys.client_key,
-                               pinned_host_key=info.keys.host_public, sock=sock)
+                               pinned_host_key=info.keys.host_public, sock=guest_socket(fleet, info))
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0) if slow else CdpBrowser()
         return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=browser, desktop=XDesktop(channel),
                             reconnect_timeout=120.0 if slow else 60.0)

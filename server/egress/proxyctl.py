@@ -363,8 +363,8 @@ class ProxyChild:
 
 def run_proxy(settings: Settings, *, await_api: float = 0.0) -> None:
     """`wakeful proxy`: serve on 127.0.0.1:<proxy_port> (and on `proxy_bridge_listen` for tool computers on the
-    isolated network) until SIGTERM, asking the running server's decider (waiting up to `await_api` seconds for it to
-    open its channel)."""
+    isolated network, and on `proxy_relay_socket` for those on other hosts' isolated networks) until SIGTERM, asking
+    the running server's decider (waiting up to `await_api` seconds for it to open its channel)."""
     from wakeful.proxy import server
     from wakeful.proxy.config import ProxyConfig
 
@@ -377,7 +377,8 @@ def run_proxy(settings: Settings, *, await_api: float = 0.0) -> None:
         decider_timeout=settings.proxy_decider_timeout, upstream_cafile=settings.egress_upstream_ca,
         resolve=settings.egress_resolve, allowed_private=frozenset(settings.egress_allow_private),
         no_intercept=frozenset(settings.egress_no_intercept), address_listen=settings.bridge_listen,
-        address_book=settings.address_book if settings.bridge_listen else None)
+        address_book=settings.address_book if settings.bridge_listen else None,
+        relay_socket=settings.proxy_relay_socket)
     server.run(config)
 
 

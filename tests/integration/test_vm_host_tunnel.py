@@ -1,7 +1,11 @@
 """The SSH tunnel to another tool-computer host, against real sshds on loopback: the "host" is one sshd, a "guest"
 behind it another. The host key is pinned; the guest channel speaks SSH through a direct-tcpip channel of the
 tunnel; the host's 127.0.0.1:<proxy port> comes back to the egress proxy here (a stand-in listening on 127.0.0.2,
-since both ends share this machine's loopback); an unreachable host is `host_unreachable`."""
+since both ends share this machine's loopback); an unreachable host is `host_unreachable`.
+
+On an isolated network the host's sshd listens on the network's host address instead (127.0.0.5 here; GatewayPorts
+clientspecified), and each guest connection comes to the egress proxy's relay socket here headed by a PROXY line
+naming the guest's own address, which the sshd reports as the connection's originator (127.0.0.3 here)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +26,7 @@ from tests.support.sshd import Sshd, keygen
 from wakeful.vm.errors import HostUnreachable
 from wakeful.vm.fake import FakeHypervisor
 from wakeful.vm.guest import AuthFailed, GuestUnreachable, HostKeyMismatch
-from wakeful.vm.host_tunnel import HostSsh, HostTunnel
+from wakeful.vm.host_tunnel import ForwardRefused, HostSsh, HostTunnel, NetworkForward
 from wakeful.vm.hosts import Host, HostFleet
 from wakeful.vm.placement import HostSpec
 from wakeful.vm.ssh_channel import GuestChannel
@@ -53,6 +58,52 @@ class FakeProxy:
     def close(self) -> None:
         self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
+
+
+class FakeRelay:
+    """The egress proxy's relay socket: records what each connection sent up to its half-close, and answers."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="wkr-"))  # a unix socket path must stay short
+        self.path = self.dir / "relay.sock"
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(str(self.path))
+        self.server.listen()
+        self.seen: list[bytes] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while chunk := conn.recv(65536):
+                    data += chunk
+                self.seen.append(data)
+                conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nrelay saw " + data)
+
+    def with_payload(self) -> list[bytes]:
+        """What connections carrying more than their PROXY line sent (the tunnel's own bind check carries none)."""
+        return [data for data in self.seen if not data.endswith(b"\r\n") or data.count(b"\r\n") > 1]
+
+    def close(self) -> None:
+        self.server.shutdown(socket.SHUT_RDWR)
+        self.server.close()
+        self.path.unlink(missing_ok=True)
+        self.dir.rmdir()
+
+
+NETWORK_HOST, GUEST = "127.0.0.5", "127.0.0.3"
+
+
+@pytest.fixture
+def relay() -> Iterator[FakeRelay]:
+    fake = FakeRelay()
+    yield fake
+    fake.close()
 
 
 @pytest.fixture
@@ -282,3 +333,106 @@ def test_a_proxy_port_the_host_will_not_forward_is_a_clear_error(tmp_path: Path,
     with Sshd(tmp_path / "strict") as strict:  # AllowTcpForwarding local: no remote forwards
         with pytest.raises(HostUnreachable, match="AllowTcpForwarding"):
             tunnel_to(strict, proxy=("127.0.0.2", proxy.port)).ensure()
+
+
+def documented_sshd_config() -> dict[str, str]:
+    """The sshd settings infra/README.md tells a host on an isolated network to set for the server's user."""
+    notes = (Path(__file__).resolve().parents[2] / "infra" / "README.md").read_text()
+    block = notes.split("### Hosts reached over SSH", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    return dict(line.split() for line in block.splitlines() if line.startswith("    "))
+
+
+def from_guest(port: int, data: bytes, *, source: str = GUEST) -> bytes:
+    """A guest on the host's network connecting to the proxy's address there, from its own address."""
+    with socket.socket() as conn:
+        conn.settimeout(10)
+        conn.bind((source, 0))
+        conn.connect((NETWORK_HOST, port))
+        conn.sendall(data)
+        conn.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+        return answer
+
+
+def test_on_an_isolated_network_a_guest_connection_reaches_the_relay_socket_headed_by_the_guests_address(
+        tmp_path: Path, relay: FakeRelay) -> None:
+    port = free_port()
+    documented = documented_sshd_config()
+    assert documented == {"AllowTcpForwarding": "yes", "GatewayPorts": "clientspecified"}
+    with Sshd(tmp_path / "netted", forwarding=documented["AllowTcpForwarding"],
+              gateway_ports=documented["GatewayPorts"]) as host:
+        tunnel = tunnel_to(host, network=NetworkForward(listen=(NETWORK_HOST, port), relay_socket=relay.path))
+        try:
+            tunnel.ensure()
+            request = b"GET http://example.test/ HTTP/1.1\r\nHost: example.test\r\n\r\n"
+            answer = from_guest(port, request)
+            [seen] = relay.with_payload()
+            head, rest = seen.split(b"\r\n", 1)
+            fields = head.decode().split(" ")
+            assert fields[:4] == ["PROXY", "TCP4", GUEST, NETWORK_HOST] and fields[5] == str(port)
+            assert rest == request and answer == b"HTTP/1.0 200 OK\r\n\r\nrelay saw " + seen
+            assert not forward_answers(port), "the forward is on the network's address only, not the host's loopback"
+            assert b"PROXY TCP4 127.0.0.4 " in from_guest(port, b"x", source="127.0.0.4").split(b"saw ", 1)[1]
+        finally:
+            tunnel.close()
+
+
+def test_a_host_whose_sshd_puts_the_forward_on_its_loopback_instead_is_told_to_set_gatewayports(
+        tmp_path: Path, relay: FakeRelay) -> None:
+    # GatewayPorts no (the default): OpenSSH grants the forward but binds it to the loopback, silently.
+    port = free_port()
+    with Sshd(tmp_path / "default", forwarding="yes") as host:
+        tunnel = tunnel_to(host, network=NetworkForward(listen=(NETWORK_HOST, port), relay_socket=relay.path))
+        with pytest.raises(ForwardRefused, match="GatewayPorts clientspecified") as caught:
+            tunnel.ensure()
+        assert caught.value.code == "host_forward_refused" and not tunnel.connected()
+
+
+def test_a_host_whose_sshd_puts_the_forward_on_every_address_is_told_to_set_gatewayports_clientspecified(
+        tmp_path: Path, relay: FakeRelay) -> None:
+    port = free_port()
+    with Sshd(tmp_path / "wide", forwarding="yes", gateway_ports="yes") as host:
+        tunnel = tunnel_to(host, network=NetworkForward(listen=(NETWORK_HOST, port), relay_socket=relay.path))
+        with pytest.raises(ForwardRefused, match="clientspecified"):
+            tunnel.ensure()
+        assert not tunnel.connected()
+
+
+def test_a_host_that_refuses_remote_forwards_on_its_network_is_a_clear_error(
+        tmp_path: Path, relay: FakeRelay) -> None:
+    with Sshd(tmp_path / "strict", gateway_ports="clientspecified") as strict:  # AllowTcpForwarding local
+        tunnel = tunnel_to(strict, network=NetworkForward(listen=(NETWORK_HOST, free_port()), relay_socket=relay.path))
+        with pytest.raises(ForwardRefused, match="AllowTcpForwarding"):
+            tunnel.ensure()
+
+
+def test_a_tunnel_takes_the_loopback_forward_or_the_network_one_not_both(host: Sshd, relay: FakeRelay) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        tunnel_to(host, proxy=("127.0.0.2", 3128), network=NetworkForward(listen=(NETWORK_HOST, 3128),
+                                                                          relay_socket=relay.path))
+
+
+def test_the_keeper_brings_the_network_forward_back_after_the_hosts_sshd_session_dies(
+        tmp_path: Path, relay: FakeRelay) -> None:
+    port = free_port()
+
+    def relayed() -> bool:
+        try:
+            return from_guest(port, b"ping").endswith(b"ping")
+        except OSError:
+            return False
+
+    with Sshd(tmp_path / "netted", forwarding="yes", gateway_ports="clientspecified") as host:
+        tunnel = tunnel_to(host, network=NetworkForward(listen=(NETWORK_HOST, port), relay_socket=relay.path),
+                           keepalive=0.2)
+        try:
+            tunnel.ensure()
+            assert relayed()
+            for pid in host.sessions():
+                os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not relayed(), 10, "the forward to die with the session")
+            wait_until(relayed, 20, "the keeper to bring the network forward back, checked again")
+        finally:
+            tunnel.close()

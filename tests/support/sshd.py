@@ -66,10 +66,13 @@ def keygen(path: Path) -> str:
 
 
 class Sshd:
-    def __init__(self, directory: Path, *, forwarding: str = "local", netns: str | None = None) -> None:
+    def __init__(self, directory: Path, *, forwarding: str = "local", netns: str | None = None,
+                 gateway_ports: str = "no") -> None:
         """`forwarding`: sshd's AllowTcpForwarding (`all` for a host that forwards back to the egress proxy).
+        `gateway_ports`: sshd's GatewayPorts (`clientspecified` for a host on an isolated network, whose forward
+        listens on the network's host address).
         `netns`: a network namespace (`/proc/PID/ns/net`) to run in, listening on that namespace's loopback."""
-        self.forwarding, self.netns = forwarding, netns
+        self.forwarding, self.netns, self.gateway_ports = forwarding, netns, gateway_ports
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.host_public_key = keygen(self.dir / "host_ed25519")
@@ -94,6 +97,7 @@ class Sshd:
             "UsePAM no",
             "StrictModes no",
             f"AllowTcpForwarding {self.forwarding}",
+            f"GatewayPorts {self.gateway_ports}",
             "X11Forwarding no",
             "PermitTTY no",
             "MaxStartups 50",

@@ -4,7 +4,8 @@ It runs as root in its own mount namespace, where libvirt's state, run, cache an
 are bind-mounted from a temporary directory, so it shares nothing with the system daemon but the kernel, the
 files it is given and the CPU; its socket lives in that directory too (`qemu+unix:///system?socket=…`), reachable
 from outside the namespace. With `own_network=True` it also gets a network namespace of its own: a loopback of its
-own (brought up, nothing else), where its guests' forwards listen; `netns` names it for `nsenter --net=`.
+own (brought up, nothing else), where its guests' forwards listen; `netns` names it for `nsenter --net=`. There
+`isolated_network_in` makes an isolated libvirt network (no `<forward>`) that exists only in that namespace.
 What this cannot show: a real network between hosts (latency, bandwidth, NFS semantics), a host that loses power
 with a guest running, different CPUs or QEMU versions.
 """
@@ -12,15 +13,20 @@ with a guest running, different CPUs or QEMU versions.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.polling import wait_until
 
-__all__ = ["SecondLibvirtd", "start_second_libvirtd"]
+__all__ = ["SecondLibvirtd", "isolated_network_in", "start_second_libvirtd"]
 
 START = """#!/bin/sh
 set -e
@@ -92,3 +98,31 @@ def start_second_libvirtd(root: Path, *, own_network: bool = False) -> SecondLib
     if process.poll() is not None:
         raise AssertionError(f"the second libvirtd exited: {(root / 'libvirtd.log').read_text()[-2000:]}")
     return daemon
+
+
+@contextmanager
+def isolated_network_in(daemon: SecondLibvirtd, prefix: str) -> Iterator[tuple[str, str]]:
+    """An isolated network (infra/README.md's, no DHCP range) on the daemon, in its own network namespace: yields its
+    name and host address (10.79.N.1; nothing outside that namespace is on it), then stops and undefines it."""
+    assert daemon.own_network, "only a daemon with a network namespace of its own"
+    tag = uuid.uuid4().hex[:6]
+    n = random.randrange(1, 255)
+    name, host = f"{prefix}net-{tag}", f"10.79.{n}.1"
+    xml = (f"<network><name>{name}</name><bridge name='wkb{tag}' stp='off'/>"
+           f"<ip address='{host}' netmask='255.255.255.0'><dhcp/></ip></network>")
+
+    def virsh(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["virsh", "-c", daemon.uri, *args], capture_output=True, text=True, timeout=60)
+
+    with tempfile.NamedTemporaryFile("w", suffix=".xml") as f:
+        f.write(xml)
+        f.flush()
+        defined = virsh("net-define", f.name)
+    assert defined.returncode == 0, defined.stderr
+    try:
+        started = virsh("net-start", name)
+        assert started.returncode == 0, started.stderr
+        yield name, host
+    finally:
+        virsh("net-destroy", name)
+        virsh("net-undefine", name)

@@ -12,13 +12,16 @@ proxy injects as `Authorization: Bearer …`. The shop's TLS leaf comes from its
 (`egress_upstream_ca`). With `deployment` (a data directory holding a deployment CA and its vault key, as the guest
 image's build has) the proxy intercepts with that CA, the one the image trusts; without it the proxy makes its own
 and only plain HTTP works from the guest. With `network` (an isolated libvirt network's name and host address, see
-`computer_lab.isolated_network`) the proxy also listens on that address's port 3128, for tool computers on it.
+`computer_lab.isolated_network`) the proxy also listens on that address's port 3128, for tool computers on it; with
+`computer_hosts` too (hosts reached over SSH, and `computer_shared_dir`) it also takes those hosts' tool computers
+on its relay socket, as `wakeful proxy` does in such a deployment.
 """
 
 from __future__ import annotations
 
 import html
 import http.server
+import json
 import secrets
 import shutil
 import ssl
@@ -28,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tests.support.egress import decider_on_thread, proxy_child
 from tests.support.serve import free_port
@@ -170,6 +174,11 @@ def _config(settings: Settings) -> str:
                                                                 ("vault_key_file", settings.vault_key_file)) if path)
     bridge = (f'computer_network = "{settings.computer_network}"\nproxy_bridge_listen = '
               f'"{settings.proxy_bridge_listen}"\n') if settings.computer_network else ""
+    if settings.computer_hosts:  # JSON strings are TOML basic strings
+        bridge += f"computer_shared_dir = {json.dumps(str(settings.computer_shared_dir))}\n" + "".join(
+            "\n[[computer_hosts]]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value
+                                              in host.model_dump(mode="json", exclude_none=True).items())
+            for host in settings.computer_hosts)
     return (f"proxy = true\nproxy_port = {settings.proxy_port}\nproxy_decider_timeout = "
             f'{settings.proxy_decider_timeout}\npolicies_dir = "{settings.policies}"\n'
             f"egress_allow_private = [{allow}]\negress_resolve = {{ {resolve} }}\n{paths}{bridge}")
@@ -177,7 +186,9 @@ def _config(settings: Settings) -> str:
 
 @contextmanager
 def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | None = None,
-                deployment: Path | None = None, network: tuple[str, str] | None = None) -> Iterator[ShopEgress]:
+                deployment: Path | None = None, network: tuple[str, str] | None = None,
+                computer_hosts: list[dict[str, Any]] | None = None, computer_shared_dir: Path | None = None,
+                ) -> Iterator[ShopEgress]:
     directory.mkdir(parents=True, exist_ok=True)
     shop = Shop()
     upstream_ca = make_test_ca(directory, [HOST])
@@ -194,7 +205,8 @@ def shop_egress(directory: Path, *, user: str = "shopper", proxy_port: int | Non
                         egress_allow_private=[HOST], egress_upstream_ca=upstream_ca.ca_file,
                         vault_key_file=deployment / "vault.key" if deployment is not None else None,
                         computer_network=network[0] if network else None,
-                        proxy_bridge_listen=f"{network[1]}:3128" if network else None)
+                        proxy_bridge_listen=f"{network[1]}:3128" if network else None,
+                        computer_hosts=computer_hosts or [], computer_shared_dir=computer_shared_dir)
     if deployment is not None:  # the deployment CA the image trusts, sealed under that deployment's vault key
         shutil.copytree(deployment / "proxy", settings.proxy_dir)
     secret = secrets.token_urlsafe(24)

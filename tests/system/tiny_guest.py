@@ -5,7 +5,9 @@ serves HTTP on guest ports 22 and 9222 (so host forwards can be proven without s
 10.0.2.100:3128 and the host gateway 10.0.2.2 (which restrict=on must block), then starts a counter process that
 prints `WK-COUNTER n=<n> pid=<pid> boot=<boot_id>` to the serial console every second (and serves its latest line
 at `/counter`) and writes `WK<n>` to the first bytes of the overlay disk. `/cgi-bin/proxy?<path>` asks the egress
-proxy for `/<path>` when called, and answers with the proxy's response. A restore in place continues the counter;
+proxy for `/<path>` when called (for `<path>` itself when it is an `http:` URL), and answers with the proxy's
+response. When the seed disk names a proxy other than 10.0.2.100 (an isolated network) the guest takes its address
+by DHCP (its reservation), asks that proxy, and skips the boot-time requests. A restore in place continues the counter;
 a cold boot starts it again at 1.
 Requests use busybox nc: the static busybox's wget segfaults on name lookup.
 """
@@ -51,18 +53,31 @@ fi
 wanted='pni|ssse3|sse4_1|sse4_2|popcnt|cx16|aes|avx'
 echo "WK-CPU $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -x -E "$wanted" | tr '\n' ' ')"
 echo "WK-DISK-AT-BOOT $(dd if=$disk bs=16 count=1 2>/dev/null | tr -cd 'A-Z0-9')"
-ip link set lo up; ip link set eth0 up; ip addr add 10.0.2.15/24 dev eth0; ip route add default via 10.0.2.2
+ip link set lo up; ip link set eth0 up
+proxy=$(cat /seed/proxy 2>/dev/null); proxy=${proxy#http://}
+if [ -z "$proxy" ] || [ "${proxy%:*}" = 10.0.2.100 ]; then
+  echo "10.0.2.100 3128" > /wk-proxy
+  ip addr add 10.0.2.15/24 dev eth0; ip route add default via 10.0.2.2
+else  # an isolated network: the address is the VM's DHCP reservation, the proxy the seed's
+  echo "${proxy%:*} ${proxy##*:}" > /wk-proxy
+  printf '#!/bin/sh\n[ "$1" = bound ] && ip addr add "$ip/${mask:-24}" dev "$interface"\nexit 0\n' > /bin/wk-dhcp
+  chmod 755 /bin/wk-dhcp
+  udhcpc -i eth0 -n -q -t 30 -T 1 -s /bin/wk-dhcp >/dev/null 2>&1
+  echo "WK-NET $(ip -4 -o addr show eth0)"
+fi
 mkdir -p /www/cgi-bin; echo WK-GUEST-HTTP > /www/index.html
 cat > /www/cgi-bin/proxy <<'CGI'
 #!/bin/sh
 printf 'Content-Type: text/plain\r\n\r\n'
-printf 'GET /%s HTTP/1.0\r\n\r\n' "${QUERY_STRING:-cgi}" | nc -w 5 10.0.2.100 3128 2>&1 | tr -s '\r\n' '  '
+read host port < /wk-proxy
+case "$QUERY_STRING" in http:*) target=$QUERY_STRING ;; *) target=/${QUERY_STRING:-cgi} ;; esac
+printf 'GET %s HTTP/1.0\r\n\r\n' "$target" | nc -w 5 $host $port 2>&1 | tr -s '\r\n' '  '
 CGI
 chmod 755 /www/cgi-bin/proxy
 httpd -p 22 -h /www; httpd -p 9222 -h /www; httpd -p 5900 -h /www
 egress=$(sed -n 's/.*wkegress=\([0-9]*\).*/\1/p' /proc/cmdline)
 get() { printf 'GET /%s HTTP/1.0\r\n\r\n' "$3" | nc -w 5 "$1" "$2" 2>&1 | tr -s '\r\n' '  '; }
-(
+[ -f /bin/wk-dhcp ] || (
   # Two requests: the proxy forward must serve one connection per request, not a single one-shot stream.
   for try in 1 2; do echo "WK-PROXY $try $(get 10.0.2.100 3128 probe$try)"; done
   [ -n "$egress" ] && echo "WK-EGRESS $(get 10.0.2.2 $egress escape)"

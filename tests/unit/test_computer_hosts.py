@@ -3,17 +3,18 @@ the hypervisor the server builds from it (one libvirt connection, or a fleet ove
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from tests.support.sshd import keygen
-from wakeful.server.computers.pool import host_tunnel, hypervisor_for
+from wakeful.server.computers.pool import default_link, guest_socket, host_tunnel, hypervisor_for
 from wakeful.server.settings import ComputerHost, Settings, load_settings
 from wakeful.vm.guest import BadKey
-from wakeful.vm.host_tunnel import HostTunnel
-from wakeful.vm.hosts import HostFleet
+from wakeful.vm.host_tunnel import HostTunnel, NetworkForward
+from wakeful.vm.hosts import Host, HostFleet
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.placement import HostMark, HostSpec
 
@@ -127,10 +128,31 @@ def test_an_impossible_ssh_target_or_host_key_is_refused_naming_the_field(tmp_pa
         Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[{**REMOTE, field: value}])
 
 
-def test_hosts_over_ssh_on_an_isolated_network_are_refused_saying_why(tmp_path: Path) -> None:
-    with pytest.raises(ValidationError, match="source address"):
-        Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[REMOTE],
-                 computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128")
+def test_hosts_over_ssh_on_an_isolated_network_are_accepted_and_the_proxy_takes_them_on_its_relay_socket(
+        tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[REMOTE],
+                        computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128")
+    assert settings.proxy_relay_socket == tmp_path / "run" / "proxy-relay.sock"
+
+
+def test_the_relay_socket_exists_only_for_hosts_over_ssh_on_an_isolated_network(tmp_path: Path) -> None:
+    local = {"name": "kvm1", "uri": "qemu:///system", "memory_mib": 4096}
+    assert Settings(data_dir=tmp_path, computer_shared_dir=tmp_path, computer_hosts=[local],
+                    computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128").proxy_relay_socket is None
+    assert Settings(data_dir=tmp_path, computer_shared_dir=tmp_path,
+                    computer_hosts=[REMOTE]).proxy_relay_socket is None  # user-mode: the credential names the VM
+
+
+def test_on_an_isolated_network_the_link_forwards_the_networks_address_to_the_relay_socket(tmp_path: Path) -> None:
+    host_key = keygen(tmp_path / "host")
+    keygen(tmp_path / "client")
+    remote = {**REMOTE, "ssh_host_key": host_key, "ssh_key": str(tmp_path / "client")}
+    settings = Settings(data_dir=tmp_path, computer_shared_dir=tmp_path / "shared", computer_hosts=[remote],
+                        computer_network="wakeful", proxy_bridge_listen="10.77.0.1:3128")
+    tunnel = default_link(settings)(settings.computer_hosts[0])
+    assert isinstance(tunnel, HostTunnel) and not tunnel.connected()
+    assert tunnel.network == NetworkForward(listen=("10.77.0.1", 3128), relay_socket=settings.proxy_relay_socket)
+    assert tunnel.proxy is None, "no loopback forward: the guests there have no connector"
 
 
 def test_only_hosts_with_ssh_get_a_link_and_it_carries_the_proxy_port(tmp_path: Path) -> None:
@@ -158,6 +180,7 @@ def test_the_default_link_is_an_unconnected_tunnel_to_the_target_with_the_pinned
     keygen(tmp_path / "client")
     tunnel = host_tunnel(host, proxy=("127.0.0.1", 8790))
     assert isinstance(tunnel, HostTunnel) and not tunnel.connected()
+    assert tunnel.proxy == ("127.0.0.1", 8790) and tunnel.network is None
     assert (tunnel.name, tunnel.ssh.user, tunnel.ssh.host, tunnel.ssh.port, tunnel.ssh.host_key) == (
         "kvm2", "root", "kvm2", 2222, host_key)
 
@@ -167,3 +190,36 @@ def test_an_unreadable_client_key_is_refused_when_the_tunnel_is_made(tmp_path: P
                                         "ssh_key": str(tmp_path / "nothing-here")})
     with pytest.raises(BadKey, match="cannot read the client key"):
         host_tunnel(host, proxy=None)
+
+
+class OpenedLink:
+    """A host link whose 'channels' are the addresses asked for."""
+
+    def ensure(self) -> None: ...
+
+    def open(self, address: tuple[str, int], *, timeout: float | None = None) -> object:
+        return address
+
+
+def test_a_computer_on_a_linked_hosts_isolated_network_is_reached_at_its_address_there_through_the_link(
+        tmp_path: Path) -> None:
+    from tests.support.fleet import manager_on
+    from wakeful.vm.fake import FakeHypervisor
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("vmlinux", "initrd.img"):
+        (images / name).write_bytes(b"\x7fELF")
+    (images / "base.qcow2").write_text("fake qcow2 size=1073741824\n")
+    b = FakeHypervisor()
+    b.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/24")
+    fleet = HostFleet([Host(spec=HostSpec(name="b", uri="fake://b", memory_mib=4096), hypervisor=b,
+                            link=OpenedLink())], tmp_path / "shared")
+    manager = manager_on(fleet, tmp_path / "shared", images, network="wakeful",
+                         address_book=tmp_path / "address-book.json")
+    vm = manager.provision("ann")
+    manager.ensure_running("ann")
+    sock = guest_socket(fleet, vm)
+    assert vm.bridge is not None and sock is not None
+    assert sock() == (vm.bridge.address, 22)
+    assert guest_socket(None, vm) is None, "one host: the channel connects to the address itself"

@@ -1,4 +1,5 @@
-"""`proxy.server.run` as a process: reports its port, fails closed with no decider, and exits 0 on SIGTERM."""
+"""`proxy.server.run` as a process: reports its port, fails closed with no decider, and exits 0 on SIGTERM; and
+`wakeful proxy` as the server starts it, with its relay socket when hosts over SSH share an isolated network."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from wakeful.proxy.audit import EgressRecord
 from wakeful.proxy.contract import DecisionRequest, Verdict
 from wakeful.proxy.vault import KEY_ENV, generate_key
 from wakeful.server.egress.proxyctl import _listening
-from wakeful.server.settings import Settings
+from wakeful.server.settings import Settings, load_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -83,3 +84,33 @@ async def _refuse(_req: DecisionRequest) -> Verdict:
 
 async def _forget(_records: list[EgressRecord]) -> None:
     return None
+
+
+HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGzv0lEQXm3B0d+xvXoMIP0u0V0kq4yq3ZK4v3m0LLxT root@kvm2"
+
+
+def test_wakeful_proxy_takes_other_hosts_computers_on_its_relay_socket_with_hosts_over_ssh_on_a_network(
+        tmp_path: Path) -> None:
+    # 192.0.2.1 (TEST-NET-1) is on no interface: the address listener binds it all the same; nothing is sent there.
+    config = textwrap.dedent(f"""\
+        proxy_port = {free_port()}
+        computer_network = "wakeful"
+        proxy_bridge_listen = "192.0.2.1:{free_port()}"
+        computer_shared_dir = "{tmp_path / 'shared'}"
+
+        [[computer_hosts]]
+        name = "kvm2"
+        uri = "qemu+ssh://wakeful@kvm2/system"
+        memory_mib = 4096
+        ssh = "wakeful@kvm2"
+        ssh_host_key = "{HOST_KEY}"
+        ssh_key = "{tmp_path / 'hosts_ed25519'}"
+        """)
+    (tmp_path / "wakeful.toml").write_text(config)
+    settings = load_settings(data_dir=tmp_path)  # what the child reads too
+    relay = settings.proxy_relay_socket
+    assert relay == tmp_path / "run" / "proxy-relay.sock"
+    with decider_on_thread(settings, _refuse, _forget), proxy_child(settings, tmp_path / "proxy.log"):
+        wait_until(relay.exists, 60, "wakeful proxy to listen on its relay socket")
+        assert oct(relay.stat().st_mode & 0o777) == oct(0o600)
+    assert not relay.exists(), "removed when the proxy stops"
