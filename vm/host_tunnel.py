@@ -34,7 +34,6 @@ recovery are logged once each.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import re
 import socket
@@ -46,6 +45,7 @@ from pathlib import Path
 
 import paramiko  # noqa: TID251 - the host tunnel is the second module that talks SSH (the guest channel is the first)
 
+from wakeful.proxy.addressbook import normalize_address
 from wakeful.proxy.proxyline import ProxyLine, format_proxy_line
 from wakeful.vm.errors import HostUnreachable, VmError
 from wakeful.vm.guest import AuthFailed, BadKey, GuestUnreachable, HostKeyMismatch
@@ -387,7 +387,10 @@ class HostTunnel:
             return socket.create_connection(self._proxy, timeout=self._timeout)
         assert self._network is not None
         (origin, origin_port), (_, port) = ends
-        head = format_proxy_line(ProxyLine(source=_ipv4(origin), source_port=origin_port,
+        source = normalize_address(origin)
+        if source is None:
+            raise ValueError(f"the guest connection came from {origin}, not an IPv4 address")
+        head = format_proxy_line(ProxyLine(source=source, source_port=origin_port,
                                            destination=self._network.listen[0], destination_port=port))
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -410,15 +413,6 @@ class HostTunnel:
             transport.close()
         if keeper is not None and keeper is not threading.current_thread():
             keeper.join(self._timeout + 1.0)
-
-
-def _ipv4(address: str) -> str:
-    """The IPv4 address an originator names (`::ffff:10.77.0.23` as `10.77.0.23`); `ValueError` for any other."""
-    ip = ipaddress.ip_address(address)
-    v4 = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else ip
-    if v4 is None:
-        raise ValueError(f"the guest connection came from {address}, not an IPv4 address")
-    return str(v4)
 
 
 def _backoff(every: float, failures: int) -> float:
