@@ -46,6 +46,7 @@ class FakeHypervisor:
         self._per_mib = resident_bytes_per_mib
         self._lock = threading.RLock()
         self.networks: dict[str, ipaddress.IPv4Interface] = {}
+        self.network_macs: dict[str, str] = {}
         """Isolated networks by name: the host's address on each (add one to use it)."""
         self.reservations: dict[str, dict[str, str]] = {}
         """DHCP reservations per network: MAC → address."""
@@ -246,7 +247,8 @@ class FakeHypervisor:
             if name not in self.networks:
                 raise NetworkUnusable(f"there is no libvirt network named {name}")
             return NetworkInfo(name=name, host=self.networks[name],
-                               reserved=frozenset(self.reservations.get(name, {}).values()))
+                               reserved=frozenset(self.reservations.get(name, {}).values()),
+                               bridge_mac=self.network_macs.get(name))
 
     def reserve_address(self, place: BridgePlace, host_name: str) -> None:
         with self._lock:

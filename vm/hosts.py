@@ -39,7 +39,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, IllegalTransition, VmError, VmNotFound
+from wakeful.vm.errors import (
+    HostsBusy,
+    HypervisorUnavailable,
+    IllegalTransition,
+    NetworkUnusable,
+    VmError,
+    VmNotFound,
+)
 from wakeful.vm.hypervisor import BridgePlace, DomainSpec, DomainState, Hypervisor, NetworkInfo, SnapshotInfo
 from wakeful.vm.placement import HostLoad, HostMark, HostSpec, place
 
@@ -241,12 +248,16 @@ class HostFleet:
 
     def _each_reachable(self, call: Callable[[HostHypervisor], T]) -> list[T]:
         """`call` on every host not marked gone; hosts that do not answer are skipped."""
-        results = []
+        return list(self._by_reachable_host(call).values())
+
+    def _by_reachable_host(self, call: Callable[[HostHypervisor], T]) -> dict[str, T]:
+        """`call`'s result by host name, as `_each_reachable`."""
+        results = {}
         for name, host in self._hosts.items():
             if self._marks[name] is HostMark.GONE:
                 continue
             try:
-                results.append(call(host.hypervisor))
+                results[name] = call(host.hypervisor)
             except HypervisorUnavailable as exc:
                 log.warning("tool-computer host %s does not answer: %s", name, exc.message)
         return results
@@ -375,10 +386,21 @@ class HostFleet:
         return self._on_home(name).snapshots(name)
 
     def network(self, name: str) -> NetworkInfo:
-        """The network as the first reachable host has it; each host needs one of that name and subnet."""
-        for network in self._each_reachable(lambda hv: hv.network(name)):
-            return network
-        raise HypervisorUnavailable("no tool-computer host answers")
+        """The network as the first reachable host has it. Every host needs it under that name with the same host
+        address and bridge MAC: a computer that resumes on another host still looks for the egress proxy at that
+        address, and its ARP cache still holds the MAC it last saw there."""
+        networks = list(self._by_reachable_host(lambda hv: hv.network(name)).items())
+        if not networks:
+            raise HypervisorUnavailable("no tool-computer host answers")
+        (first, network), others = networks[0], networks[1:]
+        for host, other in others:
+            if (other.host, other.bridge_mac) != (network.host, network.bridge_mac):
+                raise NetworkUnusable(
+                    f"the network {name} differs between hosts {first} (host address {network.host}, bridge MAC "
+                    f"{network.bridge_mac}) and {host} ({other.host}, {other.bridge_mac}): define it on every host "
+                    f"from the same XML, its <ip> and <mac address=...> included (virsh net-dumpxml {name} on "
+                    f"{first})")
+        return network
 
     def reserve_address(self, place: BridgePlace, host_name: str) -> None:
         """On every reachable host, so the VM keeps its address wherever it resumes."""

@@ -460,7 +460,9 @@ class LibvirtHypervisor:
             mask = ip.get("prefix") or ip.get("netmask") or "24"
             host = ipaddress.IPv4Interface(f"{ip.get('address')}/{mask}")
             reserved = frozenset(h.get("ip", "") for h in ip.findall("dhcp/host") if h.get("ip"))
-            return NetworkInfo(name=name, host=host, reserved=reserved)
+            mac = root.find("mac")
+            bridge_mac = mac.get("address", "").lower() or None if mac is not None else None
+            return NetworkInfo(name=name, host=host, reserved=reserved, bridge_mac=bridge_mac)
         raise NetworkUnusable(f"the network {name} has no IPv4 address for the host")
 
     _UPDATE_FLAGS = libvirt.VIR_NETWORK_UPDATE_AFFECT_LIVE | libvirt.VIR_NETWORK_UPDATE_AFFECT_CONFIG

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.fleet import manager_on
-from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, NoHostAvailable
+from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, NetworkUnusable, NoHostAvailable
 from wakeful.vm.fake import FakeHypervisor
 from wakeful.vm.hosts import Host, HostFleet
 from wakeful.vm.hypervisor import DomainState, ProxyCredential
@@ -139,6 +139,23 @@ def test_its_address_book_entry_and_reservation_follow_a_computer_to_another_hos
         vm.bridge.address: {"user_id": "alice", "token": "s3cret-token"}}
     assert b.reservations["wakeful"] == {vm.bridge.mac: vm.bridge.address}
     assert b.domains[vm.name].spec.bridge == vm.bridge
+
+
+def test_a_network_that_differs_between_hosts_is_unusable_and_names_both(
+        fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    for hv in (a, b):
+        hv.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/24")
+        hv.network_macs["wakeful"] = "52:54:00:ab:cd:01"
+    assert fleet.network("wakeful").bridge_mac == "52:54:00:ab:cd:01"
+    b.network_macs["wakeful"] = "52:54:00:ab:cd:02"  # defined on b from its own XML: libvirt chose another MAC
+    with pytest.raises(NetworkUnusable, match=r"differs between hosts a .* and b .*52:54:00:ab:cd:02.*same XML"):
+        fleet.network("wakeful")
+    b.network_macs["wakeful"] = "52:54:00:ab:cd:01"
+    b.networks["wakeful"] = ipaddress.IPv4Interface("10.77.1.1/24")
+    with pytest.raises(NetworkUnusable, match="10.77.1.1/24"):
+        fleet.network("wakeful")
+    b.down = True  # a host that does not answer is not compared
+    assert fleet.network("wakeful").host == ipaddress.IPv4Interface("10.77.0.1/24")
 
 
 def test_no_host_with_room_is_a_clear_refusal(manager: VmManager, fleet: HostFleet, a: FakeHypervisor) -> None:

@@ -216,7 +216,7 @@ def test_fake_failures_can_be_injected_once(spec: DomainSpec) -> None:
 
 # -- the isolated network for production hosts ---------------------------------------------------------------------
 
-ISOLATED_XML = """<network><name>{name}</name><bridge name="{bridge}" stp="off"/>
+ISOLATED_XML = """<network><name>{name}</name><bridge name="{bridge}" stp="off"/><mac address="52:54:00:AB:CD:01"/>
   <ip address="10.77.0.1" netmask="255.255.255.0"><dhcp/></ip></network>"""
 
 
@@ -226,6 +226,7 @@ def isolated(hv: Hypervisor) -> Iterator[str]:
     name = f"wkt-net-{uuid.uuid4().hex[:6]}"
     if isinstance(hv, FakeHypervisor):
         hv.networks[name] = ipaddress.IPv4Interface("10.77.0.1/24")
+        hv.network_macs[name] = "52:54:00:ab:cd:01"
         yield name
         return
     assert isinstance(hv, LibvirtHypervisor)
@@ -240,6 +241,7 @@ def isolated(hv: Hypervisor) -> Iterator[str]:
 def test_an_isolated_network_reports_the_hosts_address_and_its_reservations(hv: Hypervisor, isolated: str) -> None:
     info = hv.network(isolated)
     assert info.host == ipaddress.IPv4Interface("10.77.0.1/24") and info.reserved == frozenset()
+    assert info.bridge_mac == "52:54:00:ab:cd:01"
     a = BridgePlace(network=isolated, mac="52:54:00:00:00:0a", address="10.77.0.10")
     b = BridgePlace(network=isolated, mac="52:54:00:00:00:0b", address="10.77.0.11")
     hv.reserve_address(a, host_name="wkt-a")
