@@ -171,7 +171,7 @@ _CLOCK_SCRIPT = (
 # setting it) or `error TEXT`. It outlives the session that started it: under user-mode networking the SSH
 # connection dies at every save, and the next one reaches the same keeper through a forward to its port (the token
 # first; anything else is hung up on) instead of starting a new one. `bye` ends it; so does a new keeper (through
-# the pid file), or ten minutes with neither its session nor a connection.
+# the pid file), or ten minutes with neither its session nor a connection open.
 _KEEPER_SOURCE = """\
 import hmac, os, signal, socket, sys, threading, time
 tag = "wakeful-clock-keeper"
@@ -225,16 +225,18 @@ def connection(conn):
                 serve(lines, lambda text: conn.sendall(text.encode()))
         except (OSError, ValueError, TypeError):
             pass
-started = threading.Thread(target=session, daemon=True)
-started.start()
+served = [threading.Thread(target=session, daemon=True)]
+served[0].start()
 while True:
     try:
         conn, _ = server.accept()
     except socket.timeout:
-        if not started.is_alive():
+        served = [t for t in served if t.is_alive()]
+        if not served:
             os._exit(0)
         continue
-    threading.Thread(target=connection, args=(conn,), daemon=True).start()
+    served.append(threading.Thread(target=connection, args=(conn,), daemon=True))
+    served[-1].start()
 """
 
 
