@@ -220,7 +220,7 @@ def connection(conn):
     with conn:
         try:
             lines = conn.makefile("r", encoding="ascii", errors="replace")
-            words = lines.readline().split()
+            words = lines.readline(128).split()  # a token line is short: nothing longer is read
             if token and words[:1] == ["token"] and hmac.compare_digest(words[-1].encode(), token):
                 serve(lines, lambda text: conn.sendall(text.encode()))
         except (OSError, ValueError, TypeError):
