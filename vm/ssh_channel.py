@@ -522,7 +522,8 @@ class GuestChannel:
         keeper = self._keeper
         if keeper is None:
             return None
-        if keeper.boot_id is None and self._keeper_alive(keeper):
+        if keeper.boot_id is None:
+            # Read even from a channel whose transport died: its `ready` line may have come before the restore.
             while keeper.chan.recv_ready():
                 keeper.pending += keeper.chan.recv(_CHUNK)
             if b"\n" in keeper.pending:

@@ -391,6 +391,24 @@ def test_a_clock_keeper_that_outlived_its_connection_sets_the_clock_through_the_
     assert len(target.read_text().split()) == 3
 
 
+def test_a_keeper_whose_ready_line_came_before_the_connection_died_is_reached_through_the_next_one(
+        sshd: Sshd, tmp_path: Path) -> None:
+    # Nothing asked the keeper whether it was ready before the restore: its line waited in the dead channel.
+    target = tmp_path / "clock"
+    chan = _channel(sshd, set_clock="exit 9", keeper=clock_keeper(f"open({str(target)!r}, 'a').write(str(t) + '\\n')"))
+    with chan:
+        chan.connect()
+        chan.keep_clock()
+        keeper = chan._keeper  # white-box: wait for its line to arrive without reading it
+        assert keeper is not None
+        wait_until(keeper.chan.recv_ready, 60, "the keeper's ready line")
+        chan.drop()
+        chan.reconnect(timeout=30)
+        sync = chan.resync_clock()
+        assert sync.applied and sync.kept
+    assert len(target.read_text().split()) == 1
+
+
 def test_the_clock_keepers_port_hangs_up_on_a_connection_without_its_token_and_closing_the_channel_ends_it(
         sshd: Sshd, tmp_path: Path) -> None:
     chan = _channel(sshd, keeper=clock_keeper(f"open({str(tmp_path / 'clock')!r}, 'w').write(str(t))"))
