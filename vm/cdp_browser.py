@@ -26,6 +26,7 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import httpx
 from playwright.async_api import Browser as PwBrowser  # noqa: TID251 - the one module that uses Playwright
 from playwright.async_api import BrowserContext, CDPSession, Page, Playwright, Request, async_playwright  # noqa: TID251
 from playwright.async_api import Error as PwError  # noqa: TID251
@@ -146,6 +147,10 @@ class CdpBrowser:
         self._max_text = max_text
         self._loop = _Loop()
         self._url: str | None = None
+        self._endpoints: dict[str, str] = {}
+        """The DevTools websocket learnt for each http:// address (its /json/version): a reconnect to the same
+        address goes straight to it, one HTTP round trip through the guest fewer after a restore (the browser, and
+        the id in its websocket's path, outlive a save and restore)."""
         self._pw: Playwright | None = None
         self._browser: PwBrowser | None = None
         self._sessions: dict[Page, _PageSession] = {}
@@ -184,8 +189,31 @@ class CdpBrowser:
         if old is not None:
             with contextlib.suppress(PwError, TimeoutError):
                 await asyncio.wait_for(old.close(), 5)
-        self._browser = await self._pw.chromium.connect_over_cdp(self._url, timeout=self._timeout * 1000,
+        known = self._endpoints.get(self._url)
+        if known is not None:
+            try:
+                self._browser = await self._pw.chromium.connect_over_cdp(known, timeout=self._timeout * 1000,
+                                                                         no_defaults=True)
+                return
+            except PwError:
+                del self._endpoints[self._url]  # another browser answers there now: ask it over HTTP
+        endpoint = await self._websocket_of(self._url)
+        self._browser = await self._pw.chromium.connect_over_cdp(endpoint or self._url, timeout=self._timeout * 1000,
                                                                  no_defaults=True)
+        if endpoint is not None:
+            self._endpoints[self._url] = endpoint
+
+    async def _websocket_of(self, url: str) -> str | None:
+        """The browser's DevTools websocket address from `url`/json/version (what Playwright would ask for), or None
+        to leave the asking, and the error, to Playwright."""
+        try:
+            async with httpx.AsyncClient(timeout=self._timeout, trust_env=False) as client:
+                reply = await client.get(f"{url.rstrip('/')}/json/version")
+                reply.raise_for_status()
+                endpoint = reply.json()["webSocketDebuggerUrl"]
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
+        return endpoint if isinstance(endpoint, str) and endpoint.startswith("ws") else None
 
     def _context(self) -> BrowserContext:
         if self._browser is None or not self._browser.is_connected():

@@ -26,6 +26,7 @@ import base64
 import binascii
 import contextlib
 import logging
+import secrets
 import select
 import shlex
 import socket
@@ -133,6 +134,8 @@ class _Keeper:
     pending: bytearray
     boot_id: str | None = None
     """From its first line; None until it has started."""
+    port: int | None = None
+    """Where it listens on the guest's loopback (its first line): how a later transport reaches it."""
 
 
 @dataclass(eq=False)
@@ -160,14 +163,17 @@ _CLOCK_SCRIPT = (
     'read -r t || exit 0; {{ {setter}; }} >/dev/null || exit 3; echo "set ${{EPOCHREALTIME:-$(date +%s.%N)}}"')
 
 
-# The clock keeper: one Python process in the guest, started once on a transport (`keep_clock`) and kept with it.
-# A resync through it is one line each way, with no new session, shell or `date` to start: after a restore under TCG
-# those cost the guest's one vCPU a second or more (its translated code went with the old QEMU process), right when
-# the first observation needs it. It answers `ready BOOT_ID` once, then for each `set NANOS` (or `read`) line
-# `BEFORE AFTER` (the guest clock in nanoseconds just before and after setting it) or `error TEXT`. A new keeper ends
-# the previous one (its transport died with a restore under user-mode networking, leaving it blocked on a read).
+# The clock keeper: one Python process in the guest, started once (`keep_clock`) and kept. A resync through it is one
+# line each way, with no new session, shell or `date` to start: after a restore under TCG those cost the guest's one
+# vCPU a second or more (its translated code went with the old QEMU process), right when the first observation needs
+# it. It reads a token on its first line, listens on a port of the guest's loopback, answers `ready BOOT_ID PORT`,
+# then for each `set NANOS` (or `read`) line `BEFORE AFTER` (the guest clock in nanoseconds just before and after
+# setting it) or `error TEXT`. It outlives the session that started it: under user-mode networking the SSH
+# connection dies at every save, and the next one reaches the same keeper through a forward to its port (the token
+# first; anything else is hung up on) instead of starting a new one. `bye` ends it; so does a new keeper (through
+# the pid file), or ten minutes with neither its session nor a connection open.
 _KEEPER_SOURCE = """\
-import os, signal, sys, time
+import hmac, os, signal, socket, sys, threading, time
 tag = "wakeful-clock-keeper"
 pidfile = "/run/wakeful/clock-keeper.pid"
 try:
@@ -181,21 +187,56 @@ try:
         f.write(str(os.getpid()))
 except OSError:
     pass
+token = (sys.stdin.readline().split() or [""])[-1].encode()
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(4)
+server.settimeout(600)
 boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-sys.stdout.write("ready " + boot + "\\n")
-sys.stdout.flush()
-for line in sys.stdin:
-    words = line.split()
-    before = time.time_ns()
+ready = "ready %s %d\\n" % (boot, server.getsockname()[1])
+def serve(lines, write):
+    write(ready)
+    for line in lines:
+        words = line.split()
+        if words[:1] == ["bye"]:
+            os._exit(0)
+        before = time.time_ns()
+        try:
+            if words[:1] == ["set"]:
+                t = int(words[1])
+                {setter}
+            out = "%d %d" % (before, time.time_ns())
+        except SystemExit:
+            os._exit(0)
+        except Exception as exc:
+            out = "error %s" % str(exc).replace("\\n", " ")
+        write(out + "\\n")
+def session():
     try:
-        if words[:1] == ["set"]:
-            t = int(words[1])
-            {setter}
-        out = "%d %d" % (before, time.time_ns())
-    except Exception as exc:
-        out = "error %s" % str(exc).replace("\\n", " ")
-    sys.stdout.write(out + "\\n")
-    sys.stdout.flush()
+        serve(sys.stdin, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    except (OSError, ValueError):
+        pass
+def connection(conn):
+    with conn:
+        try:
+            lines = conn.makefile("r", encoding="ascii", errors="replace")
+            words = lines.readline(128).split()  # a token line is short: nothing longer is read
+            if token and words[:1] == ["token"] and hmac.compare_digest(words[-1].encode(), token):
+                serve(lines, lambda text: conn.sendall(text.encode()))
+        except (OSError, ValueError, TypeError):
+            pass
+served = [threading.Thread(target=session, daemon=True)]
+served[0].start()
+while True:
+    try:
+        conn, _ = server.accept()
+    except socket.timeout:
+        served = [t for t in served if t.is_alive()]
+        if not served:
+            os._exit(0)
+        continue
+    served.append(threading.Thread(target=connection, args=(conn,), daemon=True))
+    served[-1].start()
 """
 
 
@@ -205,6 +246,12 @@ def clock_keeper(setter: str = "time.clock_settime_ns(time.CLOCK_REALTIME, t)") 
     source = _KEEPER_SOURCE.format(setter=setter)
     return "exec python3 -c " + shlex.quote(source)
 
+
+_REATTACH_TIMEOUT = 5.0
+"""How long a keeper from an earlier transport gets to answer through a forward before a shell sets the clock."""
+
+_BYE_WAIT = 2.0
+"""How long `close` waits for the clock keeper to hang up after `bye`."""
 
 _CLOSE_ENOUGH_NS = 50_000_000
 """How far off the guest clock may land through the keeper before it is set once more (50 ms)."""
@@ -250,6 +297,8 @@ class GuestChannel:
         self._set_clock = set_clock
         self._keeper_command = keeper
         self._keeper: _Keeper | None = None
+        self._keeper_token = secrets.token_hex(16)
+        """What the keeper asks of a connection to its port: it started with it on its first line."""
         self._keeper_lock = threading.Lock()
         self._sock = sock
         self._client: paramiko.SSHClient | None = None
@@ -431,20 +480,30 @@ class GuestChannel:
             select.select([chan], [], [], min(remaining, 0.05))
 
     def keep_clock(self, *, timeout: float = 10.0) -> None:
-        """Start the clock keeper on the current transport unless it already runs there. Returns once the guest's
-        sshd took the command; until the keeper has started and said so, resyncs still start a shell."""
+        """Start the clock keeper unless it already runs: on the current transport, or from an earlier one and
+        reached again through a forward to its port. Returns once the guest's sshd took the command; until the
+        keeper has started and said so, resyncs still start a shell."""
         if self._keeper_command is None:
             return
         with self._keeper_lock:
             if self._keeper is not None and self._keeper_alive(self._keeper):
                 return
+            if self._reattach_keeper(min(timeout, _REATTACH_TIMEOUT)) is not None:
+                return
             transport = self._live_transport()
             try:
                 chan = transport.open_session(timeout=timeout)
                 chan.exec_command(self._keeper_command)
+                chan.sendall(f"token {self._keeper_token}\n".encode())
             except (paramiko.SSHException, EOFError, OSError) as exc:
                 raise NotConnected(f"cannot start the clock keeper on the guest: {exc}") from None
             self._keeper = _Keeper(chan=chan, transport=transport, pending=bytearray())
+
+    @property
+    def keeper_port(self) -> int | None:
+        """The guest loopback port the clock keeper listens on, once it said so (None before, or without one)."""
+        keeper = self._keeper
+        return keeper.port if keeper is not None else None
 
     @property
     def keeping(self) -> bool:
@@ -458,25 +517,57 @@ class GuestChannel:
                 and not keeper.chan.closed and not keeper.chan.eof_received)
 
     def _ready_keeper(self) -> _Keeper | None:
-        """The clock keeper on the current transport once it has said it is ready (without waiting for it)."""
+        """The clock keeper on the current transport once it has said it is ready (without waiting for it). A keeper
+        that said where it listens and lost its channel (its transport died) is kept for `_reattach_keeper`."""
         keeper = self._keeper
         if keeper is None:
             return None
-        if keeper.boot_id is None and self._keeper_alive(keeper):
+        if keeper.boot_id is None:
+            # Read even from a channel whose transport died: its `ready` line may have come before the restore.
             while keeper.chan.recv_ready():
                 keeper.pending += keeper.chan.recv(_CHUNK)
             if b"\n" in keeper.pending:
                 line, _, rest = bytes(keeper.pending).partition(b"\n")
                 keeper.pending = bytearray(rest)
-                word, _, boot_id = line.decode(errors="replace").strip().partition(" ")
-                if word == "ready" and boot_id:
-                    keeper.boot_id = boot_id
+                words = line.decode(errors="replace").split()
+                if words[:1] == ["ready"] and len(words) >= 2:
+                    keeper.boot_id = words[1]
+                    keeper.port = int(words[2]) if len(words) >= 3 and words[2].isdigit() else None
                 else:
                     keeper.chan.close()  # not our keeper talking: leave it
         if keeper.boot_id is None or not self._keeper_alive(keeper):
-            if keeper.chan.closed or keeper.chan.eof_received or keeper.transport is not self._transport():
+            gone = keeper.chan.closed or keeper.chan.eof_received or keeper.transport is not self._transport()
+            if gone and (keeper.boot_id is None or keeper.port is None):
                 self._drop_keeper(keeper)
             return None
+        return keeper
+
+    def _reattach_keeper(self, timeout: float) -> _Keeper | None:
+        """Reach a keeper that outlived its transport (a restore under user-mode networking) through a forward to its
+        port on the current one: the token, then its `ready` line with the same boot id. None (and the keeper
+        forgotten) if it is gone, or the guest booted again, or something else answers."""
+        keeper = self._keeper
+        transport = self._transport()
+        if (keeper is None or keeper.port is None or keeper.boot_id is None or transport is None
+                or not transport.is_active() or self._keeper_alive(keeper)):
+            return None
+        deadline = time.monotonic() + timeout
+        chan: paramiko.Channel | None = None
+        try:
+            chan = transport.open_channel("direct-tcpip", ("127.0.0.1", keeper.port), ("127.0.0.1", 0),
+                                          timeout=timeout)
+            chan.sendall(f"token {self._keeper_token}\n".encode())
+            line, pending = self._line(chan, bytearray(), deadline, timeout)
+        except (paramiko.SSHException, EOFError, OSError, GuestTimeout):
+            line, pending = b"", bytearray()
+        words = line.decode(errors="replace").split()
+        if chan is None or words[:2] != ["ready", keeper.boot_id]:
+            if chan is not None:
+                chan.close()
+            self._drop_keeper(keeper)
+            return None
+        keeper.chan.close()
+        keeper.chan, keeper.transport, keeper.pending = chan, transport, pending
         return keeper
 
     def _drop_keeper(self, keeper: _Keeper) -> None:
@@ -494,7 +585,7 @@ class GuestChannel:
         Refuses to set it (`applied=False`) when the "guest" shares this machine's boot id: pointed at the host's own
         sshd (as in tests), `date -s` would step the host clock that every other process relies on."""
         with self._keeper_lock:
-            keeper = self._ready_keeper()
+            keeper = self._ready_keeper() or self._reattach_keeper(min(timeout, _REATTACH_TIMEOUT))
             if keeper is not None:
                 sync = self._resync_through(keeper, timeout)
                 if sync is not None:
@@ -675,8 +766,20 @@ class GuestChannel:
     # ------------------------------------------------------------------------------------------ shutdown
 
     def close(self, *, join_timeout: float = 5.0) -> None:
-        """Stop every listener and tunnelled connection, close SSH, and wait (bounded) for the threads."""
+        """Stop every listener and tunnelled connection, end the clock keeper, close SSH, and wait (bounded) for the
+        threads."""
         self._closing.set()
+        keeper = self._keeper
+        if keeper is not None and not keeper.chan.closed:
+            # It outlives its session otherwise (made for restores). Waits (bounded) for it to hang up: sshd drops what
+            # it has not yet passed on once the connection closes.
+            with contextlib.suppress(paramiko.SSHException, EOFError, OSError):
+                keeper.chan.sendall(b"bye\n")
+                deadline = time.monotonic() + _BYE_WAIT
+                while not (keeper.chan.eof_received or keeper.chan.closed) and time.monotonic() < deadline:
+                    select.select([keeper.chan], [], [], 0.05)
+                    while keeper.chan.recv_ready():
+                        keeper.chan.recv(_CHUNK)
         with self._cond:
             forwards, pipes = list(self._forwards.values()), list(self._pipes)
             client, self._client = self._client, None

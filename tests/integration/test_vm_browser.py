@@ -3,7 +3,9 @@ the forward goes to the guest's 127.0.0.1:9222), a loopback site whose own recor
 
 from __future__ import annotations
 
+import contextlib
 import html
+import re
 import secrets
 import socket
 import threading
@@ -153,6 +155,58 @@ def open_page(tc: ToolComputer, url: str) -> ObserveResult:
 
 def texts(seen: ObserveResult) -> list[str]:
     return [e.name for e in seen.elements if e.role == "StaticText"]
+
+
+class _Requests:
+    """A TCP relay in front of DevTools that records every HTTP request line sent through it (`GET /json/version`,
+    the websocket's `GET /devtools/browser/<id>`), keep-alive connections included. Websocket frames from a client
+    are masked, so no request line is ever read out of one."""
+
+    def __init__(self, port: int) -> None:
+        self._target = ("127.0.0.1", port)
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.lines: list[str] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                client, _ = self._server.accept()
+                upstream = socket.create_connection(self._target, timeout=10)
+                threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+                threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                if requests:
+                    self.lines += [line.decode() for line in re.findall(rb"GET /[^ \r\n]*", data)]
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_a_reconnect_goes_straight_to_the_browsers_websocket_without_asking_for_it_again(
+        chromium: HostChromium) -> None:
+    # After a restore the browser (and the id in its websocket's path) is the same: asking /json/version again
+    # would only cost an HTTP round trip through the guest.
+    relay = _Requests(chromium.port)
+    browser = CdpBrowser()
+    try:
+        browser.connect(relay.url)
+        assert browser.tabs()
+        browser.reconnect()
+        assert browser.tabs()
+    finally:
+        browser.close()
+        relay.close()
+    asked = [line for line in relay.lines if line.startswith("GET /json/version")]
+    upgrades = [line for line in relay.lines if line.startswith("GET /devtools/browser/")]
+    assert (len(asked), len(upgrades)) == (1, 2), relay.lines
 
 
 def test_the_browser_connection_rides_on_the_ssh_channel(

@@ -358,6 +358,82 @@ def test_a_clock_keeper_that_died_leaves_the_resync_to_a_shell(sshd: Sshd, tmp_p
     assert sync.applied and not sync.kept and target.read_text().strip()
 
 
+def _answers(port: int, first_line: bytes) -> bytes:
+    """What the keeper's port says to a connection that starts with `first_line` (b"" once it hangs up)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(first_line)
+        conn.settimeout(10)
+        try:
+            return conn.recv(4096)
+        except ConnectionResetError:  # hung up on with some of it unread
+            return b""
+
+
+def test_a_clock_keeper_that_outlived_its_connection_sets_the_clock_through_the_next_one(sshd: Sshd,
+                                                                                         tmp_path: Path) -> None:
+    # A restore under user-mode networking: the SSH connection dies with the old QEMU process, the keeper in the
+    # guest does not. The next connection reaches it through a forward to its port: no shell (whose setter fails
+    # here), no new keeper (which would start python3 again right after the restore).
+    target = tmp_path / "clock"
+    chan = _channel(sshd, set_clock="exit 9", keeper=clock_keeper(f"open({str(target)!r}, 'a').write(str(t) + '\\n')"))
+    with chan:
+        chan.connect()
+        chan.keep_clock()
+        _resync_through_the_keeper(chan)
+        chan.drop()  # the old session ends: the keeper reads end-of-file on its stdin and carries on
+        chan.reconnect(timeout=30)
+        assert not chan.keeping
+        sync = chan.resync_clock()
+        assert sync.applied and sync.kept
+        assert chan.keeping
+        chan.keep_clock()  # it runs: nothing new is started
+        assert chan.resync_clock().kept
+    assert len(target.read_text().split()) == 3
+
+
+def test_a_keeper_whose_ready_line_came_before_the_connection_died_is_reached_through_the_next_one(
+        sshd: Sshd, tmp_path: Path) -> None:
+    # Nothing asked the keeper whether it was ready before the restore: its line waited in the dead channel.
+    target = tmp_path / "clock"
+    chan = _channel(sshd, set_clock="exit 9", keeper=clock_keeper(f"open({str(target)!r}, 'a').write(str(t) + '\\n')"))
+    with chan:
+        chan.connect()
+        chan.keep_clock()
+        keeper = chan._keeper  # white-box: wait for its line to arrive without reading it
+        assert keeper is not None
+        wait_until(keeper.chan.recv_ready, 60, "the keeper's ready line")
+        chan.drop()
+        chan.reconnect(timeout=30)
+        sync = chan.resync_clock()
+        assert sync.applied and sync.kept
+    assert len(target.read_text().split()) == 1
+
+
+def test_the_clock_keepers_port_hangs_up_on_a_connection_without_its_token_and_closing_the_channel_ends_it(
+        sshd: Sshd, tmp_path: Path) -> None:
+    chan = _channel(sshd, keeper=clock_keeper(f"open({str(tmp_path / 'clock')!r}, 'w').write(str(t))"))
+    with chan:
+        chan.connect()
+        chan.keep_clock()
+        _resync_through_the_keeper(chan)
+        port = chan.keeper_port
+        assert port is not None
+        assert _answers(port, b"token not-the-one\n") == b""
+        assert _answers(port, b"set 0\n") == b""
+        assert _answers(port, b"\n") == b""
+        assert _answers(port, b"token " + b"x" * 100_000) == b""  # no end of line: not read to the end either
+        assert chan.resync_clock().kept  # still there for its own channel
+
+    def gone() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return True
+        return False
+
+    wait_until(gone, 30, "the keeper to end with the channel")
+
+
 def test_the_clock_keeper_never_sets_the_clock_of_the_machine_it_runs_on(channel: GuestChannel) -> None:
     channel.keep_clock()
     sync = _resync_through_the_keeper(channel)
