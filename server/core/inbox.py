@@ -221,7 +221,11 @@ def _insert_triaged(conn: Connection, rows: list[tuple[Delivery, str, str]], *, 
 
 
 def _payload(payload: Any) -> str:
-    return json.dumps(payload, separators=(",", ":"), sort_keys=True)
+    return _PAYLOAD(payload)
+
+
+_PAYLOAD = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+"""Built once: `json.dumps` with any option builds an encoder per call (once per delivery here)."""
 
 
 def _route(conn: Connection, d: Delivery, *, event_id: str, now: datetime) -> tuple[str, EventStatus]:
