@@ -24,6 +24,8 @@ from sqlalchemy import Column, Connection, Dialect, Engine, RootTransaction, cre
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.base import Executable
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import ClauseElement
 from sqlalchemy.sql.schema import Table
 
 __all__ = ["Busy", "OpenWrite", "begin_unless_busy", "bound", "checkpoint", "connect_nowait", "current_revision",
@@ -344,7 +346,10 @@ _Bind = tuple[bool, Any, Callable[[Any], Any] | None]
 @functools.cache
 def _driver_statement(dialect: Dialect, statement: Executable, names: tuple[str, ...]) -> tuple[str, tuple[_Bind, ...]]:
     """`execute_compiled`'s SQL for a positional driver, and how each of its parameters is filled."""
+    if not isinstance(statement, ClauseElement):
+        raise TypeError(f"execute_compiled takes a statement, not {statement!r}")
     compiled = statement.compile(dialect=dialect, column_keys=list(names))
+    assert isinstance(compiled, SQLCompiler), compiled  # a statement, not DDL
     sql = str(compiled)
     if not compiled.positional or "POSTCOMPILE" in sql:
         raise ValueError("execute_compiled takes only statements compiled once, without expanding parameters")
