@@ -87,7 +87,8 @@ class QuietServer(uvicorn.Server):
         super().__init__(config)
         self.server_state.connections = _Connections(self._connection_opened)
         self._draining: asyncio.TimerHandle | None = None
-        logs.route_uvicorn_to_root()  # uvicorn set its own handlers up in `config`; ours write its lines too
+        # uvicorn set its own handlers up in `config`; ours write its lines too (no access lines when it is off)
+        logs.route_uvicorn_to_root(access_log=config.access_log)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """The first SIGTERM starts the drain (`server.observe.health`): `/readyz` answers 503 from now on, and the
