@@ -13,6 +13,7 @@ could recurse on it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -54,8 +55,7 @@ def loads(raw: bytes, limits: JsonLimits = JsonLimits()) -> Any:
     except UnicodeDecodeError:
         raise BadRequest("malformed_body", "the body is not UTF-8") from None
     try:
-        return json.loads(text, parse_int=_number(int, limits), parse_float=_number(float, limits),
-                          parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        return _decoder(limits).decode(text)
     except _Refused as exc:
         raise BadRequest(exc.code, exc.message) from None
     except (json.JSONDecodeError, ValueError, RecursionError):
@@ -134,6 +134,14 @@ def _not_text(string: bytes) -> str | None:
         elif low:
             return _HALF_A_PAIR
     return _HALF_A_PAIR if awaiting_low_at is not None else None
+
+
+@functools.cache
+def _decoder(limits: JsonLimits) -> json.JSONDecoder:
+    """The decoder for `limits`, built once: `json.loads` with hooks builds one (and its scanner) per call. It keeps
+    no state between documents, so every request may share it."""
+    return json.JSONDecoder(parse_int=_number(int, limits), parse_float=_number(float, limits),
+                            parse_constant=_no_constant, object_pairs_hook=_unique_keys)
 
 
 def _number(kind: type, limits: JsonLimits) -> Any:

@@ -37,7 +37,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import Column, String
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -88,7 +87,8 @@ class QuietServer(uvicorn.Server):
         super().__init__(config)
         self.server_state.connections = _Connections(self._connection_opened)
         self._draining: asyncio.TimerHandle | None = None
-        logs.route_uvicorn_to_root()  # uvicorn set its own handlers up in `config`; ours write its lines too
+        # uvicorn set its own handlers up in `config`; ours write its lines too (no access lines when it is off)
+        logs.route_uvicorn_to_root(access_log=config.access_log)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """The first SIGTERM starts the drain (`server.observe.health`): `/readyz` answers 503 from now on, and the
@@ -275,12 +275,25 @@ class JsonErrors:
         await error_response(exc)(scope, receive, send)
 
 
+def _headers(scope: Scope) -> dict[str, str]:
+    """A request's headers by name (lower-cased, as ASGI gives them), decoded once: a repeated name keeps its first
+    value, as starlette's `Headers.get` finds it."""
+    headers: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return headers
+
+
+_ANSWER = json.JSONEncoder(separators=(",", ":")).encode
+"""Built once: `json.dumps` with any option builds an encoder per call."""
+
+
 def _locate(locator: str, headers: Mapping[str, str], body: Any, *, column: Column[str], code: str) -> str | None:
     """The value at `locator` (the delivery ID, the correlation key), None where there is none; one that `column`
-    cannot hold (too long, a NUL, a lone surrogate) is refused with `code`."""
+    cannot hold (too long, a NUL, a lone surrogate) is refused with `code`. `headers`: by lower-cased name."""
     where, _, path = locator.partition(":")
     if where == "header":
-        return _storable(headers.get(path) or None, column, code, locator)
+        return _storable(headers.get(path.lower()) or None, column, code, locator)
     node = body
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -348,7 +361,7 @@ class WebhookInbox:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed("method_not_allowed", "webhook deliveries are POSTed")
-            answer = await self.receive(source, Headers(scope=scope), receive)
+            answer = await self.receive(source, _headers(scope), receive)
         except bodies.Disconnected:
             return "disconnected"  # nobody to answer; nothing was recorded
         except WakefulError as exc:
@@ -359,7 +372,7 @@ class WebhookInbox:
             await self._refuse(WakefulError("internal_error", "the delivery could not be recorded; send it again"),
                                scope, receive, send)
             return "internal_error"
-        body = json.dumps(answer, separators=(",", ":")).encode()
+        body = _ANSWER(answer).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
         await send({"type": "http.response.body", "body": body})
@@ -381,8 +394,9 @@ class WebhookInbox:
         source: str = scope["path"][len(self.PREFIX):]
         return source if source and "/" not in source else None
 
-    async def receive(self, source: str, headers: Headers, receive: Receive) -> dict[str, Any]:
-        """Verify, parse and persist one delivery; answers (the JSON to send) once it is durable."""
+    async def receive(self, source: str, headers: Mapping[str, str], receive: Receive) -> dict[str, Any]:
+        """Verify, parse and persist one delivery; answers (the JSON to send) once it is durable. `headers`: by
+        lower-cased name (`_headers`)."""
         runtime = self.runtime
         settings, clock = runtime.settings, runtime.clock
         bodies.refuse_declared(headers.get("content-length"), settings.max_body_bytes)

@@ -91,12 +91,14 @@ def configure_logging(settings: Settings, *, level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def route_uvicorn_to_root() -> None:
+def route_uvicorn_to_root(*, access_log: bool = True) -> None:
     """uvicorn's loggers write through the root's handler (and so in its format) once `configure_logging` ran;
-    uvicorn gives them handlers of their own each time a server is configured."""
+    uvicorn gives them handlers of their own each time a server is configured. Without `access_log` (the server's
+    config turned it off) its access logger stays without any: uvicorn formats an access line for every request
+    whenever that logger has a handler, even one its level then drops."""
     if not any(isinstance(h.formatter, JsonFormatter | _RedactingText) for h in logging.getLogger().handlers):
         return
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
-        logger.propagate = True
+        logger.propagate = access_log or name != "uvicorn.access"

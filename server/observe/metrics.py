@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -67,6 +67,8 @@ class _Metrics:
     egress: Counter
     computers: Gauge
     restore: Histogram
+    by_delivery: dict[tuple[str, str], Counter] = field(default_factory=dict)
+    """`deliveries`' children by (source, result), as `delivery` looked them up."""
 
     def all(self) -> tuple[Counter | Gauge | Histogram, ...]:
         return (self.deliveries, self.ack, self.event_to_run, self.timer_to_run, self.runs, self.egress,
@@ -138,7 +140,12 @@ def _shared_directory() -> Path | None:
 def delivery(source: str, result: str, seconds: float) -> None:
     """A webhook delivery was answered after `seconds`: `result` is recorded, duplicate, or the refusal's code."""
     metrics = _m()
-    metrics.deliveries.labels(source, result).inc()
+    # The labelled counter, kept per (source, result) beside the metrics it belongs to: `labels` checks and locks
+    # on every call, once per delivery. (Refusal codes and configured sources are few, so the dict stays small.)
+    counter = metrics.by_delivery.get((source, result))
+    if counter is None:
+        counter = metrics.by_delivery[(source, result)] = metrics.deliveries.labels(source, result)
+    counter.inc()
     metrics.ack.observe(seconds)
 
 

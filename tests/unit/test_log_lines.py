@@ -75,3 +75,29 @@ def test_configured_logging_writes_the_chosen_format_with_secrets_redacted(
         assert json.loads(written)["message"] == f"the secret is {REDACTED} and the token {REDACTED}"
     else:
         assert written.endswith(f"WARNING wakeful.test: the secret is {REDACTED} and the token {REDACTED}")
+
+
+@pytest.fixture
+def uvicorn_loggers_restored() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")]
+    kept = [(list(logger.handlers), logger.propagate, logger.level) for logger in loggers]
+    yield
+    for logger, (handlers, propagate, level) in zip(loggers, kept, strict=True):
+        logger.handlers[:], logger.propagate = handlers, propagate
+        logger.setLevel(level)
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_a_server_without_an_access_log_has_uvicorn_write_no_access_line(
+        tmp_path: object, root_restored: None, uvicorn_loggers_restored: None, access_log: bool) -> None:
+    """`wakeful api` turns uvicorn's access log off: routed to the root's handler anyway, uvicorn built the line's
+    arguments for every request (and dropped it below its level), ~2% of the event loop at saturation."""
+    import uvicorn
+
+    from wakeful.server.faces.http import QuietServer
+
+    configure_logging(Settings(log_format="json"))
+    QuietServer(uvicorn.Config(lambda *_: None, log_level="warning", access_log=access_log))
+    # uvicorn's protocol writes access lines only when this is true (`httptools_impl`, `h11_impl`)
+    assert logging.getLogger("uvicorn.access").hasHandlers() is access_log
+    assert logging.getLogger("uvicorn.error").hasHandlers()  # its errors still go to our log
