@@ -20,7 +20,6 @@ from sqlalchemy import Connection, Insert, and_, bindparam, delete, exists, func
 from sqlalchemy.dialects import postgresql, sqlite
 
 from wakeful.server.errors import StaleToken
-from wakeful.server.store.db import execute_compiled
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import sessions, todos
 
@@ -44,8 +43,8 @@ def wake(conn: Connection, *, session_id: str, user_id: str, due_at: datetime, h
 
     A todo falls due at the earliest `due_at` it was given; one given with `hasten=False` (a timer) joins the work
     already there at its time, and is due at `due_at` only when there was none."""
-    execute_compiled(conn, _wake(conn.dialect.name, hasten),
-                     {"session_id": session_id, "user_id": user_id, "version": 1, "due_at": due_at})
+    conn.execute(_wake(conn.dialect.name, hasten),
+                 {"session_id": session_id, "user_id": user_id, "version": 1, "due_at": due_at})
 
 
 @functools.cache

@@ -17,7 +17,7 @@ from sqlalchemy import Connection, and_, bindparam, delete, select
 
 from wakeful.server.core import sessions
 from wakeful.server.core.keys import OPEN
-from wakeful.server.store.db import execute_compiled, upsert
+from wakeful.server.store.db import upsert
 from wakeful.server.store.tables import sessions as sessions_table
 from wakeful.server.store.tables import task_versions, tasks, triage_sessions
 
@@ -42,14 +42,12 @@ def session_of(conn: Connection, *, user_id: str, now: datetime) -> str:
 
 
 def _recorded(conn: Connection, user_id: str) -> str | None:
-    rows = execute_compiled(conn, _RECORDED, {"user_id": user_id})
-    found: str | None = rows[0][0] if rows else None
+    found: str | None = conn.execute(_RECORDED, {"user_id": user_id}).scalar()
     return found
 
 
 _RECORDED = select(triage_sessions.c.session_id).where(triage_sessions.c.user_id == bindparam("user_id"))
-"""Built once, and compiled once (`execute_compiled`): on the inbox's hot path (every batch of keyless
-deliveries)."""
+"""Built once: on the inbox's hot path (every batch of keyless deliveries)."""
 
 
 def is_triage(conn: Connection, session_id: str) -> bool:

@@ -14,7 +14,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
@@ -23,13 +23,10 @@ from typing import Any
 from sqlalchemy import Column, Connection, Dialect, Engine, RootTransaction, create_engine, event, insert, inspect
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
-from sqlalchemy.sql.base import Executable
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.elements import ClauseElement
 from sqlalchemy.sql.schema import Table
 
 __all__ = ["Busy", "OpenWrite", "begin_unless_busy", "bound", "checkpoint", "connect_nowait", "current_revision",
-           "execute_compiled", "insert_many", "make_engine", "migrate", "newest_revision", "read", "sqlite_driver",
+           "insert_many", "make_engine", "migrate", "newest_revision", "read", "sqlite_driver",
            "upsert", "write", "write_lock_time", "write_unless_busy"]
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
@@ -315,58 +312,6 @@ def insert_many(conn: Connection, table: Table, columns: tuple[str, ...], rows: 
 
 
 _SQLITE_MAX_VARIABLES = 32_766  # parameters per statement (SQLite >= 3.32)
-
-
-def execute_compiled(conn: Connection, statement: Executable, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-    """Execute a statement built once (a module's constant) in the caller's transaction; its rows as plain tuples
-    (none for a statement that returns none).
-
-    For the inbox's hot path, where SQLAlchemy's execution of a cached statement (the cache lookup, the parameter
-    processing, events, the result object) cost several times SQLite's own work. On SQLite, in a transaction, the
-    SQL compiled once for these parameter names goes to the driver, each value converted by its column type's bind
-    processor (what SQLAlchemy would send); anywhere else, SQLAlchemy executes it. The values read come as the
-    driver gives them: a statement whose columns need converting on the way out is refused when compiled."""
-    if conn.dialect.name != "sqlite" or not conn.in_transaction():
-        result = conn.execute(statement, dict(params))
-        return [tuple(row) for row in result] if result.returns_rows else []
-    sql, binds = _driver_statement(conn.dialect, statement, tuple(params))
-    values = tuple((params[name] if process is None else process(params[name])) if given else name
-                   for given, name, process in binds)
-    try:
-        rows: list[tuple[Any, ...]] = sqlite_driver(conn).execute(sql, values).fetchall()
-    except sqlite3.Error as exc:  # raised as SQLAlchemy raises driver errors everywhere else
-        raise DBAPIError.instance(sql, values, exc, sqlite3.Error) from exc
-    return rows
-
-
-_Bind = tuple[bool, Any, Callable[[Any], Any] | None]
-"""One positional parameter: (given by the caller, its name if given else its constant value, bind processor)."""
-
-
-@functools.cache
-def _driver_statement(dialect: Dialect, statement: Executable, names: tuple[str, ...]) -> tuple[str, tuple[_Bind, ...]]:
-    """`execute_compiled`'s SQL for a positional driver, and how each of its parameters is filled."""
-    if not isinstance(statement, ClauseElement):
-        raise TypeError(f"execute_compiled takes a statement, not {statement!r}")
-    compiled = statement.compile(dialect=dialect, column_keys=list(names))
-    assert isinstance(compiled, SQLCompiler), compiled  # a statement, not DDL
-    sql = str(compiled)
-    if not compiled.positional or "POSTCOMPILE" in sql:
-        raise ValueError("execute_compiled takes only statements compiled once, without expanding parameters")
-    for column in getattr(statement, "exported_columns", ()):
-        if column.type.result_processor(dialect, None) is not None:
-            raise ValueError(f"the column {column.key!r} needs converting as it is read: execute it through SQLAlchemy")
-    binds: list[_Bind] = []
-    for name in compiled.positiontup or []:
-        bind = compiled.binds[name]
-        process = bind.type.bind_processor(dialect)
-        if name in names:
-            binds.append((True, name, process))
-        elif bind.required or bind.callable is not None or bind.value is None:  # e.g. a column's Python default
-            raise ValueError(f"execute_compiled needs a value for {name!r}")
-        else:  # a constant of the statement's own
-            binds.append((False, bind.value if process is None else process(bind.value), None))
-    return sql, tuple(binds)
 
 
 @functools.lru_cache(maxsize=256)
