@@ -32,6 +32,21 @@ from wakeful.vm.placement import HostSpec
 from wakeful.vm.ssh_channel import GuestChannel
 
 
+def _record_and_answer(server: socket.socket, seen: list[bytes], who: bytes) -> None:
+    """Answer each connection on `server` with what it read up to the client's half-close, recorded in `seen`."""
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        with conn:
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+            seen.append(data)
+            conn.sendall(b"HTTP/1.0 200 OK\r\n\r\n" + who + b" saw " + data)
+
+
 class FakeProxy:
     """Answers each connection with what it read up to the client's half-close, and records it."""
 
@@ -39,21 +54,9 @@ class FakeProxy:
         self.server = socket.create_server(("127.0.0.2", free_port()))
         self.port = int(self.server.getsockname()[1])
         self.seen: list[bytes] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread = threading.Thread(target=_record_and_answer, args=(self.server, self.seen, b"proxy"),
+                                       daemon=True)
         self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while chunk := conn.recv(65536):
-                    data += chunk
-                self.seen.append(data)
-                conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nproxy saw " + data)
 
     def close(self) -> None:
         self.server.shutdown(socket.SHUT_RDWR)
@@ -70,20 +73,7 @@ class FakeRelay:
         self.server.bind(str(self.path))
         self.server.listen()
         self.seen: list[bytes] = []
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while chunk := conn.recv(65536):
-                    data += chunk
-                self.seen.append(data)
-                conn.sendall(b"HTTP/1.0 200 OK\r\n\r\nrelay saw " + data)
+        threading.Thread(target=_record_and_answer, args=(self.server, self.seen, b"relay"), daemon=True).start()
 
     def with_payload(self) -> list[bytes]:
         """What connections carrying more than their PROXY line sent (the tunnel's own bind check carries none)."""

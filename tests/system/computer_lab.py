@@ -18,7 +18,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tests.system.second_libvirtd import running_network
 from wakeful.proxy.clock import FakeClock
 from wakeful.vm.accel import AccelChoice
 from wakeful.vm.cdp_browser import CdpBrowser
@@ -89,10 +89,6 @@ class Network:
     """The host's address on it (the egress proxy listens there)."""
 
 
-def _virsh(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["virsh", "-c", URI, *args], capture_output=True, text=True, timeout=120, check=False)
-
-
 def _free_subnet() -> ipaddress.IPv4Network:
     """A 10.78.N.0/24 no interface of this host is on (the documented 10.77.0.0/24 is left to real deployments)."""
     taken = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
@@ -113,18 +109,8 @@ def isolated_network(prefix: str) -> Iterator[Network]:
     name = f"{prefix}net-{tag}"
     xml = (f"<network><name>{name}</name><bridge name='{prefix.rstrip('-')[:5]}{tag}' stp='off'/>"
            f"<ip address='{host}' netmask='{net.netmask}'><dhcp/></ip></network>")
-    with tempfile.NamedTemporaryFile("w", suffix=".xml") as f:
-        f.write(xml)
-        f.flush()
-        defined = _virsh("net-define", f.name)
-    assert defined.returncode == 0, defined.stderr
-    try:
-        started = _virsh("net-start", name)
-        assert started.returncode == 0, started.stderr
+    with running_network(URI, name, xml):
         yield Network(name=name, host=host)
-    finally:
-        _virsh("net-destroy", name)
-        _virsh("net-undefine", name)
 
 
 def image_settings(image_dir: Path, data_dir: Path, *, accel: AccelChoice, proxy_port: int | None,

@@ -111,8 +111,16 @@ def isolated_network_in(daemon: SecondLibvirtd, prefix: str) -> Iterator[tuple[s
     xml = (f"<network><name>{name}</name><bridge name='wkb{tag}' stp='off'/>"
            f"<ip address='{host}' netmask='255.255.255.0'><dhcp/></ip></network>")
 
+    with running_network(daemon.uri, name, xml):
+        yield name, host
+
+
+@contextmanager
+def running_network(uri: str, name: str, xml: str) -> Iterator[None]:
+    """The network `xml` defines, named `name`, defined and started on the libvirt at `uri` for the block, then
+    stopped and undefined."""
     def virsh(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["virsh", "-c", daemon.uri, *args], capture_output=True, text=True, timeout=60)
+        return subprocess.run(["virsh", "-c", uri, *args], capture_output=True, text=True, timeout=120)
 
     with tempfile.NamedTemporaryFile("w", suffix=".xml") as f:
         f.write(xml)
@@ -122,7 +130,7 @@ def isolated_network_in(daemon: SecondLibvirtd, prefix: str) -> Iterator[tuple[s
     try:
         started = virsh("net-start", name)
         assert started.returncode == 0, started.stderr
-        yield name, host
+        yield
     finally:
         virsh("net-destroy", name)
         virsh("net-undefine", name)
