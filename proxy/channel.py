@@ -46,9 +46,25 @@ from wakeful.proxy.contract import (
 )
 from wakeful.proxy.wire import describe
 
-__all__ = ["ChannelError", "DeciderClient", "DeciderServer", "Decide", "DecideNow", "Record"]
+__all__ = ["ChannelError", "DeciderClient", "DeciderServer", "Decide", "DecideNow", "Record",
+           "private_unix_server"]
 
 log = logging.getLogger("wakeful.proxy.channel")
+
+
+async def private_unix_server(path: Path, serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                                          Awaitable[None]], *, what: str,
+                              refused: Callable[[str], Exception]) -> asyncio.Server:
+    """A unix listener at `path` that only this user can reach: its directory 0700 (made so if missing; if it is
+    open to others, raises `refused(message naming what)`), the socket 0600. A socket file left there by a process
+    that was killed is replaced (asyncio does it)."""
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if parent.stat().st_mode & 0o077:
+        raise refused(f"{what}'s directory {parent} is open to others: chmod 700 it")
+    server = await asyncio.start_unix_server(serve, path=str(path))
+    os.chmod(path, 0o600)
+    return server
 
 HELLO: Final = b"H"
 WELCOME: Final = b"W"
@@ -434,12 +450,8 @@ class DeciderServer:
         return f"DeciderServer({str(self.path)!r})"
 
     async def start(self) -> None:
-        parent = self.path.parent
-        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if parent.stat().st_mode & 0o077:
-            raise ChannelError(f"the decider socket's directory {parent} is open to others: chmod 700 it")
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        os.chmod(self.path, 0o600)
+        self._server = await private_unix_server(self.path, self._serve, what="the decider socket",
+                                                 refused=ChannelError)
 
     async def close(self) -> None:
         if self._server is not None:

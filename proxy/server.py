@@ -17,19 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import ssl
-import stat
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import h11
 
 from wakeful.proxy.addressbook import AddressBook
-from wakeful.proxy.channel import DeciderClient
+from wakeful.proxy.channel import DeciderClient, private_unix_server
 from wakeful.proxy.config import ProxyConfig
 from wakeful.proxy.contract import ContractError, DecisionRequest, ProxyRefusal, RefusalCode
 from wakeful.proxy.exchange import (
@@ -120,7 +116,8 @@ class ProxyServer:
             self.address_port = by_address.sockets[0].getsockname()[1]
         if self.relay_socket is not None:
             try:
-                self._servers.append(await _relay_listener(self.relay_socket, self._serve_relayed))
+                self._servers.append(await private_unix_server(self.relay_socket, self._serve_relayed,
+                                                                what="the relay socket", refused=OSError))
             except OSError:
                 for server in self._servers:
                     server.close()
@@ -471,25 +468,6 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> i
     except OSError:
         writer.close()
     return total
-
-
-async def _relay_listener(socket_path: Path,
-                          serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Any]) -> asyncio.Server:
-    """A unix listener at `socket_path` that only this user can reach: its directory 0700 (made so if missing,
-    refused if open to others), the socket 0600. A socket left by a proxy that was killed is replaced."""
-    _clear_socket_path(socket_path)
-    server = await asyncio.start_unix_server(serve, path=str(socket_path))
-    os.chmod(socket_path, 0o600)
-    return server
-
-
-def _clear_socket_path(socket_path: Path) -> None:
-    socket_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if socket_path.parent.stat().st_mode & 0o077:
-        raise OSError(f"the relay socket's directory {socket_path.parent} is open to others: chmod 700 it")
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(socket_path.lstat().st_mode):
-            socket_path.unlink()
 
 
 def _upstream_tls(config: ProxyConfig) -> ssl.SSLContext:
