@@ -16,7 +16,7 @@ import re
 import socket
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from sqlalchemy import Engine, func, select
@@ -39,8 +39,11 @@ from wakeful.server.faces.cli_memory import memory_app
 from wakeful.server.faces.cli_sim import sim
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
-from wakeful.server.store.db import read, write
+from wakeful.server.store.db import current_revision, make_engine, migrate, read, write
 from wakeful.server.store.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
+
+if TYPE_CHECKING:
+    from wakeful.server.runtime import Runtime
 
 
 class _Wakeful(typer.Typer):
@@ -133,6 +136,14 @@ def _refuse_taken_ports(settings: Settings, *, proxy: bool) -> None:
     if not _port_free(settings.host, settings.port):
         raise WakefulError("port_in_use", f"{settings.host}:{settings.port}: address already in use (another "
                                           "wakeful serve?): set port or --port")
+
+
+def _prepare(runtime: Runtime) -> str | None:
+    """`runtime.prepare()`, or exit 2 with why the database cannot be migrated (a newer version migrated it)."""
+    try:
+        return runtime.prepare()
+    except WakefulError as exc:
+        _fail(exc)
 
 
 def _show_token(token: str | None) -> None:
@@ -246,7 +257,7 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
     except WakefulError as exc:
         _fail(exc)
     runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry, role=Role.API)
-    _show_token(runtime.prepare())
+    _show_token(_prepare(runtime))
 
     class Serving(QuietServer):
         """Says where it serves only once it does; a SIGTERM or Ctrl-C while it starts stops the start, too."""
@@ -297,7 +308,7 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
     except WakefulError as exc:
         _fail(exc)
     runtime = Runtime(settings, handler=make_handler(settings, registry), registry=registry, role=Role.WORKER)
-    _show_token(runtime.prepare())
+    _show_token(_prepare(runtime))
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)  # the loops' threads inherit it: only sigwait takes them
     try:
@@ -395,10 +406,23 @@ def status(as_json: Json = False, data_dir: DataDir = None, database_url: DbUrl 
 
 
 @app.command("migrate")
-def migrate_cmd(data_dir: DataDir = None, database_url: DbUrl = None) -> None:
-    """Create or upgrade the database schema."""
-    _engine(_settings(data_dir, database_url))
-    typer.echo("schema is up to date")
+def migrate_cmd(data_dir: DataDir = None, database_url: DbUrl = None,
+                to: Annotated[str | None, typer.Option("--to", help=(
+                    "A revision to go to instead of the newest, e.g. back to an older release's before installing "
+                    "it (`base`: no tables). Refused, changing nothing, where the database holds records the older "
+                    "schema cannot."))] = None) -> None:
+    """Create or upgrade the database schema (or take it to the revision --to names)."""
+    settings = _settings(data_dir, database_url)
+    if to is None:
+        _engine(settings)
+        typer.echo("schema is up to date")
+        return
+    engine = make_engine(settings.db_url)
+    try:
+        migrate(engine, to)
+    except WakefulError as exc:
+        _fail(exc)
+    typer.echo(f"schema is at revision {current_revision(engine) or 'base (no tables)'}")
 
 
 Target = Annotated[str, typer.Argument(help="The task or action ID.")]

@@ -108,6 +108,10 @@ def _private_data_dir(settings: Settings) -> None:
 
 
 def open_engine(settings: Settings) -> Engine:
+    """The database, migrated to the newest revision; exit 2 if it cannot be (a newer version migrated it)."""
     engine = make_engine(settings.db_url)
-    migrate(engine)
+    try:
+        migrate(engine)
+    except WakefulError as exc:
+        fail(exc)
     return engine

@@ -25,6 +25,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.sql.schema import Table
 
+from wakeful.server.errors import BadRequest, Conflict
+
 __all__ = ["Busy", "OpenWrite", "begin_unless_busy", "bound", "checkpoint", "connect_nowait", "current_revision",
            "insert_many", "make_engine", "migrate", "newest_revision", "read", "sqlite_driver",
            "upsert", "write", "write_lock_time", "write_unless_busy"]
@@ -370,8 +372,9 @@ def newest_revision() -> str | None:
 
 
 def migrate(engine: Engine, revision: str = "head") -> None:
-    """Bring the schema to the newest revision (the only way a database is created); to `revision` instead, the
-    migration tests start from an older schema.
+    """Bring the schema to the newest revision (the only way a database is created); to `revision` instead, up or
+    down: `wakeful migrate --to` takes a database back before an older release is installed, and the migration
+    tests start from an older schema. `base` is before the first revision (no tables).
 
     A database already at the newest revision costs one query: every start migrates, and alembic's import and its
     reading of every migration file were a good part of a start's time."""
@@ -379,11 +382,70 @@ def migrate(engine: Engine, revision: str = "head") -> None:
         with engine.connect().execution_options(sqlite_begin="DEFERRED") as conn:  # a read: no write lock
             if _revision(conn) == newest:
                 return
-    from alembic import command
-
     with engine.connect().execution_options(sqlite_begin="DEFERRED") as conn:
-        command.upgrade(_alembic_config(conn), revision)
-        conn.commit()
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:  # SQLite's batch mode rebuilds a table: its references must not fail or cascade meanwhile
+            sqlite_driver(conn).execute("PRAGMA foreign_keys = OFF")  # (a no-op inside a transaction)
+        try:
+            _migrate(conn, revision)
+            if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").all()):
+                raise Conflict("migration_refused", f"migrating to {revision} would leave {len(broken)} rows "
+                               f"referring to rows that are gone (first: {tuple(broken[0])}); nothing was changed")
+            conn.commit()
+        finally:
+            if sqlite:
+                conn.rollback()
+                sqlite_driver(conn).execute("PRAGMA foreign_keys = ON")
+
+
+def _migrate(conn: Connection, revision: str) -> None:
+    from alembic import command
+    from alembic.script import ScriptDirectory
+    from alembic.script.revision import RevisionError
+    from alembic.util import CommandError
+
+    config = _alembic_config(conn)
+    script = ScriptDirectory.from_config(config)
+    current = _revision(conn)
+    try:
+        if current is not None:
+            script.get_revision(current)
+    except (CommandError, RevisionError):
+        raise Conflict("schema_too_new", f"the database is at revision {current}, which this version of wakeful "
+                       "does not know: a newer version migrated it (to go back to this one, run the newer "
+                       f"version's `wakeful migrate --to {newest_revision()}` first)") from None
+    try:
+        if revision not in ("head", "base"):
+            found = script.get_revision(revision) if revision.strip() else None
+            if found is None:
+                raise CommandError("it is empty")
+            revision = found.revision
+    except (CommandError, RevisionError) as exc:  # what alembic raises for a revision it cannot resolve
+        raise BadRequest("unknown_revision", f"no migration has the revision {revision!r} ({exc}); the "
+                         f"revisions run from 0001 to {newest_revision()}, or `base` for none") from None
+    undo = _undo(script, revision, current)
+    if not undo:
+        command.upgrade(config, revision)
+    for step, before in undo:  # one at a time, to name the one that fails; all in the one transaction
+        try:
+            command.downgrade(config, before)
+        except DBAPIError as exc:
+            raise Conflict("downgrade_refused", f"revision {step} cannot be undone on this database, nothing was "
+                           f"changed (it stays at {current}): {exc.orig}".rstrip()) from None
+
+
+def _undo(script: Any, target: str, current: str | None) -> list[tuple[str, str]]:
+    """The revisions to undo, newest first, each with the one before it (`base` before the first), to go from
+    `current` back to `target`; none when `target` is not older (the history is one line)."""
+    steps: list[tuple[str, str]] = []
+    at = current
+    while at is not None and at != target and target != "head":
+        before = script.get_revision(at).down_revision or "base"
+        steps.append((at, before))
+        at = None if before == "base" else before
+        if before == target:
+            return steps
+    return []
 
 
 def current_revision(engine: Engine) -> str | None:

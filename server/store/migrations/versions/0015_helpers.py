@@ -54,6 +54,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table('objects', schema=None) as batch_op:
+    # Never a copy of the table: a copy would leave the append-only triggers behind (SQLite drops the column itself).
+    with op.batch_alter_table('objects', schema=None, recreate='never') as batch_op:
         batch_op.drop_column('helper_id')
     op.drop_table('helpers')

@@ -1,0 +1,142 @@
+"""Going back: every migration's downgrade undoes its upgrade, on SQLite and PostgreSQL, and `wakeful migrate --to`
+takes a database back to an older release's revision, or refuses and changes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, inspect, select, text
+
+from tests.support.postgres import postgres_database
+from wakeful.proxy.clock import FakeClock
+from wakeful.server.core import control, holds, sessions
+from wakeful.server.errors import BadRequest, Conflict
+from wakeful.server.store import users
+from wakeful.server.store.db import current_revision, make_engine, migrate, newest_revision, read, write
+from wakeful.server.store.tables import tasks
+
+MIGRATIONS = Path(migrate.__code__.co_filename).parent / "migrations"
+
+
+def revisions() -> list[tuple[str, str]]:
+    """(revision, the one before it or `base`), oldest first."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    return [(s.revision, str(s.down_revision or "base"))
+            for s in reversed(list(ScriptDirectory.from_config(config).walk_revisions()))]
+
+
+def schema(engine: Engine) -> dict[str, Any]:
+    """Tables, columns, keys, indexes, constraints and triggers, as the database itself reports them."""
+    with engine.connect() as conn:
+        found = inspect(conn)
+        out: dict[str, Any] = {}
+        for table in sorted(set(found.get_table_names()) - {"alembic_version"}):
+            out[table] = {
+                "columns": sorted((c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
+                                  for c in found.get_columns(table)),
+                "primary": found.get_pk_constraint(table)["constrained_columns"],
+                "foreign": sorted((tuple(f["constrained_columns"]), f["referred_table"],
+                                   tuple(f["referred_columns"])) for f in found.get_foreign_keys(table)),
+                "indexes": sorted((i["name"], tuple(i["column_names"]), i["unique"])
+                                  for i in found.get_indexes(table)),
+                "uniques": sorted((u["name"], tuple(u["column_names"])) for u in found.get_unique_constraints(table)),
+                "checks": sorted((c["name"], " ".join(c["sqltext"].split()))
+                                 for c in found.get_check_constraints(table)),
+            }
+        query = ("SELECT name, tbl_name FROM sqlite_master WHERE type = 'trigger'" if engine.dialect.name == "sqlite"
+                 else "SELECT DISTINCT trigger_name, event_object_table FROM information_schema.triggers")
+        out["triggers"] = sorted(tuple(row) for row in conn.execute(text(query)))
+    return out
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty(request: pytest.FixtureRequest, tmp_path: Path) -> Engine:
+    """A database with no schema at all."""
+    if request.param == "sqlite":
+        return make_engine(f"sqlite:///{tmp_path / 'wakeful.db'}")
+    return make_engine(postgres_database(request.getfixturevalue("postgres_server")))
+
+
+def test_every_downgrade_undoes_its_upgrade_and_base_has_no_tables(empty: Engine) -> None:
+    for revision, before in revisions():
+        migrate(empty, revision)
+        upgraded = schema(empty)
+        migrate(empty, before)
+        assert current_revision(empty) == (None if before == "base" else before)
+        migrate(empty, revision)
+        assert schema(empty) == upgraded, f"downgrading {revision} and upgrading again changed the schema"
+    assert current_revision(empty) == newest_revision()
+    migrate(empty, "base")
+    assert schema(empty) == {"triggers": []}
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+def test_a_downgrade_keeps_what_the_older_schema_can_hold(engine: Engine, clock: FakeClock, owner: str) -> None:
+    with write(engine) as conn:
+        session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+        task_id = control.create_task(conn, user_id=owner, session_id=session_id, title="rebook", now=clock.now())
+    migrate(engine, "0013")
+    with read(engine) as conn:
+        assert conn.execute(select(tasks.c.id, tasks.c.title)).all() == [(task_id, "rebook")]
+        assert users.user_id_by_name(conn, users.OWNER) == owner
+    migrate(engine)
+    assert current_revision(engine) == newest_revision()
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+def test_a_downgrade_past_history_the_older_schema_cannot_hold_is_refused_and_changes_nothing(
+        engine: Engine, clock: FakeClock, owner: str) -> None:
+    with write(engine) as conn:
+        session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+        task_id = control.create_task(conn, user_id=owner, session_id=session_id, title="rebook", now=clock.now())
+        holds.say(conn, user_id=owner, task_id=task_id, text="wait, not Thursday", actor="user", now=clock.now())
+    before = schema(engine)
+    with pytest.raises(Conflict) as refused:
+        migrate(engine, "0013")
+    assert refused.value.code == "downgrade_refused" and "0014" in refused.value.message
+    assert current_revision(engine) == newest_revision()
+    assert schema(engine) == before
+    with read(engine) as conn:
+        assert holds.current_hold(conn, task_id=task_id) is not None
+
+
+def test_an_unknown_revision_is_refused_by_name(tmp_path: Path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'wakeful.db'}")
+    migrate(engine)
+    for wrong in ("9999", "001", "", "xyz"):
+        with pytest.raises(BadRequest) as refused:
+            migrate(engine, wrong)
+        assert refused.value.code == "unknown_revision"
+    assert current_revision(engine) == newest_revision()
+
+
+def _wakeful(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "wakeful.server", *args, "--data-dir", str(data_dir)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_wakeful_migrate_to_takes_the_database_back_and_a_newer_database_is_refused_by_older_code(
+        tmp_path: Path) -> None:
+    assert _wakeful(tmp_path, "migrate").returncode == 0
+    back = _wakeful(tmp_path, "migrate", "--to", "0020")
+    assert back.returncode == 0 and "schema is at revision 0020" in back.stdout, back.stderr
+    engine = make_engine(f"sqlite:///{tmp_path / 'wakeful.db'}")
+    assert current_revision(engine) == "0020"
+    wrong = _wakeful(tmp_path, "migrate", "--to", "9999")
+    assert wrong.returncode == 2 and "wakeful: unknown_revision:" in wrong.stderr, wrong.stderr
+    assert "Traceback" not in wrong.stderr
+    assert _wakeful(tmp_path, "migrate").returncode == 0 and current_revision(engine) == newest_revision()
+
+    with write(engine) as conn:  # as a newer release would leave it
+        conn.execute(text("UPDATE alembic_version SET version_num = '9000'"))
+    for command in (("migrate",), ("status",)):
+        newer = _wakeful(tmp_path, *command)
+        assert newer.returncode == 2 and "wakeful: schema_too_new:" in newer.stderr, newer.stderr
+        assert "Traceback" not in newer.stderr
