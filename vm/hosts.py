@@ -386,9 +386,10 @@ class HostFleet:
         return self._on_home(name).snapshots(name)
 
     def network(self, name: str) -> NetworkInfo:
-        """The network as the first reachable host has it. Every host needs it under that name with the same host
-        address and bridge MAC: a computer that resumes on another host still looks for the egress proxy at that
-        address, and its ARP cache still holds the MAC it last saw there."""
+        """The network as the first reachable host has it, with the addresses reserved or leased on any of them (a
+        computer may resume on any host, and its DHCP client asks that host's server for its address). Every host
+        needs it under that name with the same host address and bridge MAC: a computer that resumes on another host
+        still looks for the egress proxy at that address, and its ARP cache still holds the MAC it last saw there."""
         networks = list(self._by_reachable_host(lambda hv: hv.network(name)).items())
         if not networks:
             raise HypervisorUnavailable("no tool-computer host answers")
@@ -400,7 +401,8 @@ class HostFleet:
                     f"{network.bridge_mac}) and {host} ({other.host}, {other.bridge_mac}): define it on every host "
                     f"from the same XML, its <ip> and <mac address=...> included (virsh net-dumpxml {name} on "
                     f"{first})")
-        return network
+        return replace(network, reserved=frozenset().union(*(n.reserved for _, n in networks)),
+                       leased=frozenset().union(*(n.leased for _, n in networks)))
 
     def reserve_address(self, place: BridgePlace, host_name: str) -> None:
         """On every reachable host, so the VM keeps its address wherever it resumes."""
