@@ -14,13 +14,17 @@ on b, resumes on a. Timings are printed (-s), never asserted. What only separate
 bandwidth of the link, NFS under the shared directory, a host whose network (not its sshd) fails.
 
 Then the production setting, `computer_network`, with b reached over SSH: an isolated network of the test's own
-exists only in b's namespace (10.79.N.0/24), a second sshd there has `GatewayPorts clientspecified`, and the
-server's own wiring builds the rest from the settings (`hypervisor_for`, `network_settings`, the default link) with
-the real `wakeful proxy` and decider (`shop_lab`). A computer on b takes its reserved address by DHCP; the api
+(10.79.N.0/24) is defined from one XML, bridge MAC included, on a (in this machine's namespace, as
+test_vm_network_restore.py does) and in b's namespace; a second sshd in b's has `GatewayPorts clientspecified`, and
+the server's own wiring builds the rest from the settings (`hypervisor_for`, `network_settings`, the default link)
+with the real `wakeful proxy` and decider (`shop_lab`). A computer on b takes its reserved address by DHCP; the api
 reaches its port 22 at that address through the tunnel; its request to the proxy's address on b's network comes
 through the tunnel to the proxy's relay socket, headed by the address b's sshd saw, and the proxy asks the decider
 with that computer's identity from the address book. A request from b's own address on that network, which is in no
-book, is anonymous and refused. Saved and restored on b, the computer is known by its address again.
+book, is anonymous and refused. Saved and restored on b, the computer is known by its address again. Another
+computer boots on a, where the proxy knows it by its address on the bridge listener, moves to b (a full) and back
+(b gone), and is known by the same address, with the same identity, on each; b's DHCP server offers it its reserved
+address (not one b still leases to the computer before it: dnsmasq keeps a lease past its VM).
 """
 
 from __future__ import annotations
