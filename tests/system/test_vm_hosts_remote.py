@@ -386,6 +386,11 @@ def test_a_computer_on_the_isolated_network_moves_from_the_apis_host_to_b_and_ba
     assert book[place.address] == {"user_id": user_id, "token": token}
     assert leases(netted.uri_b, netted.network).get(place.address, place.mac) == place.mac, (
         "not an address b's DHCP server still leases to another computer (the last one on b left its lease there)")
+    # As when b's network is defined again from an XML without its reservations: the move must make it again.
+    entry = f"<host mac='{place.mac}' ip='{place.address}'/>"
+    subprocess.run(["virsh", "-c", netted.uri_b, "net-update", netted.network, "delete", "ip-dhcp-host", entry,
+                    "--live", "--config"], check=True, capture_output=True, timeout=60)
+    assert place.mac not in reservations(netted.uri_b, netted.network)
     serial = Serial(vm.serial_log)
     manager.ensure_running(MOVER)
     assert fleet.home(vm.name) == "a"
@@ -412,6 +417,7 @@ def test_a_computer_on_the_isolated_network_moves_from_the_apis_host_to_b_and_ba
     after = serial.next_count(timeout=60)
     assert (after.pid, after.boot) == (booted.pid, booted.boot) and after.n > last.n
     assert refused_here(22, place.address), "its address on a's bridge answers no more"
+    assert reservations(netted.uri_b, netted.network)[place.mac] == place.address, "reserved on b again"
     assert f"WK-LEASE {place.address}" in guest_get(fleet, vm, "/cgi-bin/lease"), "b's DHCP knows it"
     assert "clean-traffic" in binding(netted.uri_b, vm) and place.address in binding(netted.uri_b, vm)
     assert json.loads(shop.settings.address_book.read_text())["addresses"] == book
