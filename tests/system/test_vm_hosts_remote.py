@@ -371,6 +371,23 @@ def test_on_bs_isolated_network_a_computer_reaches_the_egress_proxy_known_by_its
 MOVER = "netmover"
 
 
+def moved(netted: Netted, vm: VmInfo, serial: Serial, booted: Count, *, marks: dict[str, HostMark], to: str) -> float:
+    """Suspend the computer to the shared directory, mark the hosts, resume it: on `to`, the process that `booted`
+    counted going on in the same boot. The seconds the resume took."""
+    last = serial.last_count()
+    netted.manager.suspend(vm.user)
+    assert netted.fleet.saved_path(vm.name).exists()
+    for host, mark in marks.items():
+        netted.fleet.mark(host, mark)
+    started = time.perf_counter()
+    netted.manager.ensure_running(vm.user)
+    took = time.perf_counter() - started
+    assert netted.fleet.home(vm.name) == to
+    after = serial.next_count(timeout=60)
+    assert (after.pid, after.boot) == (booted.pid, booted.boot) and after.n > last.n, "the same process, same boot"
+    return took
+
+
 def test_a_computer_on_the_isolated_network_moves_from_the_apis_host_to_b_and_back_known_by_its_address(
         netted: Netted) -> None:
     manager, fleet, shop = netted.manager, netted.fleet, netted.shop
@@ -405,17 +422,7 @@ def test_a_computer_on_the_isolated_network_moves_from_the_apis_host_to_b_and_ba
     assert [(r.user_id, r.client_token, r.path) for r in shop.asked[asked:]] == [(user_id, token, "/on-a")]
 
     # Saved to the shared directory, a full: it resumes on b, the same process, the same address.
-    last = serial.last_count()
-    manager.suspend(MOVER)
-    assert fleet.saved_path(vm.name).exists()
-    fleet.mark("a", HostMark.FULL)
-    fleet.mark("b", HostMark.UP)
-    started = time.perf_counter()
-    manager.ensure_running(MOVER)
-    to_b = time.perf_counter() - started
-    assert fleet.home(vm.name) == "b"
-    after = serial.next_count(timeout=60)
-    assert (after.pid, after.boot) == (booted.pid, booted.boot) and after.n > last.n
+    to_b = moved(netted, vm, serial, booted, marks={"a": HostMark.FULL, "b": HostMark.UP}, to="b")
     assert refused_here(22, place.address), "its address on a's bridge answers no more"
     assert reservations(netted.uri_b, netted.network)[place.mac] == place.address, "reserved on b again"
     assert f"WK-LEASE {place.address}" in guest_get(fleet, vm, "/cgi-bin/lease"), "b's DHCP knows it"
@@ -433,16 +440,7 @@ def test_a_computer_on_the_isolated_network_moves_from_the_apis_host_to_b_and_ba
     assert [(r.user_id, r.path) for r in shop.asked[asked + 1:]] == [(None, "/not-in-the-book")]
 
     # Saved on b, b gone: back on a, known by its address again through the bridge listener.
-    last = serial.last_count()
-    manager.suspend(MOVER)
-    fleet.mark("b", HostMark.GONE)
-    fleet.mark("a", HostMark.UP)
-    started = time.perf_counter()
-    manager.ensure_running(MOVER)
-    to_a = time.perf_counter() - started
-    assert fleet.home(vm.name) == "a"
-    after = serial.next_count(timeout=60)
-    assert (after.pid, after.boot) == (booted.pid, booted.boot) and after.n > last.n
+    to_a = moved(netted, vm, serial, booted, marks={"b": HostMark.GONE, "a": HostMark.UP}, to="a")
     asked = len(shop.asked)
     answer = guest_get(fleet, vm, f"/cgi-bin/proxy?{shop.shop.url}back-on-a")
     assert "<title>Not found</title>" in answer, answer
