@@ -427,6 +427,7 @@ def test_a_computer_on_the_isolated_network_moves_from_the_apis_host_to_b_and_ba
     assert reservations(netted.uri_b, netted.network)[place.mac] == place.address, "reserved on b again"
     assert f"WK-LEASE {place.address}" in guest_get(fleet, vm, "/cgi-bin/lease"), "b's DHCP knows it"
     assert "clean-traffic" in binding(netted.uri_b, vm) and place.address in binding(netted.uri_b, vm)
+    assert place.address in binding(URI, vm), "a keeps its binding, inert without the tap, for a return"
     assert json.loads(shop.settings.address_book.read_text())["addresses"] == book
     asked = len(shop.asked)
     started = time.perf_counter()
