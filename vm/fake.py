@@ -50,6 +50,9 @@ class FakeHypervisor:
         """Isolated networks by name: the host's address on each (add one to use it)."""
         self.reservations: dict[str, dict[str, str]] = {}
         """DHCP reservations per network: MAC → address."""
+        self.leases: dict[str, dict[str, str]] = {}
+        """DHCP leases per network: address → MAC. A guest on a network takes one at each cold boot when it has a
+        reservation here; a lease outlives its reservation, as dnsmasq's do (expiry is not modelled)."""
         self.down = False
         """True: every call fails with `HypervisorUnavailable`, like a host whose libvirtd is gone."""
         self.host_free_mib: int | None = None
@@ -99,6 +102,9 @@ class FakeHypervisor:
             if dom.state is not DomainState.SHUT_OFF:
                 raise IllegalTransition(f"{name} is already running", vm=name)
             dom.state, dom.boots = DomainState.RUNNING, dom.boots + 1
+            bridge = dom.spec.bridge
+            if bridge is not None and self.reservations.get(bridge.network, {}).get(bridge.mac) == bridge.address:
+                self.leases.setdefault(bridge.network, {})[bridge.address] = bridge.mac  # its DHCP client at boot
 
     def restore(self, name: str) -> None:
         with self._lock:
@@ -248,6 +254,7 @@ class FakeHypervisor:
                 raise NetworkUnusable(f"there is no libvirt network named {name}")
             return NetworkInfo(name=name, host=self.networks[name],
                                reserved=frozenset(self.reservations.get(name, {}).values()),
+                               leased=frozenset(self.leases.get(name, {})),
                                bridge_mac=self.network_macs.get(name))
 
     def reserve_address(self, place: BridgePlace, host_name: str) -> None:

@@ -20,9 +20,13 @@ What it does that one host does not:
   channel's socket is a channel through it (`open_to`), and a host whose link cannot be made counts as gone (the
   tunnel keeps itself up between uses, and closes itself when the host stops answering);
 * a host that does not answer counts as gone: a computer that was running there is lost to its last saved state
-  (or boots cold from its disk); one saved from it resumes elsewhere.
+  (or boots cold from its disk); one saved from it resumes elsewhere;
+* on an isolated network a computer's DHCP reservation is made on every host that answers, and again on a host it
+  arrives on that lacks it (one that did not answer as the computer was made); a new computer's address is one no
+  host reserves or still leases.
 
-Homes and each domain's memory persist in `<shared>/placement.json`. Snapshots and reverts act on the home only.
+Homes, each domain's memory and its place on a network persist in `<shared>/placement.json`. Snapshots and reverts
+act on the home only.
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ class Host:
 class _Placement:
     host: str
     memory_mib: int
+    bridge: BridgePlace | None = None
+    """Its place on an isolated network: reserved again on a host it arrives on that lacks the reservation."""
 
 
 class HostFleet:
@@ -130,7 +136,9 @@ class HostFleet:
         self._placements: dict[str, _Placement] = {}
         if self._placements_file.exists():
             data = json.loads(self._placements_file.read_text())
-            self._placements = {name: _Placement(**p) for name, p in data["placements"].items()}
+            self._placements = {name: _Placement(host=p["host"], memory_mib=p["memory_mib"],
+                                                 bridge=BridgePlace(**p["bridge"]) if p.get("bridge") else None)
+                                for name, p in data["placements"].items()}
 
     # ------------------------------------------------------------------------------------------ the fleet itself
 
@@ -195,7 +203,9 @@ class HostFleet:
         return None if link is None else link.open(address, timeout=timeout)
 
     def _save_placements(self) -> None:
-        data = {"version": 1, "placements": {n: vars(p) for n, p in sorted(self._placements.items())}}
+        data = {"version": 1, "placements": {
+            n: {"host": p.host, "memory_mib": p.memory_mib, **({"bridge": vars(p.bridge)} if p.bridge else {})}
+            for n, p in sorted(self._placements.items())}}
         staging = self._placements_file.with_name(f".{self._placements_file.name}.{os.getpid()}")
         with staging.open("w") as f:
             f.write(json.dumps(data, indent=2) + "\n")
@@ -203,10 +213,28 @@ class HostFleet:
             os.fsync(f.fileno())
         staging.replace(self._placements_file)
 
-    def _set_home(self, name: str, host: str, memory_mib: int) -> None:
+    def _set_home(self, name: str, host: str, memory_mib: int, bridge: BridgePlace | None = None) -> None:
+        """Record the domain's home (and its memory; its place on a network when given, else the one recorded)."""
         with self._cond:
-            self._placements[name] = _Placement(host=host, memory_mib=memory_mib)
+            known = self._placements.get(name)
+            self._placements[name] = _Placement(host=host, memory_mib=memory_mib,
+                                                bridge=bridge or (known.bridge if known else None))
             self._save_placements()
+
+    def _reserved_on(self, name: str, host: str) -> None:
+        """Before the domain runs on `host`, other than its last: its DHCP reservation there, when that host did not
+        answer as it was made. Its guest keeps its address without one until its DHCP client renews the lease; the
+        host's server, with no reservation and no range, then refuses, and the guest drops the address the egress
+        proxy knows it by."""
+        with self._cond:
+            placement = self._placements.get(name)
+        place = placement.bridge if placement is not None else None
+        if place is None:
+            return
+        hv = self._hosts[host].hypervisor
+        if place.address not in hv.network(place.network).reserved:
+            log.info("reserving %s (%s) on %s for %s, which it lacked", place.address, place.mac, host, name)
+            hv.reserve_address(place, host_name=name)
 
     @contextmanager
     def _arrival(self, name: str, *, exclude: frozenset[str] = frozenset()) -> Iterator[str]:
@@ -281,7 +309,7 @@ class HostFleet:
         if home is None or home not in defined:
             free = {h.name: h.room_mib for h in self.loads() if h.name in defined}
             home = min(defined, key=lambda n: (-free.get(n, 0), n))
-        self._set_home(spec.name, home, spec.memory_mib)
+        self._set_home(spec.name, home, spec.memory_mib, spec.bridge)
 
     def names(self) -> list[str]:
         return sorted({n for names in self._each_reachable(lambda hv: hv.names()) for n in names})
@@ -289,8 +317,11 @@ class HostFleet:
     def start(self, name: str) -> None:
         if self.has_saved_state(name):
             raise IllegalTransition(f"{name} has a saved state: restore it, or discard the state to boot cold", vm=name)
+        previous = self.home(name)
         with self._arrival(name) as host:
             hv = self._hosts[host].hypervisor
+            if host != previous:
+                self._reserved_on(name, host)
             if name not in hv.names():
                 spec = self._specs.get(name)
                 if spec is None:
@@ -304,15 +335,17 @@ class HostFleet:
         if not saved.exists():
             raise IllegalTransition(f"{name} has no saved state to restore", vm=name)
         failed: set[str] = set()
+        previous = self.home(name)
         while True:
             with self._arrival(name, exclude=frozenset(failed)) as host:
                 try:
+                    if host != previous:
+                        self._reserved_on(name, host)
                     self._hosts[host].hypervisor.restore_from(saved)
                 except HypervisorUnavailable as exc:  # gone between measuring and restoring: try the next
                     log.warning("could not restore %s on %s: %s", name, host, exc.message)
                     failed.add(host)
                     continue
-                previous = self.home(name)
                 self._set_home(name, host, self._memory(name))
                 saved.unlink()
                 if previous != host:
@@ -386,9 +419,10 @@ class HostFleet:
         return self._on_home(name).snapshots(name)
 
     def network(self, name: str) -> NetworkInfo:
-        """The network as the first reachable host has it. Every host needs it under that name with the same host
-        address and bridge MAC: a computer that resumes on another host still looks for the egress proxy at that
-        address, and its ARP cache still holds the MAC it last saw there."""
+        """The network as the first reachable host has it, with the addresses reserved or leased on any of them (a
+        computer may resume on any host, and its DHCP client asks that host's server for its address). Every host
+        needs it under that name with the same host address and bridge MAC: a computer that resumes on another host
+        still looks for the egress proxy at that address, and its ARP cache still holds the MAC it last saw there."""
         networks = list(self._by_reachable_host(lambda hv: hv.network(name)).items())
         if not networks:
             raise HypervisorUnavailable("no tool-computer host answers")
@@ -400,7 +434,8 @@ class HostFleet:
                     f"{network.bridge_mac}) and {host} ({other.host}, {other.bridge_mac}): define it on every host "
                     f"from the same XML, its <ip> and <mac address=...> included (virsh net-dumpxml {name} on "
                     f"{first})")
-        return network
+        return replace(network, reserved=frozenset().union(*(n.reserved for _, n in networks)),
+                       leased=frozenset().union(*(n.leased for _, n in networks)))
 
     def reserve_address(self, place: BridgePlace, host_name: str) -> None:
         """On every reachable host, so the VM keeps its address wherever it resumes."""

@@ -63,6 +63,9 @@ class NetworkInfo:
     """The host's own address on the network, with its prefix: the egress proxy listens there."""
     reserved: frozenset[str] = frozenset()
     """Addresses already given to some machine by a DHCP reservation."""
+    leased: frozenset[str] = frozenset()
+    """Addresses the network's DHCP server holds a lease on. A lease outlives its reservation: dnsmasq gives that
+    address to no other MAC until the lease expires (an hour by default), whatever the reservations say."""
     bridge_mac: str | None = None
     """The MAC address of the host's side of the network (lower case); None when the definition names none. A
     suspended guest keeps the one it last saw in its ARP cache, so hosts it moves between must have the same."""

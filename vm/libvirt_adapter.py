@@ -462,8 +462,22 @@ class LibvirtHypervisor:
             reserved = frozenset(h.get("ip", "") for h in ip.findall("dhcp/host") if h.get("ip"))
             mac = root.find("mac")
             bridge_mac = mac.get("address", "").lower() or None if mac is not None else None
-            return NetworkInfo(name=name, host=host, reserved=reserved, bridge_mac=bridge_mac)
+            return NetworkInfo(name=name, host=host, reserved=reserved, leased=self._leased(net),
+                               bridge_mac=bridge_mac)
         raise NetworkUnusable(f"the network {name} has no IPv4 address for the host")
+
+    @staticmethod
+    def _leased(net: libvirt.virNetwork) -> frozenset[str]:
+        """The IPv4 addresses the network's dnsmasq holds a lease on (none from a driver that cannot tell, like the
+        test driver)."""
+        try:
+            leases = net.DHCPLeases()
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_SUPPORT:
+                return frozenset()
+            raise NetworkUnusable(f"cannot read the DHCP leases of {net.name()}: {exc.get_error_message()}") from None
+        return frozenset(str(lease["ipaddr"]) for lease in leases
+                         if lease.get("type") == libvirt.VIR_IP_ADDR_TYPE_IPV4 and lease.get("ipaddr"))
 
     _UPDATE_FLAGS = libvirt.VIR_NETWORK_UPDATE_AFFECT_LIVE | libvirt.VIR_NETWORK_UPDATE_AFFECT_CONFIG
 

@@ -333,7 +333,7 @@ class VmManager:
             else:
                 places = [r.info.bridge for r in self._records.values() if r.info.bridge is not None]
                 bridge = BridgePlace(network=network.name, mac=_new_mac({p.mac for p in places}), address=pick_address(
-                    network.host, taken=network.reserved | {p.address for p in places}))
+                    network.host, taken=network.reserved | network.leased | {p.address for p in places}))
                 forwards = Forwards(ssh=None)
                 guest_proxy = f"http://{network.host.ip}:{s.network_proxy_port}"
             directory = self._vms_dir / name

@@ -143,7 +143,7 @@ def pick_ports(count: int, *, used: Collection[int], port_range: tuple[int, int]
 
 def pick_address(host: ipaddress.IPv4Interface, *, taken: Collection[str]) -> str:
     """The lowest address of the host's network that is neither the host's own, nor its network or broadcast
-    address, nor `taken` (reserved on the network or held by a VM)."""
+    address, nor `taken` (reserved or leased on the network, or held by a VM)."""
     for candidate in host.network.hosts():
         if candidate != host.ip and str(candidate) not in taken:
             return str(candidate)

@@ -1,11 +1,14 @@
 """A second libvirtd on this machine, standing in for a second KVM host in the multi-host tests.
 
-It runs as root in its own mount namespace, where libvirt's state, run, cache and log directories (and qemu.conf)
-are bind-mounted from a temporary directory, so it shares nothing with the system daemon but the kernel, the
-files it is given and the CPU; its socket lives in that directory too (`qemu+unix:///system?socket=…`), reachable
-from outside the namespace. With `own_network=True` it also gets a network namespace of its own: a loopback of its
-own (brought up, nothing else), where its guests' forwards listen; `netns` names it for `nsenter --net=`. There
-`isolated_network_in` makes an isolated libvirt network (no `<forward>`) that exists only in that namespace.
+It runs as root in its own mount namespace, where libvirt's state, run, cache and log directories, its domain and
+network definitions (`/etc/libvirt/qemu`: a network defined under one name on both daemons would otherwise be one
+file, which the first undefine removes under the other) and qemu.conf are bind-mounted from a temporary directory,
+so it shares nothing with the system daemon but the kernel, the files it is given and the CPU; its socket lives in
+that directory too (`qemu+unix:///system?socket=…`), reachable from outside the namespace. With `own_network=True`
+it also gets a network namespace of its own: a loopback of its own (brought up, nothing else), where its guests'
+forwards listen; `netns` names it for `nsenter --net=`. `shared_network` then makes an isolated libvirt network (no
+`<forward>`) from one XML (name, subnet, bridge and its MAC) both there and on the system libvirtd, in this machine's
+own namespace, as a deployment defines it on every host.
 What this cannot show: a real network between hosts (latency, bandwidth, NFS semantics), a host that loses power
 with a guest running, different CPUs or QEMU versions.
 """
@@ -26,12 +29,13 @@ from pathlib import Path
 
 from tests.support.polling import wait_until
 
-__all__ = ["SecondLibvirtd", "isolated_network_in", "start_second_libvirtd"]
+__all__ = ["SecondLibvirtd", "running_network", "shared_network", "start_second_libvirtd"]
 
 START = """#!/bin/sh
 set -e
 if [ -n "$OWN_NETWORK" ]; then ip link set lo up; fi
-for d in run lib cache log; do mkdir -p "$ROOT/$d"; done
+for d in run lib cache log etc-qemu; do mkdir -p "$ROOT/$d"; done
+mount --bind "$ROOT/etc-qemu" /etc/libvirt/qemu
 mount --bind "$ROOT/run" /var/run/libvirt
 mount --bind "$ROOT/lib" /var/lib/libvirt
 mount --bind "$ROOT/cache" /var/cache/libvirt
@@ -101,17 +105,22 @@ def start_second_libvirtd(root: Path, *, own_network: bool = False) -> SecondLib
 
 
 @contextmanager
-def isolated_network_in(daemon: SecondLibvirtd, prefix: str) -> Iterator[tuple[str, str]]:
-    """An isolated network (infra/README.md's, no DHCP range) on the daemon, in its own network namespace: yields its
-    name and host address (10.79.N.1; nothing outside that namespace is on it), then stops and undefines it."""
+def shared_network(daemon: SecondLibvirtd, prefix: str, *, uri: str = "qemu:///system") -> Iterator[tuple[str, str]]:
+    """An isolated network (infra/README.md's, no DHCP range) defined from the same XML, bridge MAC included, on the
+    libvirt at `uri` (this machine's namespace) and on the daemon (its own namespace): yields its name and host
+    address (10.79.N.1, N free here; in the daemon's namespace nothing else is on it), then stops and undefines both.
+    """
     assert daemon.own_network, "only a daemon with a network namespace of its own"
     tag = uuid.uuid4().hex[:6]
-    n = random.randrange(1, 255)
+    taken = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+    n = next((n for n in random.sample(range(1, 255), 254) if f" 10.79.{n}." not in taken), None)
+    assert n is not None, "no free 10.79.N.0/24 on this host"
     name, host = f"{prefix}net-{tag}", f"10.79.{n}.1"
-    xml = (f"<network><name>{name}</name><bridge name='wkb{tag}' stp='off'/>"
+    mac = "52:54:00:" + ":".join(f"{b:02x}" for b in random.randbytes(3))
+    xml = (f"<network><name>{name}</name><bridge name='wkb{tag}' stp='off'/><mac address='{mac}'/>"
            f"<ip address='{host}' netmask='255.255.255.0'><dhcp/></ip></network>")
 
-    with running_network(daemon.uri, name, xml):
+    with running_network(uri, name, xml), running_network(daemon.uri, name, xml):
         yield name, host
 
 
@@ -133,4 +142,5 @@ def running_network(uri: str, name: str, xml: str) -> Iterator[None]:
         yield
     finally:
         virsh("net-destroy", name)
-        virsh("net-undefine", name)
+        undefined = virsh("net-undefine", name)
+    assert undefined.returncode == 0, f"the network {name} is left defined on {uri}: {undefined.stderr}"

@@ -14,23 +14,29 @@ on b, resumes on a. Timings are printed (-s), never asserted. What only separate
 bandwidth of the link, NFS under the shared directory, a host whose network (not its sshd) fails.
 
 Then the production setting, `computer_network`, with b reached over SSH: an isolated network of the test's own
-exists only in b's namespace (10.79.N.0/24), a second sshd there has `GatewayPorts clientspecified`, and the
-server's own wiring builds the rest from the settings (`hypervisor_for`, `network_settings`, the default link) with
-the real `wakeful proxy` and decider (`shop_lab`). A computer on b takes its reserved address by DHCP; the api
+(10.79.N.0/24) is defined from one XML, bridge MAC included, on a (in this machine's namespace, as
+test_vm_network_restore.py does) and in b's namespace; a second sshd in b's has `GatewayPorts clientspecified`, and
+the server's own wiring builds the rest from the settings (`hypervisor_for`, `network_settings`, the default link)
+with the real `wakeful proxy` and decider (`shop_lab`). A computer on b takes its reserved address by DHCP; the api
 reaches its port 22 at that address through the tunnel; its request to the proxy's address on b's network comes
 through the tunnel to the proxy's relay socket, headed by the address b's sshd saw, and the proxy asks the decider
 with that computer's identity from the address book. A request from b's own address on that network, which is in no
-book, is anonymous and refused. Saved and restored on b, the computer is known by its address again.
+book, is anonymous and refused. Saved and restored on b, the computer is known by its address again. Another
+computer boots on a, where the proxy knows it by its address on the bridge listener, moves to b (a full) and back
+(b gone), and is known by the same address, with the same identity, on each; b's DHCP server offers it its reserved
+address (not one b still leases to the computer before it: dnsmasq keeps a lease past its VM).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,7 +44,7 @@ from typing import Protocol, cast
 
 import pytest
 from conftest import URI
-from second_libvirtd import SecondLibvirtd, isolated_network_in, start_second_libvirtd
+from second_libvirtd import SecondLibvirtd, shared_network, start_second_libvirtd
 from shop_lab import ShopEgress, shop_egress
 from tiny_guest import TinyGuest
 from vm_lab import Count, Recorder, Serial
@@ -49,12 +55,13 @@ from wakeful.proxy.clock import FakeClock
 from wakeful.server.computers.pool import default_link, hypervisor_for, network_settings
 from wakeful.server.settings import ComputerHost
 from wakeful.vm.accel import AccelChoice
+from wakeful.vm.domain_xml import tap_name
 from wakeful.vm.errors import VmError
 from wakeful.vm.host_tunnel import HostSsh, HostTunnel
 from wakeful.vm.hosts import Host, HostFleet, HostLink
 from wakeful.vm.hypervisor import DomainState, ProxyCredential
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
-from wakeful.vm.lifecycle import VmManager, VmSettings
+from wakeful.vm.lifecycle import VmInfo, VmManager, VmSettings
 from wakeful.vm.lifecycle_rules import VmSize
 from wakeful.vm.placement import HostMark, HostSpec
 
@@ -143,9 +150,9 @@ def counter_through_tunnel(remote: Remote, name: str, port: int) -> Count:
     return Count(int(fields["n"]), int(fields["pid"]), fields["boot"])
 
 
-def refused_here(port: int) -> bool:
+def refused_here(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=2):
+        with socket.create_connection((host, port), timeout=2):
             return False
     except OSError:
         return True
@@ -230,7 +237,8 @@ class Netted:
     shop: ShopEgress
     network: str
     host: str
-    """The network's host address on b (and `proxy_bridge_listen`'s)."""
+    """The network's host address, on a and on b (and `proxy_bridge_listen`'s)."""
+    uri_b: str
     netns: str
 
 
@@ -238,14 +246,15 @@ class Netted:
 def netted(remote: Remote, tiny_guest: TinyGuest, accel: AccelChoice,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Netted]:
     daemon_b = remote.daemon_b
-    with isolated_network_in(daemon_b, "wkn-") as (network, host), \
+    with shared_network(daemon_b, "wkn-", uri=URI) as (network, host), \
             Sshd(tmp_path_factory.mktemp("sshd-b-netted"), forwarding="yes", gateway_ports="clientspecified",
                  netns=daemon_b.netns) as sshd:
+        a = {"name": "a", "uri": URI, "memory_mib": 100_000}
         b = {"name": "b", "uri": daemon_b.uri, "memory_mib": 100_000, "ssh": f"root@127.0.0.1:{sshd.port}",
              "ssh_host_key": sshd.host_public_key, "ssh_key": str(sshd.client_key),
              "ssh_proxy_command": f"nsenter --net={daemon_b.netns} /bin/busybox nc %h %p"}
         with shop_egress(tmp_path_factory.mktemp("egress-netted"), user=NET_USER, network=(network, host),
-                         computer_hosts=[b], computer_shared_dir=tmp_path_factory.mktemp("shared-netted")) as shop:
+                         computer_hosts=[a, b], computer_shared_dir=tmp_path_factory.mktemp("shared-netted")) as shop:
             settings = shop.settings
             assert settings.proxy_relay_socket is not None
             wait_until(settings.proxy_relay_socket.exists, 30, "wakeful proxy to listen on its relay socket")
@@ -265,9 +274,11 @@ def netted(remote: Remote, tiny_guest: TinyGuest, accel: AccelChoice,
                 size=VmSize(memory_mib=256, vcpus=1, disk_gib=1), proxy_port=settings.proxy_port,
                 domain_prefix=NET_PREFIX, **network_settings(settings, fleet)), fleet, clock=FakeClock())
             try:
-                yield Netted(fleet=fleet, manager=manager, shop=shop, network=network, host=host,
+                yield Netted(fleet=fleet, manager=manager, shop=shop, network=network, host=host, uri_b=daemon_b.uri,
                              netns=daemon_b.netns)
             finally:
+                for mark in ("a", "b"):  # what a test marked gone still holds its domains and reservations
+                    fleet.mark(mark, HostMark.UP)
                 for vm in manager.vms():
                     try:
                         manager.destroy(vm.user)
@@ -277,9 +288,46 @@ def netted(remote: Remote, tiny_guest: TinyGuest, accel: AccelChoice,
                     tunnel.close()
 
 
+def guest_get(fleet: HostFleet, vm: VmInfo, path: str) -> str:
+    """GET `path` from the guest's port 22 at its address: through the tunnel on b, directly on a (the api's host,
+    whose namespace has the network's bridge)."""
+    channel = fleet.open_to(vm.name, vm.ssh_endpoint, timeout=30)
+    return http_get(channel or socket.create_connection(vm.ssh_endpoint, timeout=30), path)
+
+
+def anonymous_from_b(netted: Netted, path: str) -> str:
+    """A request to the proxy's address on b's network from b's own address there, which is in no address book."""
+    asked = f"printf 'GET {netted.shop.shop.url}{path} HTTP/1.0\\r\\n\\r\\n' | /bin/busybox nc -w 10 {netted.host} 3128"
+    return subprocess.run(["nsenter", f"--net={netted.netns}", "/bin/busybox", "sh", "-c", asked],
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+def reservations(uri: str, network: str) -> dict[str, str]:
+    """The DHCP reservations (MAC → address) of the network on the libvirt at `uri`."""
+    dumped = subprocess.run(["virsh", "-c", uri, "net-dumpxml", network], capture_output=True, text=True, timeout=60,
+                            check=True).stdout
+    return {h.get("mac", ""): h.get("ip", "") for h in ET.fromstring(dumped).iterfind("ip/dhcp/host")}
+
+
+def leases(uri: str, network: str) -> dict[str, str]:
+    """The network's DHCP leases (address → MAC) on the libvirt at `uri`."""
+    listed = subprocess.run(["virsh", "-c", uri, "net-dhcp-leases", network], capture_output=True, text=True,
+                            timeout=60, check=True).stdout
+    return {address: mac for mac, address in re.findall(r"([0-9a-f:]{17})\s+ipv4\s+([0-9.]+)/", listed)}
+
+
+def binding(uri: str, vm: VmInfo) -> str:
+    """The anti-spoofing filter binding on the VM's tap on the libvirt at `uri` ("" when there is none)."""
+    return subprocess.run(["virsh", "-c", uri, "nwfilter-binding-dumpxml", tap_name(vm.name)], capture_output=True,
+                          text=True, timeout=60).stdout
+
+
 def test_on_bs_isolated_network_a_computer_reaches_the_egress_proxy_known_by_its_address_alone(
         netted: Netted) -> None:
     manager, fleet, shop = netted.manager, netted.fleet, netted.shop
+    fleet.mark("a", HostMark.FULL)  # the computer boots on b
+    fleet.mark("b", HostMark.UP)
+    asked_before = len(shop.asked)
     started = time.perf_counter()
     vm = manager.provision(NET_USER, proxy_credential=shop.credential)
     assert vm.bridge is not None and vm.forwards.ssh is None and vm.bridge.network == netted.network
@@ -293,19 +341,17 @@ def test_on_bs_isolated_network_a_computer_reaches_the_egress_proxy_known_by_its
 
     # The guest's port 22 at its address on b's network: only b reaches it, through the tunnel.
     started = time.perf_counter()
-    answer = http_get(fleet.open_to(vm.name, vm.ssh_endpoint, timeout=30), f"/cgi-bin/proxy?{shop.shop.url}")
+    answer = guest_get(fleet, vm, f"/cgi-bin/proxy?{shop.shop.url}")
     proxied = time.perf_counter() - started
     assert "<title>Shop</title>" in answer, answer
-    assert [(r.user_id, r.client_token, r.host, r.path) for r in shop.asked] == [
+    assert [(r.user_id, r.client_token, r.host, r.path) for r in shop.asked[asked_before:]] == [
         (shop.credential.user_id, shop.credential.token, "shop.test", "/")], "known by its address alone"
-    assert [r.proxy_auth for r in shop.shop.requests] == [None]
+    assert shop.shop.requests[-1].proxy_auth is None
 
     # b itself, from its own address on the network: in no book, so anonymous, and refused.
-    asked = f"printf 'GET {shop.shop.url}from-b HTTP/1.0\\r\\n\\r\\n' | /bin/busybox nc -w 10 {netted.host} 3128"
-    refused = subprocess.run(["nsenter", f"--net={netted.netns}", "/bin/busybox", "sh", "-c", asked],
-                             capture_output=True, text=True, timeout=60).stdout
+    refused = anonymous_from_b(netted, "from-b")
     assert refused.startswith("HTTP/1.1 403") and "not_admitted" in refused, refused
-    assert [(r.user_id, r.client_token, r.path) for r in shop.asked[1:]] == [(None, None, "/from-b")]
+    assert [(r.user_id, r.client_token, r.path) for r in shop.asked[asked_before + 1:]] == [(None, None, "/from-b")]
     assert shop.shop.count("GET", "/from-b") == 0
 
     # Saved and restored on b: the same address, the same identity, through a tunnel that stayed up.
@@ -315,8 +361,95 @@ def test_on_bs_isolated_network_a_computer_reaches_the_egress_proxy_known_by_its
     assert fleet.home(vm.name) == "b"
     after = serial.next_count(timeout=60)
     assert (after.pid, after.boot) == (last.pid, last.boot) and after.n > last.n
-    answer = http_get(fleet.open_to(vm.name, vm.ssh_endpoint, timeout=30), f"/cgi-bin/proxy?{shop.shop.url}again")
-    assert [(r.user_id, r.path) for r in shop.asked[2:]] == [(shop.credential.user_id, "/again")], answer
+    answer = guest_get(fleet, vm, f"/cgi-bin/proxy?{shop.shop.url}again")
+    assert [(r.user_id, r.path) for r in shop.asked[asked_before + 2:]] == [(shop.credential.user_id, "/again")], answer
     manager.destroy(NET_USER)
     print(f"\non b's isolated network: provision and cold boot {booted:.2f} s; a guest request through the tunnel "
           f"to the proxy's relay socket and back {proxied:.2f} s")
+
+
+MOVER = "netmover"
+
+
+def moved(netted: Netted, vm: VmInfo, serial: Serial, booted: Count, *, marks: dict[str, HostMark], to: str) -> float:
+    """Suspend the computer to the shared directory, mark the hosts, resume it: on `to`, the process that `booted`
+    counted going on in the same boot. The seconds the resume took."""
+    last = serial.last_count()
+    netted.manager.suspend(vm.user)
+    assert netted.fleet.saved_path(vm.name).exists()
+    for host, mark in marks.items():
+        netted.fleet.mark(host, mark)
+    started = time.perf_counter()
+    netted.manager.ensure_running(vm.user)
+    took = time.perf_counter() - started
+    assert netted.fleet.home(vm.name) == to
+    after = serial.next_count(timeout=60)
+    assert (after.pid, after.boot) == (booted.pid, booted.boot) and after.n > last.n, "the same process, same boot"
+    return took
+
+
+def test_a_computer_on_the_isolated_network_moves_from_the_apis_host_to_b_and_back_known_by_its_address(
+        netted: Netted) -> None:
+    manager, fleet, shop = netted.manager, netted.fleet, netted.shop
+    user_id, token = shop.credential.user_id, shop.credential.token
+    fleet.mark("a", HostMark.UP)
+    fleet.mark("b", HostMark.FULL)  # the computer boots on a, the api's own host
+    vm = manager.provision(MOVER, proxy_credential=shop.credential)
+    place = vm.bridge
+    assert place is not None and place.network == netted.network
+    assert reservations(URI, netted.network)[place.mac] == place.address
+    assert reservations(netted.uri_b, netted.network)[place.mac] == place.address, "reserved on b too"
+    book = json.loads(shop.settings.address_book.read_text())["addresses"]
+    assert book[place.address] == {"user_id": user_id, "token": token}
+    assert leases(netted.uri_b, netted.network).get(place.address, place.mac) == place.mac, (
+        "not an address b's DHCP server still leases to another computer (the last one on b left its lease there)")
+    # As when b's network is defined again from an XML without its reservations: the move must make it again.
+    entry = f"<host mac='{place.mac}'/>"  # infra/README's command
+    subprocess.run(["virsh", "-c", netted.uri_b, "net-update", netted.network, "delete", "ip-dhcp-host", entry,
+                    "--live", "--config"], check=True, capture_output=True, timeout=60)
+    assert place.mac not in reservations(netted.uri_b, netted.network)
+    serial = Serial(vm.serial_log)
+    manager.ensure_running(MOVER)
+    assert fleet.home(vm.name) == "a"
+    booted = serial.next_count(timeout=180)
+
+    # On a: the guest's address is on the bridge in this namespace, the proxy listens on the bridge's address.
+    assert fleet.open_to(vm.name, vm.ssh_endpoint) is None
+    assert f"WK-LEASE {place.address}" in guest_get(fleet, vm, "/cgi-bin/lease")
+    asked = len(shop.asked)
+    answer = guest_get(fleet, vm, f"/cgi-bin/proxy?{shop.shop.url}on-a")
+    assert "<title>Not found</title>" in answer, answer
+    assert [(r.user_id, r.client_token, r.path) for r in shop.asked[asked:]] == [(user_id, token, "/on-a")]
+
+    # Saved to the shared directory, a full: it resumes on b, the same process, the same address.
+    to_b = moved(netted, vm, serial, booted, marks={"a": HostMark.FULL, "b": HostMark.UP}, to="b")
+    assert refused_here(22, place.address), "its address on a's bridge answers no more"
+    assert reservations(netted.uri_b, netted.network)[place.mac] == place.address, "reserved on b again"
+    assert f"WK-LEASE {place.address}" in guest_get(fleet, vm, "/cgi-bin/lease"), "b's DHCP knows it"
+    assert "clean-traffic" in binding(netted.uri_b, vm) and place.address in binding(netted.uri_b, vm)
+    assert place.address in binding(URI, vm), "a keeps its binding, inert without the tap, for a return"
+    assert json.loads(shop.settings.address_book.read_text())["addresses"] == book
+    asked = len(shop.asked)
+    started = time.perf_counter()
+    answer = guest_get(fleet, vm, f"/cgi-bin/proxy?{shop.shop.url}on-b")
+    relayed = time.perf_counter() - started
+    assert "<title>Not found</title>" in answer and shop.shop.count("GET", "/on-b") == 1, answer
+    assert [(r.user_id, r.client_token, r.path) for r in shop.asked[asked:]] == [(user_id, token, "/on-b")], (
+        "through the tunnel and the relay socket, known by the same address")
+    refused = anonymous_from_b(netted, "not-in-the-book")
+    assert refused.startswith("HTTP/1.1 403") and "not_admitted" in refused, refused
+    assert [(r.user_id, r.path) for r in shop.asked[asked + 1:]] == [(None, "/not-in-the-book")]
+
+    # Saved on b, b gone: back on a, known by its address again through the bridge listener.
+    to_a = moved(netted, vm, serial, booted, marks={"b": HostMark.GONE, "a": HostMark.UP}, to="a")
+    asked = len(shop.asked)
+    answer = guest_get(fleet, vm, f"/cgi-bin/proxy?{shop.shop.url}back-on-a")
+    assert "<title>Not found</title>" in answer, answer
+    assert [(r.user_id, r.client_token, r.path) for r in shop.asked[asked:]] == [(user_id, token, "/back-on-a")]
+    assert "clean-traffic" in binding(URI, vm) and place.address in binding(URI, vm), "filtered on a again"
+    assert shop.shop.count("GET", "/not-in-the-book") == 0
+    assert [r.proxy_auth for r in shop.shop.requests] == [None] * len(shop.shop.requests)
+    fleet.mark("b", HostMark.UP)
+    manager.destroy(MOVER)
+    print(f"\non the isolated network: a → b restore {to_b:.2f} s, a guest request through the tunnel and relay "
+          f"{relayed:.2f} s; b → a restore {to_a:.2f} s")

@@ -7,8 +7,9 @@ prints `WK-COUNTER n=<n> pid=<pid> boot=<boot_id>` to the serial console every s
 at `/counter`) and writes `WK<n>` to the first bytes of the overlay disk. `/cgi-bin/proxy?<path>` asks the egress
 proxy for `/<path>` when called (for `<path>` itself when it is an `http:` URL), and answers with the proxy's
 response. When the seed disk names a proxy other than 10.0.2.100 (an isolated network) the guest takes its address
-by DHCP (its reservation), asks that proxy, and skips the boot-time requests. A restore in place continues the counter;
-a cold boot starts it again at 1.
+by DHCP (its reservation), asks that proxy, and skips the boot-time requests; `/cgi-bin/lease` then asks the
+network's DHCP server again and answers `WK-LEASE <address>` with the address offered (nothing when none is), leaving
+the guest's own as it is. A restore in place continues the counter; a cold boot starts it again at 1.
 Requests use busybox nc: the static busybox's wget segfaults on name lookup.
 """
 
@@ -63,6 +64,8 @@ else  # an isolated network: the address is the VM's DHCP reservation, the proxy
   printf '#!/bin/sh\n[ "$1" = bound ] && ip addr add "$ip/${mask:-24}" dev "$interface"\nexit 0\n' > /bin/wk-dhcp
   chmod 755 /bin/wk-dhcp
   udhcpc -i eth0 -n -q -t 30 -T 1 -s /bin/wk-dhcp >/dev/null 2>&1
+  printf '#!/bin/sh\n[ "$1" = bound ] && echo "WK-LEASE $ip"\nexit 0\n' > /bin/wk-lease
+  chmod 755 /bin/wk-lease
   echo "WK-NET $(ip -4 -o addr show eth0)"
 fi
 mkdir -p /www/cgi-bin; echo WK-GUEST-HTTP > /www/index.html
@@ -74,6 +77,12 @@ case "$QUERY_STRING" in http:*) target=$QUERY_STRING ;; *) target=/${QUERY_STRIN
 printf 'GET %s HTTP/1.0\r\n\r\n' "$target" | nc -w 5 $host $port 2>&1 | tr -s '\r\n' '  '
 CGI
 chmod 755 /www/cgi-bin/proxy
+cat > /www/cgi-bin/lease <<'CGI'
+#!/bin/sh
+printf 'Content-Type: text/plain\r\n\r\n'
+udhcpc -i eth0 -n -q -t 5 -T 1 -s /bin/wk-lease 2>/dev/null
+CGI
+chmod 755 /www/cgi-bin/lease
 httpd -p 22 -h /www; httpd -p 9222 -h /www; httpd -p 5900 -h /www
 egress=$(sed -n 's/.*wkegress=\([0-9]*\).*/\1/p' /proc/cmdline)
 get() { printf 'GET /%s HTTP/1.0\r\n\r\n' "$3" | nc -w 5 "$1" "$2" 2>&1 | tr -s '\r\n' '  '; }

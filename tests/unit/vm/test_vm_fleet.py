@@ -141,6 +141,49 @@ def test_its_address_book_entry_and_reservation_follow_a_computer_to_another_hos
     assert b.domains[vm.name].spec.bridge == vm.bridge
 
 
+def test_a_new_computer_gets_no_address_any_host_reserves_or_still_leases(
+        fleet: HostFleet, shared: Path, images: Path, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    for hv in (a, b):
+        hv.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/24")
+    b.reservations["wakeful"] = {"52:54:00:99:99:99": "10.77.0.2"}  # someone else's, on b only
+    manager = manager_on(fleet, shared, images, network="wakeful")
+    fleet.mark("a", HostMark.FULL)
+    alice = manager.provision("alice")
+    manager.ensure_running("alice")  # boots on b: b's DHCP server leases alice her address
+    assert fleet.home(alice.name) == "b" and alice.bridge is not None and alice.bridge.address == "10.77.0.3"
+    manager.destroy("alice")  # her reservations go; b's lease stays until it expires
+    assert b.leases["wakeful"] == {"10.77.0.3": alice.bridge.mac} and "wakeful" not in a.leases
+    fleet.mark("a", HostMark.UP)
+    bob = manager.provision("bob")
+    assert bob.bridge is not None and bob.bridge.address == "10.77.0.4", "b's DHCP would not give bob .2 or .3"
+    assert fleet.network("wakeful").reserved == {"10.77.0.2", "10.77.0.4"}
+
+
+def test_a_computer_made_while_a_host_did_not_answer_gets_its_reservation_there_when_it_resumes_there(
+        shared: Path, images: Path, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    # Without it the guest keeps its address on b until its DHCP client renews: b's server, which has no reservation
+    # for it and no range, refuses the renewal and the guest drops the address the proxy knows it by.
+    for hv in (a, b):
+        hv.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/24")
+    b.down = True
+    manager = manager_on(fleet_of(shared, a, b), shared, images, network="wakeful")
+    vm = manager.provision("alice", proxy_credential=CREDENTIAL)
+    manager.ensure_running("alice")
+    manager.suspend("alice")
+    assert vm.bridge is not None and "wakeful" not in b.reservations
+    b.down = False
+    fleet = fleet_of(shared, a, b)  # the server restarted meanwhile: what the fleet knows comes from the shared dir
+    again = manager_on(fleet, shared, images, network="wakeful")
+    fleet.mark("a", HostMark.FULL)
+    again.ensure_running("alice")
+    assert fleet.home(vm.name) == "b"
+    assert b.reservations["wakeful"] == {vm.bridge.mac: vm.bridge.address}
+    again.suspend("alice")
+    fleet.mark("a", HostMark.UP)
+    again.ensure_running("alice")  # back home, where it has its reservation: nothing added
+    assert a.reservations["wakeful"] == {vm.bridge.mac: vm.bridge.address}
+
+
 def test_a_network_that_differs_between_hosts_is_unusable_and_names_both(
         fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
     for hv in (a, b):

@@ -418,3 +418,15 @@ def test_a_failed_definition_gives_the_reserved_address_back(on_network: VmManag
         on_network.provision("alice")
     assert hv.reservations["wakeful"] == {"52:54:00:99:99:99": "10.77.0.2"}
     assert on_network.provision("alice").bridge.address == "10.77.0.3"  # type: ignore[union-attr]
+
+
+def test_an_address_whose_dhcp_lease_outlived_its_vm_is_not_given_to_the_next(on_network: VmManager,
+                                                                            hv: FakeHypervisor) -> None:
+    # dnsmasq keeps a destroyed VM's lease (an hour by default) and gives its address to no other MAC meanwhile: a
+    # new VM reserved that address would get none from DHCP when it boots.
+    alice = on_network.provision("alice")
+    on_network.ensure_running("alice")
+    on_network.destroy("alice")
+    assert alice.bridge is not None and hv.leases["wakeful"] == {alice.bridge.address: alice.bridge.mac}
+    bob = on_network.provision("bob")
+    assert bob.bridge is not None and bob.bridge.address == "10.77.0.4", "not alice's, still leased"
