@@ -29,8 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from wakeful.vm.hypervisor import Accel, DomainSpec, ProxyCredential
+from wakeful.vm.keeper import KEEPER_GUEST_PORT
 
-__all__ = ["ANTI_SPOOFING", "GUEST_PROXY", "QEMU_NS", "RELAY", "WAKEFUL_NS", "FilterBinding", "domain_xml",
+__all__ = ["ANTI_SPOOFING", "GUEST_ADDRESS", "GUEST_PORTS", "GUEST_PROXY", "QEMU_NS", "RELAY", "WAKEFUL_NS", "FilterBinding", "domain_xml",
            "filter_binding_of", "netdev_arg", "proxy_connector", "tap_name"]
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"
@@ -42,7 +43,10 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=allow,spawn=allow,resourcecontrol=
 """QEMU's seccomp filter as libvirt would set it, except `spawn` and `elevateprivileges`: slirp forks the proxy
 connector per connection and calls setsid() in the child (measured: SIGSYS on syscall 112 otherwise).
 libvirt's own sandbox must be off (`seccomp_sandbox = 0` in qemu.conf, see scripts/libvirtd): filters stack."""
-GUEST_PORTS = {"ssh": 22, "cdp": 9222, "vnc": 5900}
+GUEST_PORTS = {"ssh": 22, "cdp": 9222, "vnc": 5900, "keeper": KEEPER_GUEST_PORT}
+GUEST_ADDRESS = "10.0.2.15"
+"""The guest's own address under user-mode networking (slirp's default): where the clock keeper's side door listens,
+which nothing but the domain's host forwards reaches (`restrict=on`)."""
 ANTI_SPOOFING = "clean-traffic"
 """libvirt's stock filter on a VM's interface on an isolated network: no MAC, IP or ARP spoofing, so the address
 the egress proxy knows the VM by is really the VM's."""
@@ -139,12 +143,14 @@ def proxy_connector(port: int, command: Sequence[str], credential: ProxyCredenti
 
 
 def netdev_arg(spec: DomainSpec) -> str:
-    """The `-netdev user,...` value. Every host forward binds 127.0.0.1."""
+    """The `-netdev user,...` value. Every host forward binds 127.0.0.1; the keeper's leads to the guest's address
+    only (its side door listens there, not on the guest's loopback)."""
     parts = ["user", "id=n0", "restrict=on"]
     fw = spec.forwards
-    for key, host_port in (("ssh", fw.ssh), ("cdp", fw.cdp), ("vnc", fw.vnc)):
+    for key, host_port in (("ssh", fw.ssh), ("cdp", fw.cdp), ("vnc", fw.vnc), ("keeper", fw.keeper)):
         if host_port is not None:
-            parts.append(f"hostfwd=tcp:127.0.0.1:{host_port}-:{GUEST_PORTS[key]}")
+            guest = GUEST_ADDRESS if key == "keeper" else ""
+            parts.append(f"hostfwd=tcp:127.0.0.1:{host_port}-{guest}:{GUEST_PORTS[key]}")
     if fw.proxy is not None:
         addr, port = GUEST_PROXY
         connector = proxy_connector(fw.proxy, spec.proxy_command, spec.proxy_credential)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,6 +41,10 @@ class FakeChannel:
         self.silent = False
         self.probes = 0
         self.closed = False
+        self.side_door = False
+        """The keeper's side door is open: resyncs work without a transport."""
+        self.reconnects: list[threading.Event] = []
+        """Each `reconnect` waits for the next event here, if there is one (a reconnect still running)."""
         self._connected = False
 
     @property
@@ -54,6 +59,10 @@ class FakeChannel:
             raise GuestUnreachable("fake guest: nothing listens")
         self.connects += 1
         self._connected = True
+
+    @property
+    def side_door_open(self) -> bool:
+        return self.side_door
 
     def alive(self, *, timeout: float = 2.0) -> bool:
         self.probes += 1
@@ -73,7 +82,7 @@ class FakeChannel:
         return self.forwards.setdefault((remote_host, remote_port), 40000 + len(self.forwards))
 
     def resync_clock(self) -> ClockSync:
-        if not self._connected:
+        if not self._connected and not self.side_door:
             raise NotConnected("fake guest: not connected")
         self.clock_syncs += 1
         return ClockSync(before=timedelta(seconds=-3), after=timedelta(0), round_trip=timedelta(milliseconds=1))
@@ -85,6 +94,8 @@ class FakeChannel:
 
     def reconnect(self, *, timeout: float = 30.0) -> ReconnectReport:
         self._connected = False
+        if self.reconnects and not self.reconnects.pop(0).wait(timeout):
+            raise GuestUnreachable("fake guest: no answer in time")
         self.silent = False
         attempts = 1
         while True:

@@ -44,14 +44,19 @@ class Forwards:
     ssh: int | None
     """Host port forwarded to guest port 22."""
     cdp: int | None = None
-    """Host port forwarded to guest port 9222 (Chromium remote debugging), if any."""
+    """Only in VMs provisioned before the side door: a host port forwarded to guest port 9222, which leads nowhere
+    (Chromium's DevTools listen on the guest's loopback only; they are reached through SSH or the side door). Kept
+    so the port stays taken while such a VM's saved domain binds it at its next restore."""
+    keeper: int | None = None
+    """Host port forwarded to the clock keeper's side door (`vm.keeper`) on the guest's slirp address, if any (VMs
+    provisioned before it have none and reach the keeper over SSH only)."""
     vnc: int | None = None
     """Host port forwarded to guest port 5900 (x11vnc), if any."""
     proxy: int | None = None
     """Host port of the egress proxy; the guest reaches it at 10.0.2.100:3128 and nowhere else."""
 
     def host_ports(self) -> tuple[int, ...]:
-        return tuple(p for p in (self.ssh, self.cdp, self.vnc) if p is not None)
+        return tuple(p for p in (self.ssh, self.cdp, self.keeper, self.vnc) if p is not None)
 
 
 @dataclass(frozen=True, kw_only=True)

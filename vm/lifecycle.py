@@ -32,7 +32,7 @@ from pathlib import Path
 
 from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.vm.disks import Disks, QemuImg
-from wakeful.vm.domain_xml import GUEST_PROXY
+from wakeful.vm.domain_xml import GUEST_ADDRESS, GUEST_PROXY
 from wakeful.vm.errors import IllegalTransition, ImageMissing, LimitExceeded, VmError, VmNotFound
 from wakeful.vm.hypervisor import (
     Accel,
@@ -44,6 +44,7 @@ from wakeful.vm.hypervisor import (
     ProxyCredential,
     SnapshotInfo,
 )
+from wakeful.vm.keeper import KEEPER_GUEST_PORT, SideDoor
 from wakeful.vm.keys import VmKeys, generate_keys, load_keys
 from wakeful.vm.lifecycle_rules import (
     Activity,
@@ -88,7 +89,10 @@ class VmSettings:
     """Host ports (on 127.0.0.1) handed out for SSH, CDP and VNC forwards."""
     proxy_port: int | None = None
     """The egress proxy's port on 127.0.0.1; the guest reaches it at 10.0.2.100:3128."""
-    forward_cdp: bool = True
+    side_door: bool = True
+    """A host port forwarded to the clock keeper's side door (`vm.keeper`): after a restore the first observation
+    and the clock resync need no new SSH connection. (It took the place of a forward to guest port 9222, which led
+    nowhere: Chromium's DevTools listen on the guest's loopback only.)"""
     forward_vnc: bool = True
     idle_after: timedelta = timedelta(minutes=10)
     """A running VM with nothing in flight for longer than this is suspended by `reap`."""
@@ -138,6 +142,14 @@ class VmInfo:
             return self.bridge.address, 22
         assert self.forwards.ssh is not None, "a VM on user-mode networking always has its SSH forward"
         return "127.0.0.1", self.forwards.ssh
+
+    @property
+    def side_door(self) -> SideDoor | None:
+        """Where the guest channel reaches the clock keeper without SSH: on user-mode networking, its forward to the
+        guest's address; None on an isolated network, or for a VM provisioned before the side door."""
+        if self.bridge is not None or self.forwards.keeper is None:
+            return None
+        return SideDoor(listen=(GUEST_ADDRESS, KEEPER_GUEST_PORT), host=("127.0.0.1", self.forwards.keeper))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,9 +337,9 @@ class VmManager:
             bridge: BridgePlace | None = None
             if network is None:
                 used = {p for r in self._records.values() for p in r.info.forwards.host_ports()}
-                count = 1 + s.forward_cdp + s.forward_vnc
+                count = 1 + s.side_door + s.forward_vnc
                 ports = iter(pick_ports(count, used=used, port_range=s.port_range, is_free=self._port_free))
-                forwards = Forwards(ssh=next(ports), cdp=next(ports) if s.forward_cdp else None,
+                forwards = Forwards(ssh=next(ports), keeper=next(ports) if s.side_door else None,
                                     vnc=next(ports) if s.forward_vnc else None, proxy=s.proxy_port)
                 guest_proxy = "http://{}:{}".format(*GUEST_PROXY)
             else:

@@ -54,6 +54,7 @@ from wakeful.vm.guest import (
     ReconnectReport,
     RunResult,
 )
+from wakeful.vm.keeper import CLOCK_KEEPER, SideDoor, SideDoorClosed, SocketLine, clock_keeper, open_side_door
 
 __all__ = ["CLOCK_KEEPER", "SET_CLOCK", "GuestChannel", "clock_keeper", "parse_public_key", "pump"]
 
@@ -75,7 +76,7 @@ class _TransportErrorsAtDebug(logging.Filter):
 logging.getLogger("paramiko.transport").addFilter(_TransportErrorsAtDebug())
 
 
-def pump(conn: socket.socket, chan: paramiko.Channel, *, half_close: bool = False) -> None:
+def pump(conn: socket.socket, chan: paramiko.Channel | socket.socket, *, half_close: bool = False) -> None:
     """Copy both ways between a socket and a channel until `conn` ends, or `chan` ends. With `half_close`, the
     channel ending is passed on to `conn` as a half-close instead (its side has said all it will: a request sent)
     and `conn`'s answer still goes back, until `conn` ends. Errors are the caller's; it closes both."""
@@ -127,21 +128,24 @@ class _Forward:
 
 @dataclass(eq=False)
 class _Keeper:
-    """The clock keeper's session on one transport."""
+    """The clock keeper's connection: its session on one transport, or a connection through the side door."""
 
-    chan: paramiko.Channel
-    transport: paramiko.Transport
+    chan: paramiko.Channel | SocketLine
+    transport: paramiko.Transport | None
+    """None when `chan` goes through the side door."""
     pending: bytearray
     boot_id: str | None = None
     """From its first line; None until it has started."""
     port: int | None = None
-    """Where it listens on the guest's loopback (its first line): how a later transport reaches it."""
+    """Where it listens in the guest (its first line): how a later transport, or the side door, reaches it."""
+    address: str = "127.0.0.1"
+    """The guest address it listens on (its first line)."""
 
 
 @dataclass(eq=False)
 class _Pipe:
     conn: socket.socket
-    chan: paramiko.Channel | None = None
+    chan: paramiko.Channel | socket.socket | None = None
 
 
 def _local_boot_id() -> str:
@@ -163,90 +167,6 @@ _CLOCK_SCRIPT = (
     'read -r t || exit 0; {{ {setter}; }} >/dev/null || exit 3; echo "set ${{EPOCHREALTIME:-$(date +%s.%N)}}"')
 
 
-# The clock keeper: one Python process in the guest, started once (`keep_clock`) and kept. A resync through it is one
-# line each way, with no new session, shell or `date` to start: after a restore under TCG those cost the guest's one
-# vCPU a second or more (its translated code went with the old QEMU process), right when the first observation needs
-# it. It reads a token on its first line, listens on a port of the guest's loopback, answers `ready BOOT_ID PORT`,
-# then for each `set NANOS` (or `read`) line `BEFORE AFTER` (the guest clock in nanoseconds just before and after
-# setting it) or `error TEXT`. It outlives the session that started it: under user-mode networking the SSH
-# connection dies at every save, and the next one reaches the same keeper through a forward to its port (the token
-# first; anything else is hung up on) instead of starting a new one. `bye` ends it; so does a new keeper (through
-# the pid file), or ten minutes with neither its session nor a connection open.
-_KEEPER_SOURCE = """\
-import hmac, os, signal, socket, sys, threading, time
-tag = "wakeful-clock-keeper"
-pidfile = "/run/wakeful/clock-keeper.pid"
-try:
-    old = int(open(pidfile).read())
-    if old != os.getpid() and tag.encode() in open("/proc/%d/cmdline" % old, "rb").read():
-        os.kill(old, signal.SIGTERM)
-except (OSError, ValueError):
-    pass
-try:
-    with open(pidfile, "w") as f:
-        f.write(str(os.getpid()))
-except OSError:
-    pass
-token = (sys.stdin.readline().split() or [""])[-1].encode()
-server = socket.socket()
-server.bind(("127.0.0.1", 0))
-server.listen(4)
-server.settimeout(600)
-boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-ready = "ready %s %d\\n" % (boot, server.getsockname()[1])
-def serve(lines, write):
-    write(ready)
-    for line in lines:
-        words = line.split()
-        if words[:1] == ["bye"]:
-            os._exit(0)
-        before = time.time_ns()
-        try:
-            if words[:1] == ["set"]:
-                t = int(words[1])
-                {setter}
-            out = "%d %d" % (before, time.time_ns())
-        except SystemExit:
-            os._exit(0)
-        except Exception as exc:
-            out = "error %s" % str(exc).replace("\\n", " ")
-        write(out + "\\n")
-def session():
-    try:
-        serve(sys.stdin, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    except (OSError, ValueError):
-        pass
-def connection(conn):
-    with conn:
-        try:
-            lines = conn.makefile("r", encoding="ascii", errors="replace")
-            words = lines.readline(128).split()  # a token line is short: nothing longer is read
-            if token and words[:1] == ["token"] and hmac.compare_digest(words[-1].encode(), token):
-                serve(lines, lambda text: conn.sendall(text.encode()))
-        except (OSError, ValueError, TypeError):
-            pass
-served = [threading.Thread(target=session, daemon=True)]
-served[0].start()
-while True:
-    try:
-        conn, _ = server.accept()
-    except socket.timeout:
-        served = [t for t in served if t.is_alive()]
-        if not served:
-            os._exit(0)
-        continue
-    served.append(threading.Thread(target=connection, args=(conn,), daemon=True))
-    served[-1].start()
-"""
-
-
-def clock_keeper(setter: str = "time.clock_settime_ns(time.CLOCK_REALTIME, t)") -> str:
-    """The guest command that runs the clock keeper; `setter` is the Python statement that sets the clock to `t`
-    (nanoseconds since the epoch): tests on a host replace it."""
-    source = _KEEPER_SOURCE.format(setter=setter)
-    return "exec python3 -c " + shlex.quote(source)
-
-
 _REATTACH_TIMEOUT = 5.0
 """How long a keeper from an earlier transport gets to answer through a forward before a shell sets the clock."""
 
@@ -255,10 +175,6 @@ _BYE_WAIT = 2.0
 
 _CLOSE_ENOUGH_NS = 50_000_000
 """How far off the guest clock may land through the keeper before it is set once more (50 ms)."""
-
-CLOCK_KEEPER = clock_keeper()
-"""The default clock keeper: sets the guest clock with clock_settime (the guest image has python3)."""
-
 
 def _epoch_ns(text: bytes) -> int:
     """`1733162400.123456` (any number of decimals, either separator) as nanoseconds."""
@@ -271,7 +187,7 @@ class GuestChannel:
                  pinned_host_key: str, keepalive: float = 0.0, forward_wait: float = 20.0,
                  max_output: int = 64 * 1024 * 1024, wall_ns: Callable[[], int] = time.time_ns,
                  set_clock: str = SET_CLOCK, keeper: str | None = CLOCK_KEEPER,
-                 sock: Callable[[], object | None] | None = None) -> None:
+                 sock: Callable[[], object | None] | None = None, side_door: SideDoor | None = None) -> None:
         """`keepalive`: seconds between SSH keepalives, 0 for none (the default). A VM on an isolated network keeps
         its TCP connection through a save and restore only if the host sends nothing while it is saved: an unanswered
         keepalive then sits in TCP's retransmission backoff, so the first message after the restore waits seconds
@@ -283,7 +199,10 @@ class GuestChannel:
         none: every resync then starts a shell.
         `sock`: called before each connection attempt for a socket-like object to use instead of connecting to
         `host:port` (None from it: connect directly); it raises `guest_unreachable` to be retried, anything else
-        (`host_unreachable`) to fail the reconnect at once."""
+        (`host_unreachable`) to fail the reconnect at once.
+        `side_door`: where the clock keeper listens so that the host reaches it without SSH (user-mode networking: a
+        host forward to the guest's slirp address; see `vm.keeper`). Once it said it is ready there, the clock is
+        resynced through it, and forwarded connections to the guest's loopback go through it while SSH is down."""
         self.host, self.port, self.user = host, port, user
         self._pinned = parse_public_key(pinned_host_key)
         try:
@@ -300,6 +219,9 @@ class GuestChannel:
         self._keeper_token = secrets.token_hex(16)
         """What the keeper asks of a connection to its port: it started with it on its first line."""
         self._keeper_lock = threading.Lock()
+        self._side_door = side_door
+        self._door_boot: str | None = None
+        """The boot id of the keeper that said it listens at the side door; None while none did."""
         self._sock = sock
         self._client: paramiko.SSHClient | None = None
         self._cond = threading.Condition()
@@ -378,6 +300,9 @@ class GuestChannel:
             old, self._client = self._client, None
         if old is not None:
             old.close()
+        keeper = self._keeper
+        if keeper is not None and keeper.transport is None:
+            keeper.chan.close()  # through the side door, which the old process held too: reached again when asked
 
     def reconnect(self, *, timeout: float = 30.0) -> ReconnectReport:
         """Drop the old transport (dead after a restore) and connect again, retrying until `timeout` while the
@@ -494,7 +419,8 @@ class GuestChannel:
             try:
                 chan = transport.open_session(timeout=timeout)
                 chan.exec_command(self._keeper_command)
-                chan.sendall(f"token {self._keeper_token}\n".encode())
+                listen = "" if self._side_door is None else " {} {}".format(*self._side_door.listen)
+                chan.sendall(f"token {self._keeper_token}{listen}\n".encode())
             except (paramiko.SSHException, EOFError, OSError) as exc:
                 raise NotConnected(f"cannot start the clock keeper on the guest: {exc}") from None
             self._keeper = _Keeper(chan=chan, transport=transport, pending=bytearray())
@@ -511,7 +437,18 @@ class GuestChannel:
         with self._keeper_lock:
             return self._ready_keeper() is not None
 
+    @property
+    def side_door_open(self) -> bool:
+        """The clock keeper said it listens at the side door (and was not found gone since): a resync and the
+        forwarded connections to the guest's loopback need no SSH transport. Reads its `ready` line if it waits."""
+        with self._keeper_lock:
+            self._ready_keeper()
+        return self._side_door is not None and self._door_boot is not None
+
     def _keeper_alive(self, keeper: _Keeper) -> bool:
+        if keeper.transport is None:
+            keeper.chan.recv_ready()  # notes an end of file
+            return not keeper.chan.closed and not keeper.chan.eof_received
         current = self._transport()
         return (current is not None and keeper.transport is current and current.is_active()
                 and not keeper.chan.closed and not keeper.chan.eof_received)
@@ -533,6 +470,10 @@ class GuestChannel:
                 if words[:1] == ["ready"] and len(words) >= 2:
                     keeper.boot_id = words[1]
                     keeper.port = int(words[2]) if len(words) >= 3 and words[2].isdigit() else None
+                    keeper.address = words[3] if len(words) >= 4 else "127.0.0.1"
+                    door = self._side_door
+                    if door is not None and (keeper.address, keeper.port) == door.listen:
+                        self._door_boot = keeper.boot_id
                 else:
                     keeper.chan.close()  # not our keeper talking: leave it
         if keeper.boot_id is None or not self._keeper_alive(keeper):
@@ -543,18 +484,31 @@ class GuestChannel:
         return keeper
 
     def _reattach_keeper(self, timeout: float) -> _Keeper | None:
-        """Reach a keeper that outlived its transport (a restore under user-mode networking) through a forward to its
-        port on the current one: the token, then its `ready` line with the same boot id. None (and the keeper
-        forgotten) if it is gone, or the guest booted again, or something else answers."""
+        """Reach a keeper that outlived its connection (a restore under user-mode networking): through the side door
+        when it listens there, else through a forward to its port on the current transport: the token, then its
+        `ready` line with the same boot id. None (and the keeper forgotten) if it is gone, or the guest booted again,
+        or something else answers."""
         keeper = self._keeper
+        if keeper is None or keeper.port is None or keeper.boot_id is None or self._keeper_alive(keeper):
+            return None
+        door = self._side_door
+        if door is not None and (keeper.address, keeper.port) == door.listen:
+            try:
+                sock, rest = open_side_door(door, self._keeper_token, boot_id=keeper.boot_id, timeout=timeout)
+            except SideDoorClosed:
+                self._drop_keeper(keeper)
+                return None
+            keeper.chan.close()
+            keeper.chan, keeper.transport, keeper.pending = SocketLine(sock), None, bytearray(rest)
+            self._door_boot = keeper.boot_id
+            return keeper
         transport = self._transport()
-        if (keeper is None or keeper.port is None or keeper.boot_id is None or transport is None
-                or not transport.is_active() or self._keeper_alive(keeper)):
+        if transport is None or not transport.is_active():
             return None
         deadline = time.monotonic() + timeout
         chan: paramiko.Channel | None = None
         try:
-            chan = transport.open_channel("direct-tcpip", ("127.0.0.1", keeper.port), ("127.0.0.1", 0),
+            chan = transport.open_channel("direct-tcpip", (keeper.address, keeper.port), ("127.0.0.1", 0),
                                           timeout=timeout)
             chan.sendall(f"token {self._keeper_token}\n".encode())
             line, pending = self._line(chan, bytearray(), deadline, timeout)
@@ -572,9 +526,10 @@ class GuestChannel:
 
     def _drop_keeper(self, keeper: _Keeper) -> None:
         """Close a keeper that is gone, wedged or not ours: the next resync starts a shell, the next observation a
-        new keeper."""
+        new keeper; the side door is shut until that one says it listens there."""
         keeper.chan.close()
         self._keeper = None
+        self._door_boot = None
 
     def resync_clock(self, *, timeout: float = 10.0) -> ClockSync:
         """Set the guest clock from the host's. Through the clock keeper when it runs on this transport
@@ -678,7 +633,7 @@ class GuestChannel:
         return ClockSync(before=timedelta(microseconds=before / 1000), after=timedelta(microseconds=after / 1000),
                          round_trip=rtt, applied=True)
 
-    def _line(self, chan: paramiko.Channel, pending: bytearray, deadline: float,
+    def _line(self, chan: paramiko.Channel | SocketLine, pending: bytearray, deadline: float,
               timeout: float) -> tuple[bytes, bytearray]:
         """The next line on `chan`'s stdout (and what came after it), waiting until `deadline`."""
         while b"\n" not in pending:
@@ -751,9 +706,11 @@ class GuestChannel:
     def _pump(self, pipe: _Pipe, remote: tuple[str, int], peer: tuple[str, int]) -> None:
         conn = pipe.conn
         try:
-            transport = self._live_transport(wait=self._forward_wait)
-            chan = pipe.chan = transport.open_channel("direct-tcpip", remote, peer, timeout=self._forward_wait)
-            pump(conn, chan)
+            pipe.chan = self._through_side_door(remote, conn)
+            if pipe.chan is None:
+                transport = self._live_transport(wait=self._forward_wait)
+                pipe.chan = transport.open_channel("direct-tcpip", remote, peer, timeout=self._forward_wait)
+            pump(conn, pipe.chan)
         except (GuestError, paramiko.SSHException, EOFError, OSError, ValueError):
             return  # the client sees its connection close; the next one tries again
         finally:
@@ -762,6 +719,22 @@ class GuestChannel:
             conn.close()
             with self._cond:
                 self._pipes.discard(pipe)
+
+    def _through_side_door(self, remote: tuple[str, int], conn: socket.socket) -> socket.socket | None:
+        """While SSH is down, a connection to the guest's loopback spliced by the keeper through the side door; None
+        (SSH it is, once it is back) without a side door or a keeper of this boot there, or if it does not answer."""
+        door, boot = self._side_door, self._door_boot
+        if door is None or boot is None or remote[0] != "127.0.0.1" or self.connected:
+            return None
+        try:
+            sock, early = open_side_door(door, self._keeper_token, boot_id=boot, connect=remote[1],
+                                         timeout=_REATTACH_TIMEOUT)
+        except SideDoorClosed:
+            self._door_boot = None  # not there after all: SSH for the next connections, until a resync finds it
+            return None
+        if early:
+            conn.sendall(early)
+        return sock
 
     # ------------------------------------------------------------------------------------------ shutdown
 

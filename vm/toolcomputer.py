@@ -44,7 +44,7 @@ from wakeful.vm.browser import (
 )
 from wakeful.vm.desktop import BadKeys, Desktop, FocusChanged
 from wakeful.vm.errors import VmError
-from wakeful.vm.guest import Channel, ClockSync
+from wakeful.vm.guest import Channel, ClockSync, NotConnected
 from wakeful.vm.observe import (
     Accepted,
     Act,
@@ -187,6 +187,10 @@ class RestoreTimings:
     """The round trip that asked whether the SSH transport outlived the restore."""
     kept: bool = False
     """It did (an isolated network): SSH, and CDP through it, were kept rather than made again."""
+    side_door: bool = False
+    """Under user-mode networking with the guest's clock keeper listening at its side door: CDP and the clock went
+    through it, and SSH was made again beside, off the path (`ssh_reconnect` is 0 then, and `ToolComputer.wait_for_ssh`
+    says how long it took)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +243,12 @@ class ToolComputer:
         """A restore happened and the guest clock has not been set since."""
         self._clock_job: Future[ClockSync] | None = None
         self._clock_sync: ClockSync | None = None
+        self._clock_seconds: float | None = None
+        """How long the latest resync took, from its start in the background."""
         self._background = ThreadPoolExecutor(1, thread_name_prefix=f"clock-{vm_id}")
+        self._reconnect_job: Future[float] | None = None
+        """SSH made again off the path after a restore through the side door: what needs SSH waits for it."""
+        self._reconnector = ThreadPoolExecutor(1, thread_name_prefix=f"ssh-{vm_id}")
 
     @property
     def state(self) -> ComputerState:
@@ -282,15 +291,35 @@ class ToolComputer:
     def _cdp_url(self) -> str:
         return f"http://127.0.0.1:{self._channel.forward(*self._cdp)}"
 
-    def _ensure_connected(self) -> None:
-        if not self._channel.connected:
-            self._channel.reconnect(timeout=self._reconnect_timeout)
+    def _ensure_connected(self, *, ssh: bool = True) -> None:
+        """SSH (waiting for a reconnect running off the path, or making one), then the browser. Without `ssh` (a
+        browser observation) and with the keeper's side door open, SSH is left to come back on its own: the browser's
+        connections reach the guest through the side door meanwhile."""
+        if ssh or not self._channel.side_door_open:
+            self._await_reconnect()
+            if not self._channel.connected:
+                self._channel.reconnect(timeout=self._reconnect_timeout)
         if self._browser is not None and not self._browser.connected:
             self._browser.connect(self._cdp_url())
+
+    def _await_reconnect(self) -> None:
+        """Wait for the SSH reconnect running off the path, if any; a failed one is made again by whoever needs it."""
+        job, self._reconnect_job = self._reconnect_job, None
+        if job is not None:
+            with contextlib.suppress(VmError):
+                job.result()
+
+    def wait_for_ssh(self) -> float | None:
+        """Wait for the SSH reconnect that a restore through the side door left running beside it, and say how long
+        it took (seconds from its start); raises what it raised. None if none was left running."""
+        with self._lock:
+            job, self._reconnect_job = self._reconnect_job, None
+            return job.result() if job is not None else None
 
     def close(self) -> None:
         with self._lock:
             self._background.shutdown(wait=False, cancel_futures=True)
+            self._reconnector.shutdown(wait=False, cancel_futures=True)
             if self._browser is not None:
                 self._browser.close()
             self._channel.close()
@@ -303,7 +332,7 @@ class ToolComputer:
         observation, and the next one resyncs again."""
         with self._lock:
             self._state = settle(self._state, now=self._clock.now())
-            self._ensure_connected()
+            self._ensure_connected(ssh=surface is not Surface.BROWSER)
             self._start_clock_sync()
             seen = self._observe(surface)
             self._finish_clock_sync()
@@ -327,7 +356,22 @@ class ToolComputer:
     def _start_clock_sync(self) -> None:
         """After a restore, set the guest clock in the background (one guest command) unless that already runs."""
         if self._clock_due and self._clock_job is None:
-            self._clock_job = self._background.submit(self._channel.resync_clock)
+            self._clock_job = self._background.submit(self._resync)
+
+    def _resync(self) -> ClockSync:
+        """Resync the guest clock (through the keeper, or a shell over SSH); if that needs SSH and SSH is being made
+        again off the path, once it is back."""
+        start = self._timer()
+        try:
+            sync = self._channel.resync_clock()
+        except NotConnected:
+            job = self._reconnect_job
+            if job is None:
+                raise
+            job.result()
+            sync = self._channel.resync_clock()
+        self._clock_seconds = self._timer() - start
+        return sync
 
     def _finish_clock_sync(self) -> None:
         """Wait for the resync `_start_clock_sync` started (resync_clock bounds it); raise what it raised."""
@@ -392,6 +436,8 @@ class ToolComputer:
                     return Refused(code="observation_required",
                                    message="The connection to the browser was lost. Observe again before acting.")
                 decision = check_act(self._state, act, now=now, view=view)
+            elif isinstance(decision, Accepted):
+                self._await_reconnect()  # a desktop act runs a guest command: SSH must be back
             if isinstance(decision, Refused):
                 if decision.bump is not None:
                     self._state = bump_epoch(self._state, decision.bump)
@@ -479,6 +525,8 @@ class ToolComputer:
             start = self._timer()
             self._state = bump_epoch(self._state, BumpReason.RESTORE)
             self._clock_due, self._clock_job = True, None  # a resync from before the restore no longer counts
+            if self._channel.side_door_open:
+                return self._restore_through_side_door(start, observe, surface)
             early = observe and surface is Surface.BROWSER
             speculate = self._browser is not None and self._browser.connected
             with ThreadPoolExecutor(2, thread_name_prefix=f"restore-{self.vm_id}") as pool:
@@ -520,12 +568,52 @@ class ToolComputer:
             return RestoreReport(timings=timings, clock_sync=self._clock_sync if not self._clock_due else None,
                                  epoch=self._state.epoch, observation=first)
 
+    def _restore_through_side_door(self, start: float, observe: bool, surface: Surface) -> RestoreReport:
+        """`after_restore` under user-mode networking with the keeper's side door open: the SSH transport died with
+        the old QEMU process, and a new one costs the guest's sshd seconds of its one vCPU under TCG. It is made again
+        in the background; the clock resync (a line each way to the keeper) and the CDP attach go through the side
+        door at once, then the first observation. A side door that turns out shut leaves both to SSH: the forward
+        waits for it, the resync too."""
+        self._channel.drop()
+        if self._reconnect_job is None or self._reconnect_job.done():
+            self._reconnect_job = self._reconnector.submit(self._timed_reconnect)
+        self._clock_seconds = None
+        self._start_clock_sync()
+        cdp_seconds: float | None = None
+        if self._browser is not None:
+            t = self._timer()
+            try:
+                self._browser.connect(self._cdp_url())
+            except BrowserError:  # the forward gave up waiting for SSH (the side door was shut after all)
+                self._ensure_connected()
+            cdp_seconds = self._timer() - t
+        first: ObserveResult | None = None
+        first_seconds = clock_seconds = None
+        if observe:
+            if surface is not Surface.BROWSER:
+                self._ensure_connected()
+            t = self._timer()
+            first = self._observe(surface)
+            first_seconds = self._timer() - t
+            self._finish_clock_sync()
+            clock_seconds = self._clock_seconds
+        timings = RestoreTimings(ssh_reconnect=0.0, clock=clock_seconds, cdp_reconnect=cdp_seconds,
+                                 first_observation=first_seconds, total=self._timer() - start, side_door=True)
+        return RestoreReport(timings=timings, clock_sync=self._clock_sync if not self._clock_due else None,
+                             epoch=self._state.epoch, observation=first)
+
+    def _timed_reconnect(self) -> float:
+        t = self._timer()
+        self._channel.reconnect(timeout=self._reconnect_timeout)
+        return self._timer() - t
+
     def before_suspend(self) -> None:
         """The VM is about to be suspended: the guest drops its clean page cache (file pages no process maps). Freed
         pages are zeroed (`init_on_free=1`) and a zero page costs next to nothing to save and restore, so the saved
         state, and the restore that reads it back, shrink by the cache's size (a fifth of the state here). Raises
         what the guest command raised; a VM not connected is left as it is."""
         with self._lock:
+            self._await_reconnect()
             if self._channel.connected:
                 self._channel.run(SHED_CACHE, timeout=self._reconnect_timeout).check("dropping the guest's page cache")
 

@@ -409,7 +409,8 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
     def connect(info: VmInfo) -> ToolComputer:
         host, port = info.ssh_endpoint
         channel = GuestChannel(host=host, port=port, user="root", client_key_path=info.keys.client_key,
-                               pinned_host_key=info.keys.host_public, sock=guest_socket(fleet, info))
+                               pinned_host_key=info.keys.host_public, sock=guest_socket(fleet, info),
+                               side_door=info.side_door if fleet is None else None)
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0) if slow else CdpBrowser()
         return ToolComputer(vm_id=info.name, channel=channel, clock=clock, browser=browser, desktop=XDesktop(channel),
                             reconnect_timeout=120.0 if slow else 60.0)

@@ -120,7 +120,7 @@ def image_settings(image_dir: Path, data_dir: Path, *, accel: AccelChoice, proxy
     return VmSettings(data_dir=data_dir, base_image=image_dir / "base.qcow2", kernel=image_dir / "vmlinux",
                       initrd=image_dir / "initrd.img", cmdline=manifest["kernel"]["cmdline"], accel=accel.accel,
                       size=VmSize(memory_mib=1024, vcpus=1, disk_gib=8), port_range=port_range,
-                      proxy_port=proxy_port, domain_prefix=prefix, forward_cdp=False, forward_vnc=False,
+                      proxy_port=proxy_port, domain_prefix=prefix, forward_vnc=False,
                       network=network.name if network else None, address_book=address_book)
 
 
@@ -139,7 +139,7 @@ def tool_computer(image_dir: Path, data_dir: Path, *, user: str, accel: AccelCho
     try:
         host, port = vm.ssh_endpoint
         channel = GuestChannel(host=host, port=port, user="root", client_key_path=vm.keys.client_key,
-                               pinned_host_key=vm.keys.host_public)
+                               pinned_host_key=vm.keys.host_public, side_door=vm.side_door)
         # Chromium under TCG on a shared host: a first cross-site navigation takes 30-80 s here (a new renderer).
         browser = CdpBrowser(timeout=240.0, navigation_timeout=180.0)
         computer = ToolComputer(vm_id=vm.name, channel=channel, clock=clock, browser=browser,

@@ -15,7 +15,7 @@ from wakeful.vm.hypervisor import Accel, BridgePlace, DomainSpec, Forwards, Prox
 
 
 def _spec(accel: Accel = Accel.TCG, **forwards: int | None) -> DomainSpec:
-    fw = {"ssh": 20000, "cdp": 20001, "vnc": 20002, "proxy": 3129} | forwards
+    fw = {"ssh": 20000, "keeper": 20001, "vnc": 20002, "proxy": 3129} | forwards
     return DomainSpec(name="wk-alice", accel=accel, memory_mib=1024, vcpus=2, kernel=Path("/img/vmlinux"),
                       initrd=Path("/img/initrd.img"), cmdline="root=/dev/vda rw", disk=Path("/vms/a/disk.qcow2"),
                       seed=Path("/vms/a/seed.img"), serial_log=Path("/vms/a/serial.log"), forwards=Forwards(**fw))
@@ -84,15 +84,23 @@ def test_network_is_restricted_user_mode_with_loopback_only_host_forwards() -> N
     netdev = _netdev(root)
     assert netdev[:3] == ["user", "id=n0", "restrict=on"]
     hostfwds = sorted(p for p in netdev if p.startswith("hostfwd="))
-    assert hostfwds == ["hostfwd=tcp:127.0.0.1:20000-:22", "hostfwd=tcp:127.0.0.1:20001-:9222",
+    assert hostfwds == ["hostfwd=tcp:127.0.0.1:20000-:22", "hostfwd=tcp:127.0.0.1:20001-10.0.2.15:9444",
                         "hostfwd=tcp:127.0.0.1:20002-:5900"]
     guestfwds = [p for p in netdev if p.startswith("guestfwd=")]
     assert guestfwds == ["guestfwd=tcp:10.0.2.100:3128-cmd:/bin/busybox nc 127.0.0.1 3129"]
 
 
 def test_absent_forwards_are_not_opened() -> None:
-    netdev = _netdev(ET.fromstring(domain_xml(_spec(cdp=None, vnc=None, proxy=None))))
+    netdev = _netdev(ET.fromstring(domain_xml(_spec(keeper=None, vnc=None, proxy=None))))
     assert [p for p in netdev if "fwd=" in p] == ["hostfwd=tcp:127.0.0.1:20000-:22"]
+
+
+def test_the_clock_keepers_side_door_is_forwarded_from_the_hosts_loopback_to_the_guests_slirp_address_only() -> None:
+    netdev = _netdev(ET.fromstring(domain_xml(_spec())))
+    assert "hostfwd=tcp:127.0.0.1:20001-10.0.2.15:9444" in netdev
+    # A VM provisioned before the side door keeps its forward to guest port 9222 (its saved domain binds it).
+    old = _netdev(ET.fromstring(domain_xml(_spec(keeper=None, cdp=20005))))
+    assert "hostfwd=tcp:127.0.0.1:20005-:9222" in old and not any("9444" in p for p in old)
 
 
 def test_qemu_keeps_a_seccomp_sandbox() -> None:

@@ -69,6 +69,25 @@ def test_each_vm_gets_its_own_loopback_ports(manager: VmManager) -> None:
     assert a.forwards.proxy == b.forwards.proxy == 3129
 
 
+def test_a_vm_on_user_mode_networking_has_a_side_door_to_its_clock_keeper(manager: VmManager) -> None:
+    vm = manager.provision("a")
+    assert vm.forwards.keeper == 21001 and vm.forwards.cdp is None
+    assert vm.side_door is not None
+    assert vm.side_door.host == ("127.0.0.1", 21001) and vm.side_door.listen == ("10.0.2.15", 9444)
+
+
+def test_a_vm_recorded_before_the_side_door_loads_without_one_and_keeps_its_old_port_taken(
+        settings: VmSettings, manager: VmManager, hv: FakeHypervisor, clock: FakeClock) -> None:
+    vm = manager.provision("a")
+    meta = json.loads((vm.directory / "vm.json").read_text())
+    meta["forwards"] = {"ssh": 21000, "cdp": 21001, "vnc": 21002, "proxy": 3129}  # as written before it
+    (vm.directory / "vm.json").write_text(json.dumps(meta))
+    again = VmManager(settings, hv, clock=clock, disks=FakeDisks(), port_free=lambda port: True)
+    old = again.get("a")
+    assert old.forwards.keeper is None and old.side_door is None and old.forwards.cdp == 21001
+    assert again.provision("b").forwards.host_ports() == (21003, 21004, 21005)
+
+
 def test_ports_in_use_on_the_host_are_skipped(settings: VmSettings, hv: FakeHypervisor, clock: FakeClock) -> None:
     m = VmManager(settings, hv, clock=clock, disks=FakeDisks(), port_free=lambda port: port % 2 == 1)
     assert m.provision("a").forwards.host_ports() == (21001, 21003, 21005)
