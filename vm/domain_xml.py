@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from wakeful.vm.hypervisor import Accel, DomainSpec, ProxyCredential
 from wakeful.vm.keeper import KEEPER_GUEST_PORT
 
-__all__ = ["ANTI_SPOOFING", "GUEST_ADDRESS", "GUEST_PORTS", "GUEST_PROXY", "QEMU_NS", "RELAY", "WAKEFUL_NS", "FilterBinding", "domain_xml",
+__all__ = ["ANTI_SPOOFING", "GUEST_ADDRESS", "GUEST_PORTS", "GUEST_PROXY", "QEMU_NS", "RELAY", "WAKEFUL_NS",
+           "FilterBinding", "domain_xml",
            "filter_binding_of", "netdev_arg", "proxy_connector", "tap_name"]
 
 QEMU_NS = "http://libvirt.org/schemas/domain/qemu/1.0"

@@ -40,7 +40,7 @@ KEEPER_GUEST_PORT = 9444
 _KEEPER_SOURCE = """\
 import hmac, os, select, signal, socket, sys, threading, time
 tag = "wakeful-clock-keeper"
-pidfile = "/run/wakeful/clock-keeper.pid"
+pidfile = {pidfile!r}
 try:
     old = int(open(pidfile).read())
     if old != os.getpid() and tag.encode() in open("/proc/%d/cmdline" % old, "rb").read():
@@ -137,10 +137,11 @@ while True:
 """
 
 
-def clock_keeper(setter: str = "time.clock_settime_ns(time.CLOCK_REALTIME, t)") -> str:
+def clock_keeper(setter: str = "time.clock_settime_ns(time.CLOCK_REALTIME, t)",
+                 pidfile: str = "/run/wakeful/clock-keeper.pid") -> str:
     """The guest command that runs the clock keeper; `setter` is the Python statement that sets the clock to `t`
-    (nanoseconds since the epoch): tests on a host replace it."""
-    source = _KEEPER_SOURCE.format(setter=setter)
+    (nanoseconds since the epoch), `pidfile` where it finds the keeper it replaces: tests on a host replace both."""
+    source = _KEEPER_SOURCE.format(setter=setter, pidfile=pidfile)
     return "exec python3 -c " + shlex.quote(source)
 
 

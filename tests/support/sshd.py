@@ -67,12 +67,13 @@ def keygen(path: Path) -> str:
 
 class Sshd:
     def __init__(self, directory: Path, *, forwarding: str = "local", netns: str | None = None,
-                 gateway_ports: str = "no") -> None:
+                 gateway_ports: str = "no", log_level: str = "ERROR") -> None:
         """`forwarding`: sshd's AllowTcpForwarding (`all` for a host that forwards back to the egress proxy).
         `gateway_ports`: sshd's GatewayPorts (`clientspecified` for a host on an isolated network, whose forward
         listens on the network's host address).
-        `netns`: a network namespace (`/proc/PID/ns/net`) to run in, listening on that namespace's loopback."""
-        self.forwarding, self.netns, self.gateway_ports = forwarding, netns, gateway_ports
+        `netns`: a network namespace (`/proc/PID/ns/net`) to run in, listening on that namespace's loopback.
+        `log_level`: sshd's LogLevel (`INFO` logs each login, which `logins` counts)."""
+        self.forwarding, self.netns, self.gateway_ports, self.log_level = forwarding, netns, gateway_ports, log_level
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.host_public_key = keygen(self.dir / "host_ed25519")
@@ -101,7 +102,7 @@ class Sshd:
             "X11Forwarding no",
             "PermitTTY no",
             "MaxStartups 50",
-            "LogLevel ERROR",
+            f"LogLevel {self.log_level}",
         ]) + "\n")
         return config
 
@@ -142,6 +143,11 @@ class Sshd:
         for pid in sessions:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    def logins(self) -> int:
+        """How many connections logged in, from sshd's own log (LogLevel INFO)."""
+        assert self.log_level != "ERROR", "sshd logs no logins at LogLevel ERROR"
+        return self.log_path.read_text().count("Accepted publickey for ") if self.log_path.exists() else 0
 
     def sessions(self) -> list[int]:
         """The PIDs of the processes serving its connections (each connection's sshd children), to signal one

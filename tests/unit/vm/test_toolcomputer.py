@@ -443,3 +443,34 @@ def test_check_names_the_element_for_admission_without_running_or_consuming(worl
     assert (decision.locator.role, decision.locator.name) == ("button", "Pay")
     assert world.browser.acts == [] and world.tc.state.phase is Phase.OBSERVED
     done(world.tc.act(Click(ref=seen.ref_for("button", "Pay"))))
+
+
+def test_a_restore_through_the_side_door_observes_and_resyncs_while_ssh_is_still_being_made_again(
+        world: World) -> None:
+    # User-mode networking with the clock keeper at its side door: SSH is made again off the path.
+    before = world.observe()
+    world.channel.side_door = True
+    ssh_back = threading.Event()
+    world.channel.reconnects.append(ssh_back)
+    report = world.tc.after_restore(observe=True)
+    assert not world.channel.connected, "the first observation did not wait for SSH"
+    t = report.timings
+    assert t.side_door and t.ssh_reconnect == 0 and t.probe == 0 and world.channel.probes == 0
+    assert report.clock_sync is not None and world.channel.clock_syncs == 1 and t.clock is not None
+    assert report.observation is not None and report.observation.observation.epoch == 2
+    assert world.browser.connects == 2, "DevTools attached again (through the side door)"
+    world.observe()  # a browser observation needs no SSH either
+    assert refused(world.tc.act(Click(ref=before.ref_for("button", "Pay")))) == "stale_observation"
+    ssh_back.set()
+    assert world.tc.wait_for_ssh() is not None and world.channel.connected
+
+
+def test_after_a_restore_through_the_side_door_a_desktop_observation_waits_for_ssh(world: World) -> None:
+    world.channel.side_door = True
+    ssh_back = threading.Event()
+    world.channel.reconnects.append(ssh_back)
+    world.tc.after_restore()
+    threading.Timer(0.0, ssh_back.set).start()  # SSH comes back while the desktop observation waits for it
+    seen = world.observe(Surface.DESKTOP)
+    assert world.channel.connected and world.channel.connects == 2
+    assert seen.observation.surface is Surface.DESKTOP
