@@ -351,6 +351,11 @@ class GuestChannel:
                 self._cond.notify_all()
             return attempts
 
+    @property
+    def reconnecting(self) -> bool:
+        """A (re)connect is under way (after a restore through the side door, off the path): commands wait for it."""
+        return self._connect_lock.locked()
+
     def _live_transport(self, wait: float = 0.0) -> paramiko.Transport:
         with self._cond:
             self._cond.wait_for(lambda: self._closing.is_set() or self.connected, timeout=wait)
@@ -365,10 +370,11 @@ class GuestChannel:
 
     def run(self, cmd: str | Sequence[str], *, input: bytes | None = None, timeout: float) -> RunResult:
         """Run `cmd` (a shell string, or argv that is quoted here) and collect its output; `guest_timeout` after
-        `timeout` seconds (the channel is closed; the guest process gets SIGHUP only if it reads or writes)."""
+        `timeout` seconds (the channel is closed; the guest process gets SIGHUP only if it reads or writes). While a
+        reconnect is under way it waits for it, within the same `timeout`."""
         command = cmd if isinstance(cmd, str) else shlex.join(cmd)
         deadline = time.monotonic() + timeout
-        transport = self._live_transport()
+        transport = self._live_transport(wait=timeout if self.reconnecting else 0.0)
         try:
             chan = transport.open_session(timeout=timeout)
         except (paramiko.SSHException, EOFError, OSError) as exc:

@@ -9,6 +9,7 @@ and generous, nothing sleeps for a result, and timings are printed (run with `-n
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import pytest
 from computer_lab import ComputerLab, qemu_pid, tool_computer
 from shop_lab import HOST, ShopEgress, shop_egress
 
+from tests.support.polling import wait_until
 from wakeful.proxy.contract import Refuse
 from wakeful.vm.accel import choose_accel
 from wakeful.vm.lifecycle_rules import VmState
@@ -239,3 +241,49 @@ def test_an_https_page_is_intercepted_with_the_ca_the_image_trusts_and_only_it_g
     print(f"the guest's Chromium's own requests: {own or 'none'}")
     assert all(isinstance(verdict, Refuse) for req, verdict in shop.decided if req.host != HOST), own
     assert not [r for r in shop.asked if r.host.startswith(("optimizationguide", "content-autofill"))], own
+
+
+# Resumes the stopped sshd listener (its PID in argv) once a connection reaches guest port 7777 on the loopback.
+RESUME_SSHD = """\
+import os, signal, socket, sys
+server = socket.create_server(("127.0.0.1", 7777))
+conn, _ = server.accept()
+os.kill(int(sys.argv[1]), signal.SIGCONT)
+conn.sendall(b"resumed\\n")
+"""
+
+
+def test_a_restore_with_the_keeper_at_its_side_door_observes_and_sets_the_clock_with_no_ssh_at_all(
+        lab: ComputerLab) -> None:
+    """Under user-mode networking the SSH connection dies at every save. Here the guest's sshd cannot take a new one
+    (its listener is stopped; an established session is a process of its own and goes on): the first observation and
+    the clock resync after the restore still succeed, through the clock keeper's side door."""
+    ch, tc, manager = lab.channel, lab.computer, lab.manager
+    tc.observe()  # starts the keeper in the background unless it runs
+    wait_until(lambda: ch.side_door_open, 300, "the clock keeper to listen at its side door")
+    listener = int(ch.run("systemctl show -p MainPID --value ssh", timeout=60).check("sshd's PID").stdout)
+    ch.run("cat > /root/resume-sshd.py", input=RESUME_SSHD.encode(), timeout=60).check("writing the resumer")
+    ch.run(f"setsid python3 /root/resume-sshd.py {listener} </dev/null >/dev/null 2>&1 &", timeout=60)
+    wait_until(lambda: "127.0.0.1:7777" in ch.run("ss -ltnH", timeout=60).stdout.decode(), 300, "the resumer")
+    ch.run(f"kill -STOP {listener}", timeout=60).check("stopping sshd's listener")
+    try:
+        manager.suspend(USER)
+        t = time.perf_counter()
+        manager.ensure_running(USER)  # the hook: the first observation, beside it the clock
+        took = time.perf_counter() - t
+        report = lab.restores[-1]
+        assert report.timings.side_door and not ch.connected, "no SSH connection was made: sshd takes none"
+        assert report.observation is not None and report.observation.elements
+        sync = report.clock_sync
+        assert sync is not None and sync.kept and sync.applied
+        assert abs(sync.after.total_seconds()) < 1.0, f"the guest clock is {sync.after} off the host's after the resync"
+        print(f"\nrestore to first observation with no SSH: {took:.2f} s "
+              f"(CDP {report.timings.cdp_reconnect or 0:.2f} s, clock {report.timings.clock or 0:.2f} s, "
+              f"offset before {sync.before.total_seconds():+.1f} s)")
+    finally:
+        # Through the side door too: a connection to the resumer's port wakes sshd's listener again.
+        with socket.create_connection(("127.0.0.1", ch.forward("127.0.0.1", 7777)), timeout=120) as conn:
+            conn.settimeout(120)
+            assert conn.recv(64) == b"resumed\n"
+    assert tc.wait_for_ssh() is not None and ch.connected
+    assert ch.run("echo back", timeout=60).stdout == b"back\n"

@@ -1,9 +1,9 @@
 """A tiny guest for the VM system tests: Debian's real kernel and a busybox initramfs, built once into `.cache/`.
 
 /init loads the virtio and ext4 modules, mounts the WKSEED seed disk read-only, brings up user-mode networking,
-serves HTTP on guest ports 22 and 9222 (so host forwards can be proven without sshd), asks the egress proxy at
-10.0.2.100:3128 and the host gateway 10.0.2.2 (which restrict=on must block), then starts a counter process that
-prints `WK-COUNTER n=<n> pid=<pid> boot=<boot_id>` to the serial console every second (and serves its latest line
+serves HTTP on guest ports 22, 9222, 5900 and 9444 (so host forwards can be proven without sshd), asks the egress
+proxy at 10.0.2.100:3128 and the host gateway 10.0.2.2 (which restrict=on must block), then starts a counter process
+that prints `WK-COUNTER n=<n> pid=<pid> boot=<boot_id>` to the serial console every second (and serves its latest line
 at `/counter`) and writes `WK<n>` to the first bytes of the overlay disk. `/cgi-bin/proxy?<path>` asks the egress
 proxy for `/<path>` when called (for `<path>` itself when it is an `http:` URL), and answers with the proxy's
 response. When the seed disk names a proxy other than 10.0.2.100 (an isolated network) the guest takes its address
@@ -83,7 +83,7 @@ printf 'Content-Type: text/plain\r\n\r\n'
 udhcpc -i eth0 -n -q -t 5 -T 1 -s /bin/wk-lease 2>/dev/null
 CGI
 chmod 755 /www/cgi-bin/lease
-httpd -p 22 -h /www; httpd -p 9222 -h /www; httpd -p 5900 -h /www
+httpd -p 22 -h /www; httpd -p 9222 -h /www; httpd -p 5900 -h /www; httpd -p 9444 -h /www
 egress=$(sed -n 's/.*wkegress=\([0-9]*\).*/\1/p' /proc/cmdline)
 get() { printf 'GET /%s HTTP/1.0\r\n\r\n' "$3" | nc -w 5 "$1" "$2" 2>&1 | tr -s '\r\n' '  '; }
 [ -f /bin/wk-dhcp ] || (
