@@ -11,40 +11,17 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.hits import Hits
 from tests.support.polling import wait_until
 from tests.support.sshd import Sshd, keygen
 from tests.support.threaded import serving_on_thread
 from wakeful.vm.guest import ClockSync, GuestError
 from wakeful.vm.ssh_channel import GuestChannel, clock_keeper
-
-
-class _Hits(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.paths: list[str] = []
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Hits
-
-    def do_GET(self) -> None:
-        self.server.paths.append(self.path)
-        body = f"seen {self.path}".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 class _Relay:
@@ -104,8 +81,8 @@ def sshd(tmp_path: Path) -> Iterator[Sshd]:
 
 
 @pytest.fixture
-def http_server() -> Iterator[_Hits]:
-    with serving_on_thread(_Hits()) as server:
+def http_server() -> Iterator[Hits]:
+    with serving_on_thread(Hits()) as server:
         yield server
 
 
@@ -182,7 +159,7 @@ def test_output_beyond_the_bound_is_refused(sshd: Sshd) -> None:
     assert big.value.code == "output_too_large"
 
 
-def test_a_forward_round_trips_to_a_loopback_server(channel: GuestChannel, http_server: _Hits) -> None:
+def test_a_forward_round_trips_to_a_loopback_server(channel: GuestChannel, http_server: Hits) -> None:
     port = channel.forward("127.0.0.1", http_server.server_address[1])
     assert channel.forward("127.0.0.1", http_server.server_address[1]) == port
     with httpx.Client(timeout=10) as client:
@@ -222,7 +199,7 @@ def test_a_guest_that_resets_ssh_while_it_boots_leaves_no_errors_in_the_log(
     assert said and all(r.levelno < logging.WARNING for r in said), [(r.levelname, r.getMessage()) for r in said]
 
 
-def test_close_stops_listeners_and_leaves_no_threads(sshd: Sshd, http_server: _Hits) -> None:
+def test_close_stops_listeners_and_leaves_no_threads(sshd: Sshd, http_server: Hits) -> None:
     chan = _channel(sshd)
     chan.connect()
     port = chan.forward("127.0.0.1", http_server.server_address[1])
@@ -238,7 +215,7 @@ def test_close_stops_listeners_and_leaves_no_threads(sshd: Sshd, http_server: _H
 
 
 def test_reconnect_after_the_guest_sshd_restarts_keeps_the_forward_port(
-        sshd: Sshd, channel: GuestChannel, http_server: _Hits) -> None:
+        sshd: Sshd, channel: GuestChannel, http_server: Hits) -> None:
     port = channel.forward("127.0.0.1", http_server.server_address[1])
     sshd.restart()  # a restored VM: new process, the old transport is dead
     wait_until(lambda: not channel.connected, 15, "the client to notice its transport died")
@@ -254,7 +231,7 @@ def test_reconnect_after_the_guest_sshd_restarts_keeps_the_forward_port(
 
 
 def test_a_connection_made_while_ssh_is_down_waits_for_the_reconnect(
-        sshd: Sshd, channel: GuestChannel, http_server: _Hits) -> None:
+        sshd: Sshd, channel: GuestChannel, http_server: Hits) -> None:
     port = channel.forward("127.0.0.1", http_server.server_address[1])
     sshd.stop()
     wait_until(lambda: not channel.connected, 15, "the client to notice its transport died")
@@ -441,7 +418,7 @@ def test_the_clock_keeper_never_sets_the_clock_of_the_machine_it_runs_on(channel
     assert channel.keeping
 
 
-def test_a_transport_that_outlives_a_silence_is_alive_again_with_its_forwards(sshd: Sshd, http_server: _Hits) -> None:
+def test_a_transport_that_outlives_a_silence_is_alive_again_with_its_forwards(sshd: Sshd, http_server: Hits) -> None:
     # A VM on an isolated network, saved and restored: the TCP connection was never closed, only silent.
     with _Relay(sshd.port) as relay, _channel(sshd, port=relay.port) as chan:
         chan.connect()

@@ -9,41 +9,18 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.support.hits import Hits
 from tests.support.polling import wait_until
 from tests.support.serve import free_port
 from tests.support.sshd import Sshd
 from tests.support.threaded import serving_on_thread
 from wakeful.vm.keeper import SideDoor, clock_keeper
 from wakeful.vm.ssh_channel import GuestChannel
-
-
-class _Hits(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.paths: list[str] = []
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Hits
-
-    def do_GET(self) -> None:
-        self.server.paths.append(self.path)
-        body = f"seen {self.path}".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 @pytest.fixture
@@ -53,8 +30,8 @@ def sshd(tmp_path: Path) -> Iterator[Sshd]:
 
 
 @pytest.fixture
-def http_server() -> Iterator[_Hits]:
-    with serving_on_thread(_Hits()) as server:
+def http_server() -> Iterator[Hits]:
+    with serving_on_thread(Hits()) as server:
         yield server
 
 
@@ -92,7 +69,7 @@ def _talk(door: SideDoor, data: bytes) -> bytes:
 
 
 def test_connect_through_the_side_door_splices_a_port_on_the_guests_loopback(
-        sshd: Sshd, tmp_path: Path, http_server: _Hits) -> None:
+        sshd: Sshd, tmp_path: Path, http_server: Hits) -> None:
     door = _door()
     with _channel(sshd, tmp_path, door) as chan:
         _opened(chan)
@@ -108,7 +85,7 @@ def test_connect_through_the_side_door_splices_a_port_on_the_guests_loopback(
 
 
 def test_the_side_door_hangs_up_on_anything_but_its_token_and_relays_nothing_to_a_bad_target(
-        sshd: Sshd, tmp_path: Path, http_server: _Hits) -> None:
+        sshd: Sshd, tmp_path: Path, http_server: Hits) -> None:
     door = _door()
     port = http_server.server_address[1]
     with _channel(sshd, tmp_path, door) as chan:
@@ -129,7 +106,7 @@ def test_the_side_door_hangs_up_on_anything_but_its_token_and_relays_nothing_to_
 
 
 def test_with_ssh_gone_the_clock_and_a_forwards_new_connections_go_through_the_side_door_without_a_login(
-        sshd: Sshd, tmp_path: Path, http_server: _Hits) -> None:
+        sshd: Sshd, tmp_path: Path, http_server: Hits) -> None:
     # A restore under user-mode networking: the SSH connection died with the old QEMU process, and sshd would take
     # seconds of the guest's vCPU for a new one. The clock (whose shell setter fails here) and DevTools must not wait.
     door = _door()
@@ -153,7 +130,7 @@ def test_with_ssh_gone_the_clock_and_a_forwards_new_connections_go_through_the_s
     assert len((tmp_path / "clock").read_text().split()) == 2
 
 
-def test_a_side_door_answering_for_another_boot_is_not_used(sshd: Sshd, tmp_path: Path, http_server: _Hits) -> None:
+def test_a_side_door_answering_for_another_boot_is_not_used(sshd: Sshd, tmp_path: Path, http_server: Hits) -> None:
     # The host remembers the keeper's boot; a guest that booted since has no keeper of ours behind the door.
     door = _door()
     shell_clock = tmp_path / "shell-clock"
