@@ -446,9 +446,13 @@ class GuestChannel:
     @property
     def side_door_open(self) -> bool:
         """The clock keeper said it listens at the side door (and was not found gone since): a resync and the
-        forwarded connections to the guest's loopback need no SSH transport. Reads its `ready` line if it waits."""
-        with self._keeper_lock:
-            self._ready_keeper()
+        forwarded connections to the guest's loopback need no SSH transport. Reads its `ready` line if it waits
+        (unless a resync holds the keeper meanwhile: never waits for one)."""
+        if self._keeper_lock.acquire(blocking=False):
+            try:
+                self._ready_keeper()
+            finally:
+                self._keeper_lock.release()
         return self._side_door is not None and self._door_boot is not None
 
     def _keeper_alive(self, keeper: _Keeper) -> bool:

@@ -437,3 +437,19 @@ def test_a_transport_whose_guest_process_is_gone_is_not_alive(sshd: Sshd, channe
     assert not channel.alive(timeout=10)
     channel.drop()
     assert not channel.alive(timeout=10), "nothing to ask once dropped"
+
+
+def test_a_command_waits_for_a_reconnect_under_way_instead_of_failing(sshd: Sshd) -> None:
+    # After a restore through the keeper's side door, SSH is made again off the path: a command meanwhile waits for
+    # it (within its own timeout) rather than failing with not_connected.
+    with _Relay(sshd.port) as relay, _channel(sshd, port=relay.port) as chan:
+        chan.connect()
+        chan.drop()
+        relay.hold()  # the new connection's banner waits in the relay
+        with ThreadPoolExecutor(2) as pool:
+            reconnect = pool.submit(chan.reconnect, timeout=60)
+            wait_until(lambda: chan.reconnecting, 10, "the reconnect to start")
+            command = pool.submit(chan.run, ["echo", "after the reconnect"], timeout=60)
+            relay.release()
+            assert command.result(timeout=60).stdout == b"after the reconnect\n"
+            reconnect.result(timeout=60)
