@@ -716,9 +716,13 @@ class GuestChannel:
     def _pump(self, pipe: _Pipe, remote: tuple[str, int], peer: tuple[str, int]) -> None:
         conn = pipe.conn
         try:
+            door = self._side_door is not None and self._door_boot is not None and not self.connected
             pipe.chan = self._through_side_door(remote, conn)
             if pipe.chan is None:
-                transport = self._live_transport(wait=self._forward_wait)
+                # Past a side door that turned out shut, wait only for a reconnect under way: with none, the client
+                # sees the close at once and has SSH made again.
+                wait = self._forward_wait if not door or self.reconnecting else 0.0
+                transport = self._live_transport(wait=wait)
                 pipe.chan = transport.open_channel("direct-tcpip", remote, peer, timeout=self._forward_wait)
             pump(conn, pipe.chan)
         except (GuestError, paramiko.SSHException, EOFError, OSError, ValueError):

@@ -248,6 +248,9 @@ class ToolComputer:
         self._background = ThreadPoolExecutor(1, thread_name_prefix=f"clock-{vm_id}")
         self._reconnect_job: Future[float] | None = None
         """SSH made again off the path after a restore through the side door: what needs SSH waits for it."""
+        self._ssh_deferred = False
+        """A restore through the side door left SSH to be made again after the first observation."""
+        self._ssh_lock = threading.Lock()
         self._reconnector = ThreadPoolExecutor(1, thread_name_prefix=f"ssh-{vm_id}")
 
     @property
@@ -302,8 +305,20 @@ class ToolComputer:
         if self._browser is not None and not self._browser.connected:
             self._browser.connect(self._cdp_url())
 
+    def _reconnect_aside(self) -> Future[float] | None:
+        """Start the SSH reconnect a restore through the side door deferred, unless it runs; the one running, if any.
+        Deferred until the first observation is taken: sshd's fork, re-exec, key exchange and authentication take the
+        guest's one vCPU for seconds under TCG, which the observation would otherwise share."""
+        with self._ssh_lock:
+            if self._ssh_deferred:
+                self._ssh_deferred = False
+                if self._reconnect_job is None or self._reconnect_job.done():
+                    self._reconnect_job = self._reconnector.submit(self._timed_reconnect)
+            return self._reconnect_job
+
     def _await_reconnect(self) -> None:
         """Wait for the SSH reconnect running off the path, if any; a failed one is made again by whoever needs it."""
+        self._reconnect_aside()
         job, self._reconnect_job = self._reconnect_job, None
         if job is not None:
             with contextlib.suppress(VmError):
@@ -313,6 +328,7 @@ class ToolComputer:
         """Wait for the SSH reconnect that a restore through the side door left running beside it, and say how long
         it took (seconds from its start); raises what it raised. None if none was left running."""
         with self._lock:
+            self._reconnect_aside()
             job, self._reconnect_job = self._reconnect_job, None
             return job.result() if job is not None else None
 
@@ -335,6 +351,7 @@ class ToolComputer:
             self._ensure_connected(ssh=surface is not Surface.BROWSER)
             self._start_clock_sync()
             seen = self._observe(surface)
+            self._reconnect_aside()
             self._finish_clock_sync()
             self._background.submit(self._keep_clock)
             return seen
@@ -365,7 +382,7 @@ class ToolComputer:
         try:
             sync = self._channel.resync_clock()
         except NotConnected:
-            job = self._reconnect_job
+            job = self._reconnect_aside()
             if job is None:
                 raise
             job.result()
@@ -571,12 +588,13 @@ class ToolComputer:
     def _restore_through_side_door(self, start: float, observe: bool, surface: Surface) -> RestoreReport:
         """`after_restore` under user-mode networking with the keeper's side door open: the SSH transport died with
         the old QEMU process, and a new one costs the guest's sshd seconds of its one vCPU under TCG. It is made again
-        in the background; the clock resync (a line each way to the keeper) and the CDP attach go through the side
-        door at once, then the first observation. A side door that turns out shut leaves both to SSH: the forward
-        waits for it, the resync too."""
+        in the background once the first observation is taken (by this call or the next `observe`); the clock resync
+        (a line each way to the keeper) and the CDP attach go through the side door at once, then the first
+        observation. Whatever needs SSH before that starts the reconnect and waits for it. A side door that turns out
+        shut leaves both to SSH: the forward waits for it, the resync too."""
         self._channel.drop()
-        if self._reconnect_job is None or self._reconnect_job.done():
-            self._reconnect_job = self._reconnector.submit(self._timed_reconnect)
+        with self._ssh_lock:
+            self._ssh_deferred = True
         self._clock_seconds = None
         self._start_clock_sync()
         cdp_seconds: float | None = None
@@ -584,7 +602,7 @@ class ToolComputer:
             t = self._timer()
             try:
                 self._browser.connect(self._cdp_url())
-            except BrowserError:  # the forward gave up waiting for SSH (the side door was shut after all)
+            except BrowserError:  # the side door was shut after all: the forward gave up waiting for SSH
                 self._ensure_connected()
             cdp_seconds = self._timer() - t
         first: ObserveResult | None = None
@@ -595,6 +613,7 @@ class ToolComputer:
             t = self._timer()
             first = self._observe(surface)
             first_seconds = self._timer() - t
+            self._reconnect_aside()
             self._finish_clock_sync()
             clock_seconds = self._clock_seconds
         timings = RestoreTimings(ssh_reconnect=0.0, clock=clock_seconds, cdp_reconnect=cdp_seconds,
