@@ -12,7 +12,8 @@ the layout and the tab list) and the screenshot, in alternating order: the profi
 Targets (issues 5 and 19): restore to the first observation within 4 s under TCG and ≥ 25× faster than a cold boot
 to it; no RAM held while suspended.
 Under user-mode networking (the default) the restore goes through the guest's clock keeper's side door once the
-keeper runs: CDP and the clock without SSH, which is made again beside (its time printed, not on the path).
+keeper runs: CDP and the clock without SSH, which is made again after the first observation (its time printed, not
+on the path).
 With `--network` the VM joins an isolated libvirt network started for the run (10.78.N.0/24, removed after it; needs
 dnsmasq) instead of user-mode networking: its SSH transport, and DevTools through it, outlive the restore and are kept.
 Needs root, libvirtd (scripts/libvirtd) and the built image.
@@ -282,7 +283,7 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
             f"kept {sum(x.kept for x in t)} of {len(t)}"),
         Row("  SSH reconnect on the path (0 when kept or through the side door)", _s(med([x.ssh_reconnect for x in t])),
             f"side door {sum(x.side_door for x in t)} of {len(t)}"),
-        Row("  SSH reconnect beside it, off the path (through the side door)",
+        Row("  SSH reconnect after it, off the path (through the side door)",
             _s(med(aside)) if (aside := [c.ssh_aside for c in f.cycles if c.ssh_aside is not None]) else "-", "-"),
         Row("  CDP reconnect (beside SSH or through the side door; 0 when kept)",
             _s(med([x.cdp_reconnect or 0.0 for x in t])), "-"),

@@ -11,7 +11,7 @@ listens on the guest's slirp address (`SideDoor`), which only a host forward of 
 else gets in), on a fixed port, and the host reaches it through that forward on its own 127.0.0.1 — the side door.
 Through it, with the token the keeper was started with, a connection sets the clock as through SSH, or asks
 `connect PORT` to be spliced to a port on the guest's loopback (DevTools): the first observation after a restore needs
-no SSH at all, and the new SSH connection is made beside it.
+no SSH at all, and the new SSH connection is made after it.
 """
 
 from __future__ import annotations
