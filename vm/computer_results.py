@@ -110,8 +110,8 @@ class RestoreTimings:
     """It did (an isolated network): SSH, and CDP through it, were kept rather than made again."""
     side_door: bool = False
     """Under user-mode networking with the guest's clock keeper listening at its side door: CDP and the clock went
-    through it, and SSH was made again beside, off the path (`ssh_reconnect` is 0 then, and `ToolComputer.wait_for_ssh`
-    says how long it took)."""
+    through it, and SSH is made again after the first observation, off the path (`ssh_reconnect` is 0 then, and
+    `ToolComputer.wait_for_ssh` says how long it took)."""
 
 
 @dataclass(frozen=True, kw_only=True)
