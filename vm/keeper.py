@@ -161,8 +161,14 @@ class SideDoor:
 
 
 class SideDoorClosed(Exception):
-    """The side door did not lead to our keeper (gone, another boot, a refused `connect`): the caller uses SSH. It
-    never leaves the guest channel."""
+    """The side door did not lead to our keeper this time: the caller uses SSH. It never leaves the guest channel."""
+
+    def __init__(self, message: str, *, gone: bool = False) -> None:
+        super().__init__(message)
+        self.gone = gone
+        """Our keeper is not behind it (nothing listens there in the guest, another boot, something else answers):
+        not worth trying again. False when it may only have been slow, or the VM not running, or the port it was to
+        connect to not answering."""
 
 
 class SocketLine:
@@ -222,9 +228,10 @@ def open_side_door(door: SideDoor, token: str, *, boot_id: str, connect: int | N
         request = f"token {token}\n" + (f"connect {connect}\n" if connect is not None else "")
         sock.sendall(request.encode())  # both lines at once: one round trip
         pending = bytearray()
-        ready = _read_line(sock, pending, deadline).split()
+        ready = _read_line(sock, pending, deadline, first=True).split()
         if ready[:2] != [b"ready", boot_id.encode()]:
-            raise SideDoorClosed(f"the side door answered {b' '.join(ready[:2])[:100]!r}, not our keeper of this boot")
+            raise SideDoorClosed(f"the side door answered {b' '.join(ready[:2])[:100]!r}, not our keeper of this boot",
+                                 gone=True)
         if connect is not None:
             answer = _read_line(sock, pending, deadline)
             if answer != b"ok":
@@ -238,18 +245,19 @@ def open_side_door(door: SideDoor, token: str, *, boot_id: str, connect: int | N
         raise SideDoorClosed(f"the side door closed: {exc}") from None
 
 
-def _read_line(sock: socket.socket, pending: bytearray, deadline: float) -> bytes:
-    """The next line (at most 512 bytes) from `sock`, keeping what came after it in `pending`."""
+def _read_line(sock: socket.socket, pending: bytearray, deadline: float, *, first: bool = False) -> bytes:
+    """The next line (at most 512 bytes) from `sock`, keeping what came after it in `pending`. A hang-up before the
+    `first` line means nothing of ours listens behind the door (slirp closes when the guest refuses)."""
     while b"\n" not in pending:
         if len(pending) > 512:
-            raise SideDoorClosed("the side door sent no end of line")
+            raise SideDoorClosed("the side door sent no end of line", gone=True)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise SideDoorClosed("no answer through the side door in time")
         sock.settimeout(remaining)
         data = sock.recv(4096)
         if not data:
-            raise SideDoorClosed("the side door hung up")
+            raise SideDoorClosed("the side door hung up", gone=first)
         pending += data
     line, _, rest = bytes(pending).partition(b"\n")
     pending[:] = rest

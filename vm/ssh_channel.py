@@ -505,8 +505,9 @@ class GuestChannel:
         if door is not None and (keeper.address, keeper.port) == door.listen:
             try:
                 sock, rest = open_side_door(door, self._keeper_token, boot_id=keeper.boot_id, timeout=timeout)
-            except SideDoorClosed:
-                self._drop_keeper(keeper)
+            except SideDoorClosed as exc:
+                if exc.gone:
+                    self._drop_keeper(keeper)
                 return None
             keeper.chan.close()
             keeper.chan, keeper.transport, keeper.pending = SocketLine(sock), None, bytearray(rest)
@@ -742,9 +743,10 @@ class GuestChannel:
             return None
         try:
             sock, early = open_side_door(door, self._keeper_token, boot_id=boot, connect=remote[1],
-                                         timeout=_REATTACH_TIMEOUT)
-        except SideDoorClosed:
-            self._door_boot = None  # not there after all: SSH for the next connections, until a resync finds it
+                                         timeout=self._forward_wait)
+        except SideDoorClosed as exc:
+            if exc.gone:
+                self._door_boot = None  # not there after all: SSH for the next connections, until a resync finds it
             return None
         if early:
             conn.sendall(early)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,7 @@ from tests.support.polling import wait_until
 from tests.support.serve import free_port
 from tests.support.sshd import Sshd
 from tests.support.threaded import serving_on_thread
-from wakeful.vm.keeper import SideDoor, clock_keeper
+from wakeful.vm.keeper import SideDoor, SideDoorClosed, clock_keeper, open_side_door
 from wakeful.vm.ssh_channel import GuestChannel
 
 
@@ -162,3 +163,23 @@ def test_a_new_keeper_takes_the_side_door_from_the_one_it_replaces(sshd: Sshd, t
             assert new.keeper_port == door.listen[1]
             assert new.resync_clock().kept
             wait_until(lambda: not old.keeping, 30, "the old keeper to end")
+
+
+@pytest.mark.parametrize(("answer", "gone"), [
+    (None, False),  # slow (a loaded host right after a restore): tried again next time
+    (b"", True),  # slirp hangs up when nothing listens in the guest: no keeper there
+    (b"ready 00000000-0000-0000-0000-000000000000 9444 10.0.2.15\n", True),  # another boot
+])
+def test_only_a_side_door_without_our_keeper_behind_it_counts_as_gone(answer: bytes | None, gone: bool) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server, ThreadPoolExecutor(1) as pool:
+        door = SideDoor(listen=("10.0.2.15", 9444), host=("127.0.0.1", server.getsockname()[1]))
+        opened = pool.submit(open_side_door, door, "t" * 32, boot_id="our-boot", timeout=2.0)
+        conn, _ = server.accept()
+        with conn:
+            assert conn.recv(4096).startswith(b"token ")  # it spoke first, then waits for the answer
+            if answer is not None:
+                conn.sendall(answer)
+                conn.shutdown(socket.SHUT_WR)
+            with pytest.raises(SideDoorClosed) as closed:
+                opened.result(timeout=30)
+        assert closed.value.gone is gone
