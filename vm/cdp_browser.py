@@ -130,7 +130,8 @@ class _PageSession:
     cdp: CDPSession
     target_id: str
     navigations: int = 0
-    """Main-frame navigation requests seen so far."""
+    """Main-frame navigations seen so far: asked for by the page (`Page.frameRequestedNavigation`, which the renderer
+    sends before it answers anything asked after the act) or requested from the network."""
     checked: int = 0
     """`navigations` when `cdp` was last known to reach the tab's document."""
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
@@ -232,6 +233,7 @@ class CdpBrowser:
             page.on("request", lambda request: self._on_request(session, request))
             page.on("domcontentloaded", lambda _page: session.loaded.set())
             page.on("close", self._forget)
+            await self._watch_requests(session)
             self._sessions[page] = session
         elif session.checked != session.navigations:
             session.checked = session.navigations
@@ -252,6 +254,19 @@ class CdpBrowser:
         if self._current == session.target_id:
             self._current = info["targetInfo"]["targetId"]
         session.target_id = info["targetInfo"]["targetId"]
+        await self._watch_requests(session)
+
+    @staticmethod
+    async def _watch_requests(session: _PageSession) -> None:
+        """Count the main frame's navigations as the page asks for them. The network request comes later, from the
+        browser process, and on a loaded host after the act's round trip through the renderer: a form's submission
+        (a task Chromium posts) was then taken for no navigation at all."""
+        def requested(event: dict[str, Any]) -> None:
+            if event.get("frameId") == session.target_id and event.get("disposition") == "currentTab":
+                session.navigations += 1
+                session.loaded.clear()
+        session.cdp.on("Page.frameRequestedNavigation", requested)
+        await session.cdp.send("Page.enable")
 
     def _forget(self, page: Page) -> None:
         self._sessions.pop(page, None)

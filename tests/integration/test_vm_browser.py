@@ -38,6 +38,14 @@ FORM = """<!doctype html><title>Checkout</title><h1>Checkout</h1>
   <button type="submit">Place order</button>
 </form>"""
 
+# A form whose page keeps its main thread busy right after the submit (a tracker flushing): Chromium posts the
+# submission as a task, so the browser asks the network for it only after the act's round trip through the renderer.
+BUSY_FORM = """<!doctype html><title>Busy</title>
+<form method="post" action="/submit"
+      onsubmit="setTimeout(() => { const t = Date.now(); while (Date.now() - t < 200); })">
+  <input name="name" value="busy"> <button type="submit">Place order</button>
+</form>"""
+
 OVERLAY = """<!doctype html><title>Overlay</title><h1>Promo</h1>
 <button onclick="location='/clicked'">Buy now</button>
 <div style="position:fixed;inset:0;background:rgba(0,0,0,.5)">Accept cookies first</div>"""
@@ -78,6 +86,8 @@ class _SiteHandler(BaseHTTPRequestHandler):
         site = self.server
         if self.path == "/form":
             self._page(FORM)
+        elif self.path == "/busy":
+            self._page(BUSY_FORM)
         elif self.path == "/overlay":
             self._page(OVERLAY)
         elif self.path == "/clicked":
@@ -244,6 +254,23 @@ def test_fill_select_and_click_by_ref_place_exactly_one_order(tc: ToolComputer, 
     again = tc.act(Click(ref=submit))
     assert isinstance(again, Refused) and again.code == "stale_observation"
     assert site.orders == [{"name": "Ada Lovelace", "city": "par"}]
+
+
+def test_a_submission_chromium_starts_after_the_acts_round_trip_is_still_a_navigation(
+        chromium: HostChromium, site: Site) -> None:
+    browser = CdpBrowser()
+    browser.connect(f"http://127.0.0.1:{chromium.port}")
+    try:
+        for n in range(1, 6):
+            assert browser.navigate(f"{site.url}/busy").navigated
+            page = browser.capture()
+            button = next(e for e in page.elements if e.role == "button")
+            clicked = browser.click(button.node)
+            assert clicked.navigated, f"submission {n}"
+            assert browser.capture().title == "Thanks"
+            assert len(site.orders) == n
+    finally:
+        browser.close()
 
 
 def test_after_a_navigation_that_failed_the_error_page_is_captured_and_the_next_one_works(
