@@ -135,6 +135,8 @@ class _PageSession:
     checked: int = 0
     """`navigations` when `cdp` was last known to reach the tab's document."""
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
+    watched: CDPSession | None = None
+    """The CDP session `Page.frameRequestedNavigation` is counted from (None until the first act)."""
 
 
 class CdpBrowser:
@@ -233,7 +235,6 @@ class CdpBrowser:
             page.on("request", lambda request: self._on_request(session, request))
             page.on("domcontentloaded", lambda _page: session.loaded.set())
             page.on("close", self._forget)
-            await self._watch_requests(session)
             self._sessions[page] = session
         elif session.checked != session.navigations:
             session.checked = session.navigations
@@ -254,19 +255,22 @@ class CdpBrowser:
         if self._current == session.target_id:
             self._current = info["targetInfo"]["targetId"]
         session.target_id = info["targetInfo"]["targetId"]
-        await self._watch_requests(session)
 
     @staticmethod
     async def _watch_requests(session: _PageSession) -> None:
-        """Count the main frame's navigations as the page asks for them. The network request comes later, from the
-        browser process, and on a loaded host after the act's round trip through the renderer: a form's submission
-        (a task Chromium posts) was then taken for no navigation at all."""
+        """Count the main frame's navigations as the page asks for them, from before the first act on this CDP
+        session (not at attach: the first observation after a restore waits for nothing it does not need). The
+        network request comes later, from the browser process, and on a loaded host after the act's round trip
+        through the renderer: a form's submission (a task Chromium posts) was then taken for no navigation."""
+        if session.watched is session.cdp:
+            return
         def requested(event: dict[str, Any]) -> None:
             if event.get("frameId") == session.target_id and event.get("disposition") == "currentTab":
                 session.navigations += 1
                 session.loaded.clear()
         session.cdp.on("Page.frameRequestedNavigation", requested)
         await session.cdp.send("Page.enable")
+        session.watched = session.cdp
 
     def _forget(self, page: Page) -> None:
         self._sessions.pop(page, None)
@@ -414,6 +418,7 @@ class CdpBrowser:
     def select_option(self, node: int, option: str) -> Effect:
         async def select() -> Effect:
             s = await self._current_session()
+            await self._watch_requests(s)
             before = s.navigations
             chosen = await _call_on(s.cdp, node, _SELECT_OPTION, option)
             if "error" in chosen:
@@ -434,6 +439,7 @@ class CdpBrowser:
         return self._call(scroll())
 
     async def _input(self, s: _PageSession, action: Coroutine[Any, Any, None]) -> Effect:
+        await self._watch_requests(s)
         before = s.navigations
         await action
         return await self._settle(s, before)
