@@ -121,7 +121,7 @@ def run(quick: bool = False) -> list[Table]:
                  f"{base.qemu_rss / MIB:,.0f} MiB")]
     notes = [f"wakeful: the default computer_tcg_cache, {default} MiB; baseline: {BASELINE_MIB} MiB (the default "
              "before it), the same image and steps, run after it on the same host",
-             "1 GiB, 1 vCPU guest from the real image under TCG; pages through the real egress proxy; a page is "
+             "1 GiB, 2 vCPU guest from the real image under TCG; pages through the real egress proxy; a page is "
              "timed from the observation before it to `domcontentloaded` (the act's navigation bound is 180 s)",
              f"{platform.node()}, {os.cpu_count()} CPUs, load average "
              + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " at the end (the host is shared)"]

@@ -144,7 +144,7 @@ def _bare_cycle(lab: ComputerLab, scratch: Path, tree_first: bool) -> Bare:
     restore = _virsh("restore", str(file))
     file.unlink()
     lab.computer.after_restore()
-    lab.computer.wait_for_clock()  # the halves alone: nothing else asks the guest's one vCPU for anything
+    lab.computer.wait_for_clock()  # the halves alone: nothing else asks the guest's vCPUs for anything
     parts: dict[str, float] = {}
     for part in ("tree", "screenshot") if tree_first else ("screenshot", "tree"):
         start = time.perf_counter()
@@ -308,7 +308,7 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
     ]
     notes = [
         f"acceleration: {f.accel}",
-        "1 GiB, 1 vCPU guest from the real image; Chromium showing a page reached through the real egress proxy",
+        "1 GiB, 2 vCPU guest from the real image; Chromium showing a page reached through the real egress proxy",
         "networking: " + ("an isolated libvirt network (SSH to the VM's address; CDP through SSH); its clean-traffic "
                           "filter is a binding made at the cold boot and kept on the VM's tap, so neither our "
                           "restore nor the bare one rebuilds it" if network

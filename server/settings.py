@@ -221,6 +221,10 @@ class Settings(BaseSettings):
     on KVM; about two minutes under TCG, where the guest's Chromium answers 125–140 s after the start)."""
     computer_accel: Literal["kvm", "tcg"] | None = None
     """Force the acceleration; by default KVM is probed (a stock kernel must boot under it) and TCG used otherwise."""
+    computer_vcpus: int = Field(default=2, ge=1, le=2)
+    """Virtual CPUs of each new tool computer (1 GiB of RAM, an 8 GiB disk). Chromium's processes and threads use the
+    second one: under TCG a restore reached its first observation in 3.1–3.5 s with 2, 4.9 s with 1, and a cold boot
+    in 57 s instead of 110 s (`bench/tool_computer.py`, median of 3). A computer keeps the count it was made with."""
     computer_tcg_cache: int = Field(default=512, ge=32)
     """MiB of host memory QEMU may hold per running tool computer for the guest code it translated, under TCG only
     (ignored on KVM). Smaller thrashes: at 64 MiB a page took the guest's Chromium 107-164 s to load, not 14-29 s."""

@@ -2,7 +2,7 @@
 
 The keeper is one Python process in the guest, started once over SSH (`vm.ssh_channel.GuestChannel.keep_clock`) and
 kept: a resync through it is one line each way, with no new session, shell or `date` to start. After a restore under
-TCG those cost the guest's one vCPU a second or more (its translated code went with the old QEMU process), right when
+TCG those cost the guest's vCPUs a second or more (its translated code went with the old QEMU process), right when
 the first observation needs it.
 
 Under user-mode networking the SSH connection dies at every save (it lives in the old QEMU process's slirp), and a new

@@ -81,7 +81,7 @@ class VmSettings:
     """The image's kernel command line; `init_on_free=1` is always added."""
     accel: Accel = Accel.TCG
     """Chosen by `vm.accel.choose_accel` at startup."""
-    size: VmSize = field(default_factory=lambda: VmSize(memory_mib=1024, vcpus=1, disk_gib=8))
+    size: VmSize = field(default_factory=lambda: VmSize(memory_mib=1024, vcpus=2, disk_gib=8))
     """The size a VM gets when `provision` is not given one."""
     limits: Limits = field(default_factory=Limits)
     """Per-user ceilings on RAM, vCPUs and overlay virtual size."""

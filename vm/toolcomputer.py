@@ -205,7 +205,7 @@ class ToolComputer:
     def _reconnect_aside(self) -> Future[float] | None:
         """Start the SSH reconnect a restore through the side door deferred, unless it runs; the one running, if any.
         Deferred until the first observation is taken: sshd's fork, re-exec, key exchange and authentication take the
-        guest's one vCPU for seconds under TCG, which the observation would otherwise share."""
+        guest's vCPUs for seconds under TCG, which the observation would otherwise share."""
         with self._ssh_lock:
             if self._ssh_deferred:
                 self._ssh_deferred = False

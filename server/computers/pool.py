@@ -375,6 +375,7 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
         from wakeful.vm.hypervisor import Accel
         from wakeful.vm.libvirt_adapter import LibvirtHypervisor
         from wakeful.vm.lifecycle import VmManager, VmSettings
+        from wakeful.vm.lifecycle_rules import VmSize
         from wakeful.vm.ssh_channel import GuestChannel
         from wakeful.vm.toolcomputer import ToolComputer
     except ImportError as exc:
@@ -395,6 +396,7 @@ def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[
             data_dir=settings.computer_shared_dir or settings.data_dir, base_image=image / "base.qcow2", kernel=kernel,
             initrd=image / "initrd.img" if (image / "initrd.img").exists() else None, accel=accel.accel,
             proxy_port=settings.proxy_port if settings.proxy else None, idle_after=settings.computer_idle_after,
+            size=VmSize(memory_mib=1024, vcpus=settings.computer_vcpus, disk_gib=8),
             tb_cache_mib=settings.computer_tcg_cache,
             **network_settings(settings, hypervisor)), hypervisor)
     except VmError as exc:

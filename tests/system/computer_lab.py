@@ -119,7 +119,7 @@ def image_settings(image_dir: Path, data_dir: Path, *, accel: AccelChoice, proxy
     manifest = json.loads((image_dir / "manifest.json").read_text())
     return VmSettings(data_dir=data_dir, base_image=image_dir / "base.qcow2", kernel=image_dir / "vmlinux",
                       initrd=image_dir / "initrd.img", cmdline=manifest["kernel"]["cmdline"], accel=accel.accel,
-                      size=VmSize(memory_mib=1024, vcpus=1, disk_gib=8), port_range=port_range,
+                      size=VmSize(memory_mib=1024, vcpus=2, disk_gib=8), port_range=port_range,
                       proxy_port=proxy_port, domain_prefix=prefix, forward_vnc=False,
                       network=network.name if network else None, address_book=address_book)
 

@@ -55,6 +55,8 @@ IDLE_AFTER = 30
 """Seconds without observe, act, handoff or live view before the sweeper suspends the VM (default 10 minutes)."""
 TCG_CACHE_MIB = 384
 """`computer_tcg_cache`, not its default (512), so the domain shows the setting reached it."""
+VCPUS = 1
+"""`computer_vcpus`, not its default (2), likewise."""
 TOOL_CALL_TIMEOUT = 900.0
 """The first observe cold-boots the guest and waits for Chromium: minutes under TCG."""
 VIEWPORT = {"width": 1280, "height": 848}
@@ -114,6 +116,7 @@ def served(libvirtd: None, guest_image: Path, tmp_path_factory: pytest.TempPathF
                                              "WAKEFUL_COMPUTERS": "true",
                                              "WAKEFUL_COMPUTER_IDLE_AFTER": str(IDLE_AFTER),
                                              "WAKEFUL_COMPUTER_TCG_CACHE": str(TCG_CACHE_MIB),
+                                             "WAKEFUL_COMPUTER_VCPUS": str(VCPUS),
                                              "WAKEFUL_SWEEP_INTERVAL": "5"},
                                             log_path=data_dir / "serve.log"),
                         token=token, sink=sink, data_dir=data_dir, image=guest_image)
@@ -257,6 +260,7 @@ async def test_the_first_observe_through_wakeful_serve_boots_the_users_tool_comp
     assert vm.state is VmState.RUNNING and qemu_pid(vm.name) is not None
     assert png is not None and Image.open(BytesIO(png)).size == (1280, 800)
     domain = ET.fromstring(libvirt.open(URI).lookupByName(vm.name).XMLDesc(0))
+    assert domain.findtext("vcpu") == str(VCPUS)
     cache = domain.find("features/tcg/tb-cache")
     if domain.get("type") == "qemu":  # TCG: the translation cache `computer_tcg_cache` asked for (libvirt says KiB)
         assert cache is not None and (cache.text, cache.get("unit")) == (str(TCG_CACHE_MIB * 1024), "KiB")

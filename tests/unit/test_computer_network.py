@@ -1,6 +1,7 @@
 """`computer_network` and `proxy_bridge_listen`: settings that refuse what cannot work, and the check that the guests
 will find the egress proxy where it listens (over the fake hypervisor; the libvirt side is in
-tests/unit/vm/test_vm_hypervisors.py). Also `computer_tcg_cache`'s floor."""
+tests/unit/vm/test_vm_hypervisors.py). Also `computer_tcg_cache`'s floor and
+`computer_vcpus`'s range."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def test_a_translation_cache_too_small_to_run_a_guest_is_refused(monkeypatch: py
         Settings()
     monkeypatch.setenv("WAKEFUL_COMPUTER_TCG_CACHE", "1024")
     assert Settings().computer_tcg_cache == 1024
+
+
+@pytest.mark.parametrize("value", ["0", "3", "two"])
+def test_a_vcpu_count_outside_one_or_two_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("WAKEFUL_COMPUTER_VCPUS", value)
+    with pytest.raises(ValidationError, match="computer_vcpus"):
+        Settings()
 
 
 def test_on_user_mode_networking_nothing_is_added(hv: FakeHypervisor) -> None:
