@@ -218,13 +218,15 @@ class Settings(BaseSettings):
     """A tool computer with nothing in flight for this long is suspended (memory saved to disk, RAM freed)."""
     computer_boot_timeout: Duration = timedelta(minutes=10)
     """How long the first observe of a cold-booted tool computer waits for its SSH and Chromium to answer (seconds
-    on KVM; about two minutes under TCG, where the guest's Chromium answers 125–140 s after the start)."""
+    on KVM; a minute or two under TCG, where the guest's Chromium answered 60 s after the start with 2 vCPUs, 125–140 s
+    with 1)."""
     computer_accel: Literal["kvm", "tcg"] | None = None
     """Force the acceleration; by default KVM is probed (a stock kernel must boot under it) and TCG used otherwise."""
     computer_vcpus: int = Field(default=2, ge=1, le=2)
     """Virtual CPUs of each new tool computer (1 GiB of RAM, an 8 GiB disk). Chromium's processes and threads use the
-    second one: under TCG a restore reached its first observation in 3.1–3.5 s with 2, 4.9 s with 1, and a cold boot
-    in 57 s instead of 110 s (`bench/tool_computer.py`, median of 3). A computer keeps the count it was made with."""
+    second one: under TCG a restore reached its first observation in 3.3 s with 2 instead of 4.9 s with 1, and a cold
+    boot in 61 s instead of 110 s (`bench/tool_computer.py`, medians of 3). A computer keeps the count it was made
+    with."""
     computer_tcg_cache: int = Field(default=512, ge=32)
     """MiB of host memory QEMU may hold per running tool computer for the guest code it translated, under TCG only
     (ignored on KVM). Smaller thrashes: at 64 MiB a page took the guest's Chromium 107-164 s to load, not 14-29 s."""
