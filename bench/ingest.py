@@ -17,6 +17,10 @@ ack p99 <= 10 ms at 1,000 req/s offered; runs keep pace with a sustained 200 del
 backlog left when the load stops, and how fast it drains).
 
 `wakeful serve` runs `wakeful api` beside `wakeful worker` (tool computers off).
+
+With `--tail`, only the 1,000/s load, three times on a fresh server each, with the runs' share as it is
+(`ingest_run_share`), as it was (0.05), and with the worker process stopped (SIGSTOP) for the load: how much of the
+ack tail the runs' transactions make, and how much it moves from one run to the next.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import dataclasses
 import math
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import tempfile
@@ -130,6 +135,42 @@ def generator_note(noop: LoadResult) -> str:
     tail = "so the fixed-load figures are valid" if ok else "so the fixed-load figures are MEANINGLESS"
     return (f"{head} {noop.offered:.0f}/s against /v1/noop (achieved {noop.achieved:,.0f}/s, its own dispatch "
             f"lag p99 {fmt_ms(lag)}), {tail}")
+
+
+# -- tail: where the ack p99 at 1,000/s comes from --------------------------------------------------------------------
+
+TAIL_RATE = 1000
+TAIL_RUNS = 3
+TAIL_SETUPS = (("ingest_run_share as set (0.02)", {}, False),
+               ("ingest_run_share 0.05 (before)", {"WAKEFUL_INGEST_RUN_SHARE": "0.05"}, False),
+               ("worker stopped", {}, True))
+
+
+def tail_table(quick: bool) -> Table:
+    """The fixed 1,000/s load alone, `TAIL_RUNS` times per setup in turn, each on a fresh server."""
+    d = QUICK if quick else FULL
+    rows: list[Row] = []
+    load_before = os.getloadavg()
+    for i in range(1 if quick else TAIL_RUNS):
+        for label, env, stop_worker in TAIL_SETUPS:
+            with serving(1, env={"WAKEFUL_COMPUTERS": "false", **env}, timeout=240.0) as (server,):
+                worker = int((server.db_path.parent / "run" / "worker.pid").read_text())
+                if stop_worker:
+                    os.kill(worker, signal.SIGSTOP)
+                try:
+                    noop = open_loop(_spec(server, hook=False, rate=TAIL_RATE, d=d))
+                    hook = open_loop(_spec(server, hook=True, rate=TAIL_RATE, d=d))
+                finally:
+                    if stop_worker:
+                        os.kill(worker, signal.SIGCONT)
+            rows.append(Row(f"ack p99 @ {TAIL_RATE}/s, {label}, run {i + 1}", fmt_ms(percentile(hook.latencies, 99)),
+                            fmt_ms(percentile(noop.latencies, 99)), "<= 10 ms",
+                            verdict(percentile(hook.latencies, 99) <= TARGET_P99 and hook.unfinished == 0)))
+    notes = [f"{d.fixed:.0f} s per load after {d.warmup:.1f} s warm-up; the baseline is the same server's /v1/noop",
+             f"machine load (1-minute average, {os.cpu_count()} CPUs) {load_before[0]:.2f} at the start, "
+             f"{os.getloadavg()[0]:.2f} at the end"]
+    return Table(title="ingest: the ack tail at 1,000/s, with the runs' share as set, as it was, and with no runs",
+                 rows=rows, reproduce=reproduce("ingest.py", quick, "tail"), notes=notes)
 
 
 # -- pace: do runs keep up with a sustained 200 deliveries/s? -------------------------------------------------------
@@ -366,5 +407,9 @@ def run(quick: bool = False) -> list[Table]:
 
 
 if __name__ == "__main__":
-    args = bench_args(__doc__.splitlines()[0])
-    print_and_save(run(args.quick), "ingest.txt")
+    args = bench_args(__doc__.splitlines()[0], {"tail": "only the 1,000/s load, three times per runs' share, and "
+                                                        "with the worker stopped"})
+    if args.tail:
+        print_and_save([tail_table(args.quick)], "ingest_tail.txt")
+    else:
+        print_and_save(run(args.quick), "ingest.txt")

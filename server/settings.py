@@ -318,7 +318,8 @@ class Settings(BaseSettings):
     (CPU, or the database's write lock), so that acknowledgements stay fast; the backlog drains once the burst ends.
     1: runs never give way. Each acknowledgement that meets a run's transaction waits for it: at 1,000 deliveries/s
     the ack p99 was 8.3–14.0 ms with 0.05 (six runs), 6.2–6.6 ms with 0.02, 4.8–5.5 ms with 0.01, 3.0–6.4 ms with
-    the worker stopped (three runs each; one fixed load of `bench/ingest.py` on a fresh server, quiet machine)."""
+    the worker stopped (three runs each, quiet machine; `bench/ingest.py --tail` compares the first, second and last).
+    """
     ingest_busy_rate: float = Field(default=500.0, ge=0)
     """Deliveries per second above which the inbox counts as busy and runs give way. Below it runs go at full
     speed, so a steady stream the workers can keep up with never builds a backlog. Well above a sustained stream

@@ -283,7 +283,7 @@ class GroupCommitter:
     """Seconds before the loop looks again at a database another process is writing to (a run's transaction in
     `wakeful worker`; asyncio's epoll wait rounds up to whole milliseconds). Every acknowledgement that met a run's
     transaction waited for the next look: at 2 ms the ack p99 at 1,000 deliveries/s was 8.3 ms, at 1 ms 6.9 ms (three
-    runs each of one fixed load, quiet machine)."""
+    runs each of `bench/ingest.py --tail`'s load, quiet machine, only this constant changed)."""
     HERE_RETRY = 0.05
     """Seconds before the loop looks again at a write lock a thread of this process holds (its release calls back
     first)."""
