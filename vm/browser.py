@@ -85,7 +85,8 @@ class Tab:
 @dataclass(frozen=True, kw_only=True)
 class Effect:
     navigated: bool = False
-    """The act started a main-frame navigation (and it reached DOMContentLoaded, or the wait ran out)."""
+    """The act started a main-frame navigation (and it reached DOMContentLoaded, or the wait ran out). One whose
+    answer was a file to download is none: the page stays, and `detail` names the file."""
     detail: str = ""
 
 

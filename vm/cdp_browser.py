@@ -135,6 +135,10 @@ class _PageSession:
     checked: int = 0
     """`navigations` when `cdp` was last known to reach the tab's document."""
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the main frame's document reached DOMContentLoaded, or a download it asked for began instead;
+    cleared by each navigation."""
+    download: str = ""
+    """The file the last download the main frame began would be saved as ("" if its last navigation was none)."""
     watched: CDPSession | None = None
     """The CDP session `Page.frameRequestedNavigation` is counted from (None until the first act)."""
 
@@ -267,8 +271,15 @@ class CdpBrowser:
         def requested(event: dict[str, Any]) -> None:
             if event.get("frameId") == session.target_id and event.get("disposition") == "currentTab":
                 session.navigations += 1
+                session.download = ""
                 session.loaded.clear()
+
+        def download(event: dict[str, Any]) -> None:  # the navigation's answer was a file: no document will load
+            if event.get("frameId") == session.target_id:
+                session.download = str(event.get("suggestedFilename") or event.get("url") or "a file")
+                session.loaded.set()
         session.cdp.on("Page.frameRequestedNavigation", requested)
+        session.cdp.on("Page.downloadWillBegin", download)
         await session.cdp.send("Page.enable")
         session.watched = session.cdp
 
@@ -279,6 +290,7 @@ class CdpBrowser:
     def _on_request(session: _PageSession, request: Request) -> None:
         if request.is_navigation_request() and request.frame == session.page.main_frame:
             session.navigations += 1
+            session.download = ""
             session.loaded.clear()
 
     async def _pages(self) -> list[_PageSession]:
@@ -445,13 +457,16 @@ class CdpBrowser:
         return await self._settle(s, before)
 
     async def _settle(self, s: _PageSession, before: int, *, detail: str = "") -> Effect:
-        """If the act started a main-frame navigation, wait (bounded) for the new document's DOMContentLoaded."""
+        """If the act started a main-frame navigation, wait (bounded) for the new document's DOMContentLoaded, or
+        for the download its answer began (then the page stays, and the act navigated nowhere)."""
         with contextlib.suppress(PwError):
             await s.cdp.send("Runtime.evaluate", {"expression": "0"})  # one round trip through the renderer
         if s.navigations == before:
             return Effect(detail=detail)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(s.loaded.wait(), self._nav_timeout)
+        if s.download:
+            return Effect(detail=f"{detail + '; ' if detail else ''}a download began: {s.download}")
         return Effect(navigated=True, detail=detail or s.page.url)
 
     def close(self) -> None:

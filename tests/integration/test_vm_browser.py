@@ -46,6 +46,8 @@ BUSY_FORM = """<!doctype html><title>Busy</title>
   <input name="name" value="busy"> <button type="submit">Place order</button>
 </form>"""
 
+REPORT = """<!doctype html><title>Reports</title><h1>Reports</h1><a href="/report.csv">Download the report</a>"""
+
 OVERLAY = """<!doctype html><title>Overlay</title><h1>Promo</h1>
 <button onclick="location='/clicked'">Buy now</button>
 <div style="position:fixed;inset:0;background:rgba(0,0,0,.5)">Accept cookies first</div>"""
@@ -62,6 +64,7 @@ class Site(ThreadingHTTPServer):
         self.orders: list[dict[str, str]] = []
         self.cookies_seen: list[str] = []
         self.clicked = 0
+        self.downloads = 0
         self.session = secrets.token_hex(8)
 
     @property
@@ -88,6 +91,13 @@ class _SiteHandler(BaseHTTPRequestHandler):
             self._page(FORM)
         elif self.path == "/busy":
             self._page(BUSY_FORM)
+        elif self.path == "/reports":
+            self._page(REPORT)
+        elif self.path == "/report.csv":
+            with site.lock:
+                site.downloads += 1
+            self._page("month,orders\n2026-11,3\n",
+                       headers={"Content-Disposition": 'attachment; filename="report.csv"'})
         elif self.path == "/overlay":
             self._page(OVERLAY)
         elif self.path == "/clicked":
@@ -254,6 +264,25 @@ def test_fill_select_and_click_by_ref_place_exactly_one_order(tc: ToolComputer, 
     again = tc.act(Click(ref=submit))
     assert isinstance(again, Refused) and again.code == "stale_observation"
     assert site.orders == [{"name": "Ada Lovelace", "city": "par"}]
+
+
+def test_a_link_whose_answer_is_a_download_is_no_navigation_and_the_page_stays(chromium: HostChromium,
+                                                                               site: Site) -> None:
+    browser = CdpBrowser()
+    browser.connect(f"http://127.0.0.1:{chromium.port}")
+    try:
+        browser.navigate(f"{site.url}/reports")
+        link = next(e for e in browser.capture().elements if e.role == "link")
+        clicked = browser.click(link.node)
+        # Before, the act took the download for a navigation and waited out the whole navigation bound for a
+        # document that never came, then said it navigated.
+        assert not clicked.navigated
+        assert clicked.detail == "a download began: report.csv"
+        assert site.downloads == 1
+        page = browser.capture()
+        assert (page.title, page.view.url) == ("Reports", f"{site.url}/reports")
+    finally:
+        browser.close()
 
 
 def test_a_submission_chromium_starts_after_the_acts_round_trip_is_still_a_navigation(
