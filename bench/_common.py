@@ -83,6 +83,19 @@ class Serve:
     def pid(self) -> int:
         return self.proc.pid
 
+    @contextmanager
+    def worker_stopped(self, stop: bool = True) -> Iterator[None]:
+        """The block runs with `wakeful worker` stopped (SIGSTOP; continued after, even on an error), if `stop`."""
+        if not stop:
+            yield
+            return
+        worker = int((self.data_dir / "run" / "worker.pid").read_text())
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(worker, signal.SIGCONT)
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"

@@ -30,7 +30,6 @@ import dataclasses
 import math
 import os
 import re
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -62,7 +61,7 @@ TARGET_P99 = 0.010
 BODY = '{"bench":"ingest","note":"a constant body: each delivery signs it with its own timestamp and ID"}'
 WRK = "/usr/bin/wrk"
 WRK_THREADS = 2
-SLICE_SECONDS = 2.0  # saturation: no-op and webhook alternate this long each (`saturation`)
+TURN_SECONDS = 2.0  # saturation: no-op and webhook alternate this long each (`saturation`)
 
 
 @dataclass(frozen=True)
@@ -157,15 +156,9 @@ def tail_table(quick: bool) -> Table:
     for i in range(1 if quick else TAIL_RUNS):
         for label, env, stop_worker in TAIL_SETUPS:
             with serving(1, env={"WAKEFUL_COMPUTERS": "false", **env}, timeout=240.0) as (server,):
-                worker = int((server.db_path.parent / "run" / "worker.pid").read_text())
-                if stop_worker:
-                    os.kill(worker, signal.SIGSTOP)
-                try:
+                with server.worker_stopped(stop_worker):
                     noop = open_loop(_spec(server, hook=False, rate=TAIL_RATE, d=d))
                     hook = open_loop(_spec(server, hook=True, rate=TAIL_RATE, d=d))
-                finally:
-                    if stop_worker:
-                        os.kill(worker, signal.SIGCONT)
             rows.append(Row(f"ack p99 @ {TAIL_RATE}/s, {label}, run {i + 1}", fmt_ms(percentile(hook.latencies, 99)),
                             fmt_ms(percentile(noop.latencies, 99)), "<= 10 ms",
                             verdict(percentile(hook.latencies, 99) <= TARGET_P99 and hook.unfinished == 0)))
@@ -292,16 +285,23 @@ def run_wrk(url: str, script: Path, seconds: float) -> WrkResult:
 
 @dataclass(frozen=True)
 class Saturation:
-    noop: list[WrkResult]  # one per slice, in the order run
+    noop: list[WrkResult]  # one per turn, in the order run
     hook: list[WrkResult]
-    pools: list[int]  # pre-signed deliveries per wrk thread, per hook slice
+    pools: list[int]  # pre-signed deliveries per wrk thread, per webhook turn
     recorded: tuple[int, int, int]  # events recorded, group-commit batches, events still waiting for their run
 
     @property
+    def noop_rps(self) -> float:
+        return statistics.fmean(r.rps for r in self.noop)
+
+    @property
+    def hook_rps(self) -> float:
+        return statistics.fmean(r.rps for r in self.hook)
+
+    @property
     def ratio(self) -> float:
-        """Ingest over no-op, from the mean rates of all slices (each slice lasts as long as the others)."""
-        noop = statistics.fmean(r.rps for r in self.noop)
-        return statistics.fmean(r.rps for r in self.hook) / noop if noop else math.nan
+        """Ingest over no-op, from the mean rates of all turns (each turn lasts as long as the others)."""
+        return self.hook_rps / self.noop_rps if self.noop_rps else math.nan
 
     @property
     def ran_out(self) -> bool:
@@ -309,32 +309,28 @@ class Saturation:
 
 
 def saturation(server: Serve, d: Durations) -> Saturation:
-    """wrk against /v1/noop and the webhook in turn, `SLICE_SECONDS` each, for `d.saturation` seconds of each, on a
+    """wrk against /v1/noop and the webhook in turn, `TURN_SECONDS` each, for `d.saturation` seconds of each, on a
     fresh server that is stopped afterwards.
 
     The two alternate because this machine's speed does not hold still: the same no-op load gives 5,500-9,700/s
     from one few seconds to the next (the api using one core throughout), so one long run of each compared whatever
-    the machine did then. The worker process is stopped (SIGSTOP) during the no-op slices: the backlog the webhook
-    slices leave would otherwise run then, unthrottled (the inbox is idle), and slow the baseline."""
-    worker = int((server.db_path.parent / "run" / "worker.pid").read_text())
-    slices = max(1, round(d.saturation / SLICE_SECONDS))
+    the machine did then. The worker process is stopped (SIGSTOP) during the no-op turns: the backlog the webhook
+    turns leave would otherwise run then, unthrottled (the inbox is idle), and slow the baseline."""
+    turns = max(1, round(d.saturation / TURN_SECONDS))
     noops: list[WrkResult] = []
     hooks: list[WrkResult] = []
     pools: list[int] = []
     with tempfile.TemporaryDirectory(prefix="wakeful-bench-wrk-") as tmp:
         noop_lua = Path(tmp) / "noop.lua"
         noop_lua.write_text(_NOOP_LUA)
-        for i in range(slices):
-            os.kill(worker, signal.SIGSTOP)
-            try:
-                noops.append(run_wrk(f"{server.url}/v1/noop", noop_lua, SLICE_SECONDS))
-                pools.append(pool_size(max(noops, key=lambda r: r.rps), SLICE_SECONDS))
+        for i in range(turns):
+            with server.worker_stopped():
+                noops.append(run_wrk(f"{server.url}/v1/noop", noop_lua, TURN_SECONDS))
+                pools.append(pool_size(max(noops, key=lambda r: r.rps), TURN_SECONDS))
                 pool, hook_lua = Path(tmp) / f"signed-{i}", Path(tmp) / f"hook-{i}.lua"
                 write_pool(pool, pools[-1])
                 hook_lua.write_text(_HOOK_LUA.format(body=BODY, pool=pool))
-            finally:
-                os.kill(worker, signal.SIGCONT)
-            hooks.append(run_wrk(f"{server.url}/v1/hooks/hook", hook_lua, SLICE_SECONDS))
+            hooks.append(run_wrk(f"{server.url}/v1/hooks/hook", hook_lua, TURN_SECONDS))
     server.stop()
     with server.db() as conn:  # one batch shares one `received_at`: the committer reads the clock once
         events, batches, waiting = conn.execute(
@@ -347,9 +343,6 @@ def _saturation_rows(sat: Saturation) -> list[Row]:
     clean = not any(r.non_2xx or r.socket_errors for r in sat.hook)
     n = len(sat.hook)
 
-    def mean_rate(results: list[WrkResult]) -> str:
-        return fmt_rate(statistics.fmean(r.rps for r in results))
-
     def p50(results: list[WrkResult]) -> str:
         return fmt_ms(statistics.median(r.p50 for r in results))
 
@@ -357,8 +350,8 @@ def _saturation_rows(sat: Saturation) -> list[Row]:
         return fmt_ms(max(r.p99 for r in results))
 
     return [
-        Row(f"throughput at saturation (wrk -t2 -c32, mean of {n} turn{'s' * (n != 1)})", mean_rate(sat.hook),
-            mean_rate(sat.noop)),
+        Row(f"throughput at saturation (wrk -t2 -c32, mean of {n} turn{'s' * (n != 1)})", fmt_rate(sat.hook_rps),
+            fmt_rate(sat.noop_rps)),
         Row("ingest / no-op throughput", fmt_ratio(sat.ratio), fmt_ratio(1.0), f">= {TARGET_RATIO:.2f}x",
             verdict(sat.ratio >= TARGET_RATIO and clean)),
         Row("latency p50 at saturation (closed loop, median turn)", p50(sat.hook), p50(sat.noop)),
@@ -370,20 +363,20 @@ def _saturation_notes(sat: Saturation) -> list[str]:
     events, batches, waiting = sat.recorded
     accepted = sum(r.requests - r.non_2xx for r in sat.hook)
     pairs = ", ".join(f"{h.rps:,.0f}/{n.rps:,.0f}" for n, h in zip(sat.noop, sat.hook, strict=True))
-    notes = [f"saturation: {SLICE_SECONDS:.0f} s of wrk against the no-op (worker process stopped), then "
-             f"{SLICE_SECONDS:.0f} s against the webhook, {len(sat.hook)} turn(s); webhook/no-op per turn: {pairs}"]
+    notes = [f"saturation: {TURN_SECONDS:.0f} s of wrk against the no-op (worker process stopped), then "
+             f"{TURN_SECONDS:.0f} s against the webhook, {len(sat.hook)} turn(s); webhook/no-op per turn: {pairs}"]
     if sat.ran_out:
-        notes.append("saturation: WARNING a slice's pre-signed deliveries ran out, so some requests were repeats "
+        notes.append("saturation: WARNING a turn's pre-signed deliveries ran out, so some requests were repeats "
                      "answered as duplicates (a cheaper path than a new delivery): the throughput is flattered")
     notes += [f"saturation: {accepted:,} webhooks acknowledged, {events:,} distinct events in the database "
-              f"(in-flight requests at each wrk's stop can make these differ by up to 32 a slice), "
+              f"(in-flight requests at each wrk's stop can make these differ by up to 32 a turn), "
               f"{events / batches if batches else math.nan:.1f} deliveries per group commit on average",
               f"saturation: {waiting:,} of those events were still waiting for their run when the server was stopped "
               "(runs give way to acknowledgements under load, ingest_run_share; a restart resumes them)"]
     for r in sat.hook:
         if r.non_2xx or r.socket_errors:
             errors = re.search(r"Socket errors: (.*)", r.output)
-            notes.append(f"saturation: {r.non_2xx} non-2xx responses in a slice; socket errors: "
+            notes.append(f"saturation: {r.non_2xx} non-2xx responses in a turn; socket errors: "
                          f"{errors.group(1) if errors else 'none'} (wrk's timeout is 2 s)")
     return notes
 
@@ -455,7 +448,7 @@ def run(quick: bool = False) -> list[Table]:
     main = Table(title=f"ingest: signed webhook (fsync-durable) vs /v1/noop on the same server, wakeful api + "
                        f"wakeful worker ({window})",
                  rows=rows, reproduce=reproduce("ingest.py", quick), notes=notes)
-    return [main, durability_table(d, statistics.fmean(r.rps for r in sat.noop), quick)]
+    return [main, durability_table(d, sat.noop_rps, quick)]
 
 
 if __name__ == "__main__":
