@@ -142,6 +142,12 @@ class _PageSession:
     watched: CDPSession | None = None
     """The CDP session `Page.frameRequestedNavigation` is counted from (None until the first act)."""
 
+    def navigating(self) -> None:
+        """The main frame asked for a navigation, or the network for its document: no document of it loaded yet."""
+        self.navigations += 1
+        self.download = ""
+        self.loaded.clear()
+
 
 class CdpBrowser:
     def __init__(self, *, timeout: float = 30.0, navigation_timeout: float = 15.0, max_elements: int = 300,
@@ -270,9 +276,7 @@ class CdpBrowser:
             return
         def requested(event: dict[str, Any]) -> None:
             if event.get("frameId") == session.target_id and event.get("disposition") == "currentTab":
-                session.navigations += 1
-                session.download = ""
-                session.loaded.clear()
+                session.navigating()
 
         def download(event: dict[str, Any]) -> None:  # the navigation's answer was a file: no document will load
             if event.get("frameId") == session.target_id:
@@ -289,9 +293,7 @@ class CdpBrowser:
     @staticmethod
     def _on_request(session: _PageSession, request: Request) -> None:
         if request.is_navigation_request() and request.frame == session.page.main_frame:
-            session.navigations += 1
-            session.download = ""
-            session.loaded.clear()
+            session.navigating()
 
     async def _pages(self) -> list[_PageSession]:
         return [await self._session(p) for p in self._context().pages if not p.is_closed()]
