@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -19,6 +18,7 @@ from sqlalchemy import Engine, and_, select, text
 from sqlalchemy.exc import DBAPIError
 
 from tests.support.acting import CANCEL_VERIFIED, World, world
+from tests.support.polling import wait_until
 from tests.support.records import messages
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.acting.actions import Action, load_action
@@ -195,10 +195,8 @@ def test_revoking_while_a_request_is_on_the_wire_stops_every_later_step_and_clai
         drained: list[int] = []
         drainer = threading.Thread(target=lambda: drained.append(w.dispatcher.drain()), name="drain")
         drainer.start()
-        deadline = time.monotonic() + 10
-        while not w.merchant.effects and time.monotonic() < deadline:
-            time.sleep(0.005)  # a poll tick, bounded: until the merchant committed the cancellation
-        assert len(w.merchant.effects) == 1, "the cancellation never reached the merchant"
+        wait_until(lambda: w.merchant.effects, 10, "the cancellation to reach the merchant", interval=0.005)
+        assert len(w.merchant.effects) == 1
         (in_flight,) = attempt_rows(w, cancel)
         assert in_flight.outcome is None  # persisted before the send, and the answer has not come back
         w.clock.advance(timedelta(seconds=1))

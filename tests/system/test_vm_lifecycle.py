@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from vm_lab import Lab, Recorder, Serial
 
+from tests.support.polling import wait_until
 from wakeful.vm.errors import IllegalTransition
 from wakeful.vm.hypervisor import ProxyCredential
 from wakeful.vm.lifecycle import VmInfo
@@ -231,10 +232,9 @@ def test_a_reverted_snapshot_brings_the_disk_back_and_boots_from_it(lab: Lab, gu
     frozen_mark = _disk_mark(snap.frozen)
     assert frozen_mark.startswith("WK")
     serial.wait_for(rf"WK-COUNTER n={int(frozen_mark[2:]) + 3} ", timeout=30)
-    deadline = time.monotonic() + 10  # the write follows the line; poll for it (bounded)
-    while _disk_mark(snap.overlay) <= frozen_mark and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _disk_mark(snap.overlay) > frozen_mark, "the guest keeps writing into the snapshot's overlay"
+    # the write follows the line
+    wait_until(lambda: _disk_mark(snap.overlay) > frozen_mark, 10, "the guest to write into the snapshot's overlay",
+               interval=0.1)
 
     with t("revert"):
         lab.manager.revert(USER, "before-pay")
