@@ -7,6 +7,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, event, func, select
@@ -93,13 +94,17 @@ def test_every_caller_of_a_group_commit_gets_its_own_answer(tmp_path: Path, sqli
     assert shape(engine)[:3] == (40, 1, 1) and committer.received == 60  # keyless: all to the triage session
 
 
-def test_a_delivery_that_cannot_be_written_fails_alone(tmp_path: Path, sqlite_template: Path) -> None:
+@pytest.mark.parametrize("broken", ["user", "authority"])
+def test_a_delivery_that_cannot_be_written_fails_alone(tmp_path: Path, sqlite_template: Path, broken: str) -> None:
+    """An unknown user fails the batch where it is routed (its triage session), an authority the table refuses
+    only in the multi-row insert. Either way that delivery's transaction fails, and only its own."""
     engine, user = fresh(tmp_path / "inbox.db", sqlite_template)
     committer = GroupCommitter(engine, FakeClock())
     committer.start()
+    bad = {"user": {"user_id": "usr_nobody"}, "authority": {"authority": "nobody in particular"}}[broken]
     try:
-        batch = [Delivery(user_id=user if i != 3 else "usr_nobody", source="hook", source_id=f"d{i}", payload={})
-                 for i in range(8)]  # an unknown user breaks the foreign key: that delivery's transaction fails
+        batch = [Delivery(**{"user_id": user, "source": "hook", "source_id": f"d{i}", "payload": {},
+                             **(bad if i == 3 else {})}) for i in range(8)]
         answers = asyncio.run(_persist_all(committer, batch))
     finally:
         committer.stop()
