@@ -86,7 +86,7 @@ class Tab:
 class Effect:
     navigated: bool = False
     """The act started a main-frame navigation (and it reached DOMContentLoaded, or the wait ran out). One whose
-    answer was a file to download is none: the page stays, and `detail` names the file."""
+    answer was a file to download, or had no content (204, 205), is none: the page stays, and `detail` says why."""
     detail: str = ""
 
 

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import httpx
 from playwright.async_api import Browser as PwBrowser  # noqa: TID251 - the one module that uses Playwright
-from playwright.async_api import BrowserContext, CDPSession, Page, Playwright, Request, async_playwright  # noqa: TID251
+from playwright.async_api import BrowserContext, CDPSession, Page, Playwright, Request, Response, async_playwright  # noqa: TID251
 from playwright.async_api import Error as PwError  # noqa: TID251
 
 from wakeful.vm.accessibility import interesting_elements
@@ -135,18 +135,24 @@ class _PageSession:
     checked: int = 0
     """`navigations` when `cdp` was last known to reach the tab's document."""
     loaded: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when the main frame's document reached DOMContentLoaded, or a download it asked for began instead;
-    cleared by each navigation."""
-    download: str = ""
-    """The file the last download the main frame began would be saved as ("" if its last navigation was none)."""
+    """Set when the main frame's document reached DOMContentLoaded, or its navigation turned out to load none
+    (`nowhere`); cleared by each navigation."""
+    nowhere: str = ""
+    """Why the main frame's last navigation loads no document, "" while it may: the download its answer began, or an
+    answer without content (204, 205)."""
     watched: CDPSession | None = None
     """The CDP session `Page.frameRequestedNavigation` is counted from (None until the first act)."""
 
     def navigating(self) -> None:
         """The main frame asked for a navigation, or the network for its document: no document of it loaded yet."""
         self.navigations += 1
-        self.download = ""
+        self.nowhere = ""
         self.loaded.clear()
+
+    def ends_nowhere(self, why: str) -> None:
+        """The main frame's navigation loads no document, and the page stays."""
+        self.nowhere = why
+        self.loaded.set()
 
 
 class CdpBrowser:
@@ -243,6 +249,7 @@ class CdpBrowser:
             info = await cdp.send("Target.getTargetInfo")
             session = _PageSession(page=page, cdp=cdp, target_id=info["targetInfo"]["targetId"])
             page.on("request", lambda request: self._on_request(session, request))
+            page.on("response", lambda response: self._on_response(session, response))
             page.on("domcontentloaded", lambda _page: session.loaded.set())
             page.on("close", self._forget)
             self._sessions[page] = session
@@ -280,8 +287,8 @@ class CdpBrowser:
 
         def download(event: dict[str, Any]) -> None:  # the navigation's answer was a file: no document will load
             if event.get("frameId") == session.target_id:
-                session.download = str(event.get("suggestedFilename") or event.get("url") or "a file")
-                session.loaded.set()
+                name = event.get("suggestedFilename") or event.get("url") or "a file"
+                session.ends_nowhere(f"a download began: {name}")
         session.cdp.on("Page.frameRequestedNavigation", requested)
         session.cdp.on("Page.downloadWillBegin", download)
         await session.cdp.send("Page.enable")
@@ -294,6 +301,12 @@ class CdpBrowser:
     def _on_request(session: _PageSession, request: Request) -> None:
         if request.is_navigation_request() and request.frame == session.page.main_frame:
             session.navigating()
+
+    @staticmethod
+    def _on_response(session: _PageSession, response: Response) -> None:
+        if response.status in (204, 205) and response.request.is_navigation_request() \
+                and response.frame == session.page.main_frame:
+            session.ends_nowhere(f"the answer had no content ({response.status}): the page stays")
 
     async def _pages(self) -> list[_PageSession]:
         return [await self._session(p) for p in self._context().pages if not p.is_closed()]
@@ -460,15 +473,16 @@ class CdpBrowser:
 
     async def _settle(self, s: _PageSession, before: int, *, detail: str = "") -> Effect:
         """If the act started a main-frame navigation, wait (bounded) for the new document's DOMContentLoaded, or
-        for the download its answer began (then the page stays, and the act navigated nowhere)."""
+        for the answer that loads none (a download, no content: then the page stays, and the act navigated
+        nowhere)."""
         with contextlib.suppress(PwError):
             await s.cdp.send("Runtime.evaluate", {"expression": "0"})  # one round trip through the renderer
         if s.navigations == before:
             return Effect(detail=detail)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(s.loaded.wait(), self._nav_timeout)
-        if s.download:
-            return Effect(detail=f"{detail + '; ' if detail else ''}a download began: {s.download}")
+        if s.nowhere:
+            return Effect(detail=f"{detail + '; ' if detail else ''}{s.nowhere}")
         return Effect(navigated=True, detail=detail or s.page.url)
 
     def close(self) -> None:

@@ -48,6 +48,8 @@ BUSY_FORM = """<!doctype html><title>Busy</title>
 
 REPORT = """<!doctype html><title>Reports</title><h1>Reports</h1><a href="/report.csv">Download the report</a>"""
 
+POST = """<!doctype html><title>Post</title><h1>A post</h1><a href="/like">Like this post</a>"""
+
 OVERLAY = """<!doctype html><title>Overlay</title><h1>Promo</h1>
 <button onclick="location='/clicked'">Buy now</button>
 <div style="position:fixed;inset:0;background:rgba(0,0,0,.5)">Accept cookies first</div>"""
@@ -65,6 +67,7 @@ class Site(ThreadingHTTPServer):
         self.cookies_seen: list[str] = []
         self.clicked = 0
         self.downloads = 0
+        self.likes = 0
         self.session = secrets.token_hex(8)
 
     @property
@@ -98,6 +101,13 @@ class _SiteHandler(BaseHTTPRequestHandler):
                 site.downloads += 1
             self._page("month,orders\n2026-11,3\n",
                        headers={"Content-Disposition": 'attachment; filename="report.csv"'})
+        elif self.path == "/post":
+            self._page(POST)
+        elif self.path == "/like":  # recorded, and nothing to show: the browser stays on the page
+            with site.lock:
+                site.likes += 1
+            self.send_response(204)
+            self.end_headers()
         elif self.path == "/overlay":
             self._page(OVERLAY)
         elif self.path == "/clicked":
@@ -281,6 +291,25 @@ def test_a_link_whose_answer_is_a_download_is_no_navigation_and_the_page_stays(c
         assert site.downloads == 1
         page = browser.capture()
         assert (page.title, page.view.url) == ("Reports", f"{site.url}/reports")
+    finally:
+        browser.close()
+
+
+def test_a_link_whose_answer_has_no_content_is_no_navigation_and_the_page_stays(chromium: HostChromium,
+                                                                                 site: Site) -> None:
+    browser = CdpBrowser()
+    browser.connect(f"http://127.0.0.1:{chromium.port}")
+    try:
+        browser.navigate(f"{site.url}/post")
+        link = next(e for e in browser.capture().elements if e.role == "link")
+        clicked = browser.click(link.node)
+        # Before, the act waited out the whole navigation bound for a document a 204 never brings, then said it
+        # navigated.
+        assert not clicked.navigated
+        assert clicked.detail == "the answer had no content (204): the page stays"
+        assert site.likes == 1
+        page = browser.capture()
+        assert (page.title, page.view.url) == ("Post", f"{site.url}/post")
     finally:
         browser.close()
 
