@@ -101,16 +101,24 @@ class FakeHypervisor:
                 raise IllegalTransition(f"{name} has a saved state: restore it, or discard the state", vm=name)
             if dom.state is not DomainState.SHUT_OFF:
                 raise IllegalTransition(f"{name} is already running", vm=name)
+            self._attachable(dom.spec)
             dom.state, dom.boots = DomainState.RUNNING, dom.boots + 1
             bridge = dom.spec.bridge
             if bridge is not None and self.reservations.get(bridge.network, {}).get(bridge.mac) == bridge.address:
                 self.leases.setdefault(bridge.network, {})[bridge.address] = bridge.mac  # its DHCP client at boot
+
+    def _attachable(self, spec: DomainSpec) -> None:
+        """As libvirt: a domain on a network this host lacks does not start."""
+        if spec.bridge is not None and spec.bridge.network not in self.networks:
+            raise NetworkUnusable(f"cannot start {spec.name}: there is no libvirt network named {spec.bridge.network}",
+                                  vm=spec.name)
 
     def restore(self, name: str) -> None:
         with self._lock:
             dom = self._get("restore", name)
             if not dom.saved:
                 raise IllegalTransition(f"{name} has no saved state to restore", vm=name)
+            self._attachable(dom.spec)
             dom.state, dom.saved = DomainState.RUNNING, False
 
     def suspend_to_disk(self, name: str) -> None:
@@ -140,6 +148,7 @@ class FakeHypervisor:
             dom = self.domains.get(spec.name)
             if dom is not None and dom.state is not DomainState.SHUT_OFF:
                 raise IllegalTransition(f"{spec.name} is running here: it cannot be restored here too", vm=spec.name)
+            self._attachable(spec)
             if dom is None:
                 dom = self.domains[spec.name] = _Domain(spec=spec, layers=[spec.disk])
             dom.spec, dom.state, dom.saved = spec, DomainState.RUNNING, False

@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -237,8 +237,9 @@ class HostFleet:
             hv.reserve_address(place, host_name=name)
 
     @contextmanager
-    def _arrival(self, name: str, *, exclude: frozenset[str] = frozenset()) -> Iterator[str]:
-        """Choose a host for the domain to start or restore on, and count it arriving there for the block."""
+    def _arrival(self, name: str, *, failed: Mapping[str, str]) -> Iterator[str]:
+        """Choose a host for the domain to start or restore on, and count it arriving there for the block. `failed`:
+        why this very arrival failed on hosts it tried (they are not chosen again)."""
         with self._cond:
             placement = self._placements.get(name)
         if placement is None:
@@ -246,9 +247,8 @@ class HostFleet:
         deadline = self._monotonic() + self._busy_wait
         while True:
             measured = self.loads()
-            with self._cond:  # hosts that failed this very arrival count as unreachable
-                loads = [replace(h, arriving=self._arriving[h.name], reachable=h.reachable and h.name not in exclude)
-                         for h in measured]
+            with self._cond:
+                loads = [replace(h, arriving=self._arriving[h.name], failed=failed.get(h.name, "")) for h in measured]
                 try:
                     host = place(loads, placement.memory_mib, home=placement.host)
                 except HostsBusy:
@@ -317,39 +317,42 @@ class HostFleet:
     def start(self, name: str) -> None:
         if self.has_saved_state(name):
             raise IllegalTransition(f"{name} has a saved state: restore it, or discard the state to boot cold", vm=name)
-        previous = self.home(name)
-        with self._arrival(name) as host:
-            hv = self._hosts[host].hypervisor
-            if host != previous:
-                self._reserved_on(name, host)
+
+        def boot(hv: HostHypervisor, host: str) -> None:
             if name not in hv.names():
                 spec = self._specs.get(name)
                 if spec is None:
                     raise VmNotFound(f"{name} is not defined on {host}", vm=name)
                 hv.define(spec)
             hv.start(name)
-            self._set_home(name, host, self._memory(name))
+        self._arrive(name, boot)
 
     def restore(self, name: str) -> None:
         saved = self.saved_path(name)
         if not saved.exists():
             raise IllegalTransition(f"{name} has no saved state to restore", vm=name)
-        failed: set[str] = set()
+        self._arrive(name, lambda hv, _host: hv.restore_from(saved))
+        saved.unlink()
+
+    def _arrive(self, name: str, run: Callable[[HostHypervisor, str], None]) -> None:
+        """Start or restore the domain (`run`) on the host placement chooses, which becomes its home. A host where
+        that fails for the host's sake (it stopped answering since it was measured, or it lacks the computer's
+        network) is left for the next; once none is left, `NoHostAvailable` says what each one lacked."""
+        failed: dict[str, str] = {}
         previous = self.home(name)
         while True:
-            with self._arrival(name, exclude=frozenset(failed)) as host:
+            with self._arrival(name, failed=failed) as host:
                 try:
                     if host != previous:
                         self._reserved_on(name, host)
-                    self._hosts[host].hypervisor.restore_from(saved)
-                except HypervisorUnavailable as exc:  # gone between measuring and restoring: try the next
-                    log.warning("could not restore %s on %s: %s", name, host, exc.message)
-                    failed.add(host)
+                    run(self._hosts[host].hypervisor, host)
+                except (HypervisorUnavailable, NetworkUnusable) as exc:
+                    log.warning("could not start or restore %s on %s: %s", name, host, exc.message)
+                    failed[host] = exc.message
                     continue
                 self._set_home(name, host, self._memory(name))
-                saved.unlink()
                 if previous != host:
-                    log.info("tool computer %s resumed on %s (it was on %s)", name, host, previous)
+                    log.info("tool computer %s runs on %s (it was on %s)", name, host, previous)
                 return
 
     def _memory(self, name: str) -> int:

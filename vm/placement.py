@@ -61,6 +61,9 @@ class HostLoad:
     max_arriving: int
     mark: HostMark
     reachable: bool
+    failed: str = ""
+    """Why this computer's start or restore there failed moments ago ("" if it did not): that arrival tries the
+    other hosts."""
 
     @property
     def room_mib(self) -> int:
@@ -69,6 +72,8 @@ class HostLoad:
 
     def why_not(self, need_mib: int) -> str | None:
         """Why this host cannot take `need_mib` now (None: it can, cap aside)."""
+        if self.failed:
+            return self.failed
         if not self.reachable or self.mark is HostMark.GONE:
             return "unreachable" if not self.reachable else "marked gone"
         if self.mark is HostMark.FULL:

@@ -85,3 +85,24 @@ def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_its_anti_spoofing
         assert "hostfwd" not in ET.tostring(root, encoding="unicode"), "no host port is forwarded"
     finally:
         hv.undefine(spec.name)
+
+
+def test_a_domain_on_a_network_this_host_lacks_does_not_start_and_says_the_network_is_unusable(
+        libvirtd: None, tmp_path: Path) -> None:
+    """What lets a fleet pass over such a host for the next one (`HostFleet`): libvirt refuses before QEMU runs."""
+    for name in ("vmlinux", "initrd.img", "disk.qcow2", "seed.img"):
+        (tmp_path / name).write_bytes(b"x")
+    missing = f"wkt-gone-{uuid.uuid4().hex[:6]}"
+    spec = DomainSpec(name=f"wkt-{uuid.uuid4().hex[:8]}", accel=Accel.TCG, memory_mib=512, vcpus=1,
+                      kernel=tmp_path / "vmlinux", initrd=tmp_path / "initrd.img", cmdline="root=/dev/vda",
+                      disk=tmp_path / "disk.qcow2", seed=tmp_path / "seed.img", serial_log=tmp_path / "serial.log",
+                      forwards=Forwards(ssh=None),
+                      bridge=BridgePlace(network=missing, mac="52:54:00:12:34:57", address="10.77.0.3"))
+    hv = LibvirtHypervisor(URI)
+    hv.define(spec)
+    try:
+        with pytest.raises(NetworkUnusable, match=f"no network with matching name '{missing}'"):
+            hv.start(spec.name)
+        assert virsh("domstate", spec.name).stdout.strip() == "shut off"
+    finally:
+        hv.undefine(spec.name)

@@ -184,6 +184,34 @@ def test_a_computer_made_while_a_host_did_not_answer_gets_its_reservation_there_
     assert a.reservations["wakeful"] == {vm.bridge.mac: vm.bridge.address}
 
 
+@pytest.mark.parametrize("how", ["restores", "boots"])
+def test_a_computer_passes_over_a_host_that_lacks_its_network_and_is_told_why_when_none_is_left(
+        how: str, shared: Path, images: Path, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    c = FakeHypervisor()
+    for hv in (a, b, c):
+        hv.networks["wakeful"] = ipaddress.IPv4Interface("10.77.0.1/24")
+    fleet = HostFleet([Host(spec=HostSpec(name=n, uri=f"fake://{n}", memory_mib=mib), hypervisor=hv)
+                       for n, mib, hv in (("a", 4096, a), ("b", 8192, b), ("c", 2048, c))], shared)
+    manager = manager_on(fleet, shared, images, network="wakeful")
+    vm = manager.provision("alice", proxy_credential=CREDENTIAL)
+    manager.ensure_running("alice")
+    assert fleet.home(vm.name) == "b"  # the most free memory
+    manager.suspend("alice") if how == "restores" else manager.stop("alice")
+    del b.networks["wakeful"]  # b's network was removed (or never made again after a rebuild)
+    fleet.mark("a", HostMark.FULL)
+
+    manager.ensure_running("alice")  # b has the most room still, but not the network: c is next
+
+    assert fleet.home(vm.name) == "c" and c.state(vm.name) is DomainState.RUNNING
+    assert (c.domains[vm.name].restores, c.boots(vm.name)) == ((1, 0) if how == "restores" else (0, 1))
+    assert b.state(vm.name) is DomainState.SHUT_OFF
+    manager.suspend("alice") if how == "restores" else manager.stop("alice")
+    fleet.mark("c", HostMark.FULL)
+    with pytest.raises(NoHostAvailable, match="b: there is no libvirt network named wakeful"):
+        manager.ensure_running("alice")
+    assert b.state(vm.name) is DomainState.SHUT_OFF
+
+
 def test_a_network_that_differs_between_hosts_is_unusable_and_names_both(
         fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
     for hv in (a, b):
