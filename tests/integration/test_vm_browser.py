@@ -9,7 +9,7 @@ import re
 import secrets
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -276,40 +276,26 @@ def test_fill_select_and_click_by_ref_place_exactly_one_order(tc: ToolComputer, 
     assert site.orders == [{"name": "Ada Lovelace", "city": "par"}]
 
 
-def test_a_link_whose_answer_is_a_download_is_no_navigation_and_the_page_stays(chromium: HostChromium,
-                                                                               site: Site) -> None:
+@pytest.mark.parametrize(("path", "title", "detail", "received"), [
+    ("/reports", "Reports", "a download began: report.csv", lambda site: site.downloads),
+    ("/post", "Post", "the answer had no content (204): the page stays", lambda site: site.likes),
+], ids=["download", "no content"])
+def test_a_link_whose_answer_loads_no_document_is_no_navigation_and_the_page_stays(
+        chromium: HostChromium, site: Site, path: str, title: str, detail: str,
+        received: Callable[[Site], int]) -> None:
     browser = CdpBrowser()
     browser.connect(f"http://127.0.0.1:{chromium.port}")
     try:
-        browser.navigate(f"{site.url}/reports")
+        browser.navigate(f"{site.url}{path}")
         link = next(e for e in browser.capture().elements if e.role == "link")
         clicked = browser.click(link.node)
-        # Before, the act took the download for a navigation and waited out the whole navigation bound for a
+        # Before, the act took the answer for a navigation and waited out the whole navigation bound for a
         # document that never came, then said it navigated.
         assert not clicked.navigated
-        assert clicked.detail == "a download began: report.csv"
-        assert site.downloads == 1
+        assert clicked.detail == detail
+        assert received(site) == 1  # the site answered the link once
         page = browser.capture()
-        assert (page.title, page.view.url) == ("Reports", f"{site.url}/reports")
-    finally:
-        browser.close()
-
-
-def test_a_link_whose_answer_has_no_content_is_no_navigation_and_the_page_stays(chromium: HostChromium,
-                                                                                 site: Site) -> None:
-    browser = CdpBrowser()
-    browser.connect(f"http://127.0.0.1:{chromium.port}")
-    try:
-        browser.navigate(f"{site.url}/post")
-        link = next(e for e in browser.capture().elements if e.role == "link")
-        clicked = browser.click(link.node)
-        # Before, the act waited out the whole navigation bound for a document a 204 never brings, then said it
-        # navigated.
-        assert not clicked.navigated
-        assert clicked.detail == "the answer had no content (204): the page stays"
-        assert site.likes == 1
-        page = browser.capture()
-        assert (page.title, page.view.url) == ("Post", f"{site.url}/post")
+        assert (page.title, page.view.url) == (title, f"{site.url}{path}")
     finally:
         browser.close()
 
