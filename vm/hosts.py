@@ -334,7 +334,7 @@ class HostFleet:
         self._arrive(name, lambda hv, _host: hv.restore_from(saved))
         saved.unlink()
 
-    def _arrive(self, name: str, run: Callable[[HostHypervisor, str], None]) -> None:
+    def _arrive(self, name: str, run: Callable[[HostHypervisor, str], object]) -> None:
         """Start or restore the domain (`run`) on the host placement chooses, which becomes its home. A host where
         that fails for the host's sake (it stopped answering since it was measured, or it lacks the computer's
         network) is left for the next; once none is left, `NoHostAvailable` says what each one lacked."""
