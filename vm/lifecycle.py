@@ -86,14 +86,13 @@ class VmSettings:
     limits: Limits = field(default_factory=Limits)
     """Per-user ceilings on RAM, vCPUs and overlay virtual size."""
     port_range: tuple[int, int] = (20000, 29999)
-    """Host ports (on 127.0.0.1) handed out for SSH, CDP and VNC forwards."""
+    """Host ports (on 127.0.0.1) handed out for the SSH and side-door forwards."""
     proxy_port: int | None = None
     """The egress proxy's port on 127.0.0.1; the guest reaches it at 10.0.2.100:3128."""
     side_door: bool = True
     """A host port forwarded to the clock keeper's side door (`vm.keeper`): after a restore the first observation
     and the clock resync need no new SSH connection. (It took the place of a forward to guest port 9222, which led
     nowhere: Chromium's DevTools listen on the guest's loopback only.)"""
-    forward_vnc: bool = True
     idle_after: timedelta = timedelta(minutes=10)
     """A running VM with nothing in flight for longer than this is suspended by `reap`."""
     domain_prefix: str = "wk-"
@@ -337,10 +336,9 @@ class VmManager:
             bridge: BridgePlace | None = None
             if network is None:
                 used = {p for r in self._records.values() for p in r.info.forwards.host_ports()}
-                count = 1 + s.side_door + s.forward_vnc
-                ports = iter(pick_ports(count, used=used, port_range=s.port_range, is_free=self._port_free))
-                forwards = Forwards(ssh=next(ports), keeper=next(ports) if s.side_door else None,
-                                    vnc=next(ports) if s.forward_vnc else None, proxy=s.proxy_port)
+                ports = iter(pick_ports(1 + s.side_door, used=used, port_range=s.port_range,
+                                        is_free=self._port_free))
+                forwards = Forwards(ssh=next(ports), keeper=next(ports) if s.side_door else None, proxy=s.proxy_port)
                 guest_proxy = "http://{}:{}".format(*GUEST_PROXY)
             else:
                 places = [r.info.bridge for r in self._records.values() if r.info.bridge is not None]

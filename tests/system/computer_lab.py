@@ -120,7 +120,7 @@ def image_settings(image_dir: Path, data_dir: Path, *, accel: AccelChoice, proxy
     return VmSettings(data_dir=data_dir, base_image=image_dir / "base.qcow2", kernel=image_dir / "vmlinux",
                       initrd=image_dir / "initrd.img", cmdline=manifest["kernel"]["cmdline"], accel=accel.accel,
                       size=VmSize(memory_mib=1024, vcpus=2, disk_gib=8), port_range=port_range,
-                      proxy_port=proxy_port, domain_prefix=prefix, forward_vnc=False,
+                      proxy_port=proxy_port, domain_prefix=prefix,
                       network=network.name if network else None, address_book=address_book)
 
 

@@ -159,7 +159,7 @@ def test_a_booted_guest_has_its_seed_reaches_only_the_proxy_and_listens_only_on_
 
     # Host forwards reach the guest, and listen on 127.0.0.1 only.
     assert _http_get(vm.forwards.ssh).strip() == "WK-GUEST-HTTP"
-    assert vm.forwards.keeper is not None and vm.forwards.vnc is not None and vm.forwards.cdp is None
+    assert vm.forwards.keeper is not None and vm.forwards.vnc is None and vm.forwards.cdp is None
     assert _http_get(vm.forwards.keeper).strip() == "WK-GUEST-HTTP"  # the clock keeper's side door
     for port in vm.forwards.host_ports():
         assert _listeners(port) == {"0100007F"}, f"port {port} listens beyond 127.0.0.1"

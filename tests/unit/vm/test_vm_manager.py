@@ -64,14 +64,14 @@ def test_provision_builds_overlay_keys_seed_and_a_defined_domain(manager: VmMana
 
 def test_each_vm_gets_its_own_loopback_ports(manager: VmManager) -> None:
     a, b = manager.provision("a"), manager.provision("b")
-    assert a.forwards.host_ports() == (21000, 21001, 21002)
-    assert b.forwards.host_ports() == (21003, 21004, 21005)
+    assert a.forwards.host_ports() == (21000, 21001)  # SSH, the side door: nothing leads to x11vnc or DevTools
+    assert b.forwards.host_ports() == (21002, 21003)
     assert a.forwards.proxy == b.forwards.proxy == 3129
 
 
 def test_a_vm_on_user_mode_networking_has_a_side_door_to_its_clock_keeper(manager: VmManager) -> None:
     vm = manager.provision("a")
-    assert vm.forwards.keeper == 21001 and vm.forwards.cdp is None
+    assert vm.forwards.keeper == 21001 and vm.forwards.cdp is None and vm.forwards.vnc is None
     assert vm.side_door is not None
     assert vm.side_door.host == ("127.0.0.1", 21001) and vm.side_door.listen == ("10.0.2.15", 9444)
 
@@ -85,12 +85,13 @@ def test_a_vm_recorded_before_the_side_door_loads_without_one_and_keeps_its_old_
     again = VmManager(settings, hv, clock=clock, disks=FakeDisks(), port_free=lambda port: True)
     old = again.get("a")
     assert old.forwards.keeper is None and old.side_door is None and old.forwards.cdp == 21001
-    assert again.provision("b").forwards.host_ports() == (21003, 21004, 21005)
+    assert old.forwards.vnc == 21002
+    assert again.provision("b").forwards.host_ports() == (21003, 21004)
 
 
 def test_ports_in_use_on_the_host_are_skipped(settings: VmSettings, hv: FakeHypervisor, clock: FakeClock) -> None:
     m = VmManager(settings, hv, clock=clock, disks=FakeDisks(), port_free=lambda port: port % 2 == 1)
-    assert m.provision("a").forwards.host_ports() == (21001, 21003, 21005)
+    assert m.provision("a").forwards.host_ports() == (21001, 21003)
 
 
 def test_provision_over_the_limit_is_refused_before_anything_is_created(manager: VmManager,
@@ -329,7 +330,7 @@ def test_a_new_manager_finds_the_vms_and_their_state_from_the_hypervisor(
     assert states == {"a": VmState.RUNNING, "b": VmState.PROVISIONED, "c": VmState.SUSPENDED}
     assert again.get("a").forwards == a.forwards and again.get("a").keys == a.keys
     assert json.loads((a.directory / "vm.json").read_text())["user"] == "a"
-    assert again.provision("d").forwards.ssh == 21009, "ports held by known VMs stay taken"
+    assert again.provision("d").forwards.ssh == 21006, "ports held by known VMs stay taken"
 
 
 def test_a_proxy_credential_reaches_the_domain_and_survives_a_new_manager_in_a_private_record(
