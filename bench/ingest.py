@@ -65,11 +65,13 @@ WRK_THREADS = 2
 TURN_SECONDS = 2.0  # saturation: no-op and webhook alternate this long each (`saturation`)
 SATURATION_CONNECTIONS = (32, 128)
 """wrk's connections in the saturation turns; an endpoint's throughput at saturation is the mean of its turns at the
-level where that mean is higher. Saturation is where more senders bring no more throughput, and the two endpoints
-get there at different levels. The no-op saturates the api's event loop with 32 (more only cost the load generator
-more CPU: 6,200-7,500/s with 128-256 against 7,950-8,860/s with 32). A webhook holds its connection until its batch
-is fsynced, so with 32 the webhook turns left the loop waiting 16% of the time and the machine a third idle: 4,300-
-5,300/s with 32, 5,300-6,300/s with 64-256 (scratch sweeps of 16-256 connections, three turns each)."""
+level where that mean is higher: saturation is where more senders bring no more throughput, and the two endpoints
+get there at different levels. The no-op is highest with 32; with more, each request cost its event loop more and
+its rate fell (three scratch sweeps of 16-256 connections, three 2 s turns each: 7,950-9,080/s with 32, 6,180-8,180/s
+with 128-256). A webhook holds its connection until its batch is fsynced: with 32 its loop was busy 94-95% of the
+time, with 128 99%, and its batches were larger, so the syncing thread spent about half the CPU per delivery (4 s
+turns, worker stopped, `/proc` thread times); its rate rose from 4,310-5,270/s with 32 to 5,080-6,600/s with 64-256
+in those sweeps."""
 
 
 @dataclass(frozen=True)
