@@ -51,9 +51,9 @@ class Forwards:
     """Host port forwarded to the clock keeper's side door (`vm.keeper`) on the guest's slirp address, if any (VMs
     provisioned before it have none and reach the keeper over SSH only)."""
     vnc: int | None = None
-    """Only in VMs provisioned while it was made: a host port forwarded to guest port 5900, which leads
-    nowhere (x11vnc listens on the guest's loopback only; a live view reaches it through SSH). Kept, as `cdp`, so the
-    port stays taken while such a VM's saved domain binds it at its next restore."""
+    """Only in VMs provisioned before it was dropped: a host port forwarded to guest port 5900, which leads nowhere
+    (x11vnc listens on the guest's loopback only; a live view reaches it through SSH). Kept, as `cdp`, so the port
+    stays taken while such a VM's saved domain binds it at its next restore."""
     proxy: int | None = None
     """Host port of the egress proxy; the guest reaches it at 10.0.2.100:3128 and nowhere else."""
 

@@ -36,6 +36,16 @@ def documented_network() -> str:
     return block
 
 
+def spec_on(place: BridgePlace, tmp_path: Path) -> DomainSpec:
+    """A domain on the network `place` names, its files placeholders: defined, never booted."""
+    for name in ("vmlinux", "initrd.img", "disk.qcow2", "seed.img"):
+        (tmp_path / name).write_bytes(b"x")
+    return DomainSpec(name=f"wkt-{uuid.uuid4().hex[:8]}", accel=Accel.TCG, memory_mib=512, vcpus=1,
+                      kernel=tmp_path / "vmlinux", initrd=tmp_path / "initrd.img", cmdline="root=/dev/vda",
+                      disk=tmp_path / "disk.qcow2", seed=tmp_path / "seed.img", serial_log=tmp_path / "serial.log",
+                      forwards=Forwards(ssh=None), bridge=place)
+
+
 @pytest.fixture
 def network(libvirtd: None, tmp_path: Path) -> Iterator[str]:
     """The documented network, renamed for this test (bridge name too), defined but never started."""
@@ -63,13 +73,8 @@ def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_its_anti_spoofing
     filters = virsh("nwfilter-list").stdout
     assert re.search(rf"\s{ANTI_SPOOFING}\s*$", filters, re.MULTILINE), (
         "libvirt's stock filters are missing: apt-get install libvirt-daemon-config-nwfilter, restart libvirtd")
-    for name in ("vmlinux", "initrd.img", "disk.qcow2", "seed.img"):
-        (tmp_path / name).write_bytes(b"x")
     place = BridgePlace(network=network, mac="52:54:00:12:34:56", address="10.77.0.2")
-    spec = DomainSpec(name=f"wkt-{uuid.uuid4().hex[:8]}", accel=Accel.TCG, memory_mib=512, vcpus=1,
-                      kernel=tmp_path / "vmlinux", initrd=tmp_path / "initrd.img", cmdline="root=/dev/vda",
-                      disk=tmp_path / "disk.qcow2", seed=tmp_path / "seed.img", serial_log=tmp_path / "serial.log",
-                      forwards=Forwards(ssh=None), bridge=place)
+    spec = spec_on(place, tmp_path)
     hv = LibvirtHypervisor(URI)
     hv.define(spec)
     try:
@@ -90,14 +95,8 @@ def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_its_anti_spoofing
 def test_a_domain_on_a_network_this_host_lacks_does_not_start_and_says_the_network_is_unusable(
         libvirtd: None, tmp_path: Path) -> None:
     """What lets a fleet pass over such a host for the next one (`HostFleet`): libvirt refuses before QEMU runs."""
-    for name in ("vmlinux", "initrd.img", "disk.qcow2", "seed.img"):
-        (tmp_path / name).write_bytes(b"x")
     missing = f"wkt-gone-{uuid.uuid4().hex[:6]}"
-    spec = DomainSpec(name=f"wkt-{uuid.uuid4().hex[:8]}", accel=Accel.TCG, memory_mib=512, vcpus=1,
-                      kernel=tmp_path / "vmlinux", initrd=tmp_path / "initrd.img", cmdline="root=/dev/vda",
-                      disk=tmp_path / "disk.qcow2", seed=tmp_path / "seed.img", serial_log=tmp_path / "serial.log",
-                      forwards=Forwards(ssh=None),
-                      bridge=BridgePlace(network=missing, mac="52:54:00:12:34:57", address="10.77.0.3"))
+    spec = spec_on(BridgePlace(network=missing, mac="52:54:00:12:34:57", address="10.77.0.3"), tmp_path)
     hv = LibvirtHypervisor(URI)
     hv.define(spec)
     try:
