@@ -26,7 +26,8 @@ What it does that one host does not:
   host reserves or still leases.
 
 Homes, each domain's memory and its place on a network persist in `<shared>/placement.json`. Snapshots and reverts
-act on the home only.
+act on the home only. An operator's marks (`wakeful hosts mark`, `write_mark`) persist in `<shared>/marks.json`,
+which the fleet reads again whenever it changed, before each placement: they override each host's `mark` setting.
 """
 
 from __future__ import annotations
@@ -54,11 +55,39 @@ from wakeful.vm.errors import (
 from wakeful.vm.hypervisor import BridgePlace, DomainSpec, DomainState, Hypervisor, NetworkInfo, SnapshotInfo
 from wakeful.vm.placement import HostLoad, HostMark, HostSpec, place
 
-__all__ = ["Host", "HostFleet", "HostHypervisor", "HostLink"]
+__all__ = ["MARKS_FILE", "Host", "HostFleet", "HostHypervisor", "HostLink", "read_marks", "write_mark"]
 
 log = logging.getLogger("wakeful.vm")
 
 T = TypeVar("T")
+
+MARKS_FILE = "marks.json"
+"""In the shared directory: the operator's marks, by host name (`write_mark`)."""
+
+
+def read_marks(shared: Path) -> dict[str, HostMark]:
+    """The marks written by `write_mark` in `shared`, by host name (none if nobody marked a host yet)."""
+    try:
+        data = json.loads((shared / MARKS_FILE).read_text())
+    except FileNotFoundError:
+        return {}
+    return {host: HostMark(mark) for host, mark in data["marks"].items()}
+
+
+def write_mark(shared: Path, host: str, mark: HostMark) -> None:
+    """Mark a host in `shared`'s marks file, which every fleet on that directory reads before its next placement
+    (`wakeful hosts mark`): it overrides the host's `mark` setting until marked again."""
+    _write_json(shared / MARKS_FILE, {"version": 1, "marks": dict(sorted((read_marks(shared) | {host: mark}).items()))})
+
+
+def _write_json(path: Path, data: object) -> None:
+    """Replace `path` with `data` as JSON, durably: a reader sees the old file or the new one, never half of one."""
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    with staging.open("w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    staging.replace(path)
 
 
 class HostHypervisor(Hypervisor, Protocol):
@@ -119,7 +148,10 @@ class HostFleet:
         if len({h.spec.name for h in hosts}) != len(hosts):
             raise ValueError("host names must be unique")
         self._hosts = {h.spec.name: h for h in hosts}
-        self._marks = {h.spec.name: h.spec.mark for h in hosts}
+        self._set_marks = {h.spec.name: h.spec.mark for h in hosts}  # as the settings say
+        self._marks = dict(self._set_marks)
+        self._marks_file = shared.resolve() / MARKS_FILE
+        self._marks_read: tuple[int, int, int] | None = None  # the marks file's (inode, mtime, size) when last read
         self._saved_dir = shared.resolve() / "saved"
         try:
             self._saved_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -139,19 +171,41 @@ class HostFleet:
             self._placements = {name: _Placement(host=p["host"], memory_mib=p["memory_mib"],
                                                  bridge=BridgePlace(**p["bridge"]) if p.get("bridge") else None)
                                 for name, p in data["placements"].items()}
+        self._read_marks()
 
     # ------------------------------------------------------------------------------------------ the fleet itself
 
     def hosts(self) -> list[HostSpec]:
+        self._read_marks()
         return [replace(h.spec, mark=self._marks[name]) for name, h in self._hosts.items()]
 
     def mark(self, host: str, mark: HostMark) -> None:
-        """Mark a host up, full (takes nothing new) or gone (treated as unreachable)."""
+        """Mark a host up, full (takes nothing new) or gone (treated as unreachable), in the marks file."""
         if host not in self._hosts:
             raise VmNotFound(f"there is no tool-computer host named {host}")
+        write_mark(self._marks_file.parent, host, mark)
+        self._read_marks(again=True)
+
+    def _read_marks(self, *, again: bool = False) -> None:
+        """The settings' marks, overridden by the marks file's when it changed since it was last read (each write
+        replaces the file: a new inode), or `again`."""
+        try:
+            st = self._marks_file.stat()
+            changed: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            changed = None
+        if changed == self._marks_read and not again:
+            return
+        try:
+            written: dict[str, HostMark] | None = read_marks(self._marks_file.parent)
+        except (OSError, ValueError, KeyError) as exc:  # edited by hand, wrongly: placement goes on as it was
+            log.warning("the marks in %s cannot be read (%s): the hosts keep the marks they had", self._marks_file, exc)
+            written = None
         with self._cond:
-            self._marks[host] = mark
-            self._cond.notify_all()
+            if written is not None:
+                self._marks = self._set_marks | {h: m for h, m in written.items() if h in self._hosts}
+            self._marks_read = changed
+            self._cond.notify_all()  # an arrival waiting for room may find it on a host marked up
 
     def home(self, name: str) -> str | None:
         """The host the domain runs on, or last ran on."""
@@ -164,6 +218,7 @@ class HostFleet:
 
     def loads(self) -> list[HostLoad]:
         """Each host as it is now (asks every host; one that does not answer is unreachable)."""
+        self._read_marks()
         loads = []
         for name, host in self._hosts.items():
             reachable, allocated, free = True, 0, None
@@ -203,15 +258,9 @@ class HostFleet:
         return None if link is None else link.open(address, timeout=timeout)
 
     def _save_placements(self) -> None:
-        data = {"version": 1, "placements": {
+        _write_json(self._placements_file, {"version": 1, "placements": {
             n: {"host": p.host, "memory_mib": p.memory_mib, **({"bridge": vars(p.bridge)} if p.bridge else {})}
-            for n, p in sorted(self._placements.items())}}
-        staging = self._placements_file.with_name(f".{self._placements_file.name}.{os.getpid()}")
-        with staging.open("w") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        staging.replace(self._placements_file)
+            for n, p in sorted(self._placements.items())}})
 
     def _set_home(self, name: str, host: str, memory_mib: int, bridge: BridgePlace | None = None) -> None:
         """Record the domain's home (and its memory; its place on a network when given, else the one recorded)."""

@@ -34,6 +34,7 @@ from wakeful.server.faces.cli_common import open_engine as _engine
 from wakeful.server.faces.cli_common import settings_or_exit as _settings
 from wakeful.server.faces.cli_egress import egress_app, proxy_app, secret_app
 from wakeful.server.faces.cli_eval import eval_cmd
+from wakeful.server.faces.cli_hosts import hosts_app
 from wakeful.server.faces.cli_image import image_app
 from wakeful.server.faces.cli_memory import memory_app
 from wakeful.server.faces.cli_sim import sim
@@ -70,6 +71,7 @@ app.add_typer(secret_app, name="secret")
 app.add_typer(egress_app, name="egress")
 app.add_typer(image_app, name="image")
 app.add_typer(memory_app, name="memory")
+app.add_typer(hosts_app, name="hosts")
 app.command("sim")(sim)
 app.command("eval")(eval_cmd)
 

@@ -13,7 +13,7 @@ import pytest
 from tests.support.fleet import manager_on
 from wakeful.vm.errors import HostsBusy, HypervisorUnavailable, NetworkUnusable, NoHostAvailable
 from wakeful.vm.fake import FakeHypervisor
-from wakeful.vm.hosts import Host, HostFleet
+from wakeful.vm.hosts import MARKS_FILE, Host, HostFleet, read_marks, write_mark
 from wakeful.vm.hypervisor import DomainState, ProxyCredential
 from wakeful.vm.lifecycle import VmManager
 from wakeful.vm.lifecycle_rules import VmState
@@ -99,6 +99,31 @@ def test_a_suspended_computer_resumes_on_another_host_as_the_same_vm(
     assert after == before.__class__(**{**vars(before), "state": VmState.RUNNING})  # disk, keys, ports, credential
     assert b.domains[name].spec.proxy_credential == CREDENTIAL and b.domains[name].spec.disk == before.disk
     assert b.domains[name].spec.seed == before.seed  # the seed disk carries the SSH host key the channel pins
+
+
+def test_a_mark_written_beside_a_running_fleet_holds_from_its_next_placement_and_across_a_restart(
+        manager: VmManager, fleet: HostFleet, shared: Path, images: Path, a: FakeHypervisor,
+        b: FakeHypervisor) -> None:
+    name = suspended_on_a(manager, fleet, a)
+    write_mark(shared, "a", HostMark.FULL)  # what `wakeful hosts mark a full` does, from another process
+    manager.ensure_running("alice")
+    assert fleet.home(name) == "b"
+    manager.suspend("alice")
+    again = fleet_of(shared, a, b)  # the server restarted: the settings still say up, the marks file says full
+    assert [h.mark for h in again.hosts()] == [HostMark.FULL, HostMark.UP]
+    write_mark(shared, "a", HostMark.UP)
+    write_mark(shared, "b", HostMark.FULL)
+    manager_on(again, shared, images).ensure_running("alice")
+    assert again.home(name) == "a"  # a has the most room, b takes nothing new
+    assert read_marks(shared) == {"a": HostMark.UP, "b": HostMark.FULL}
+
+
+def test_a_marks_file_edited_wrongly_leaves_the_marks_as_they_were(
+        fleet: HostFleet, shared: Path) -> None:
+    write_mark(shared, "b", HostMark.GONE)
+    assert [h.mark for h in fleet.hosts()] == [HostMark.UP, HostMark.GONE]
+    (shared / MARKS_FILE).write_text('{"version": 1, "marks": {"b": "sideways"}}')
+    assert [h.mark for h in fleet.hosts()] == [HostMark.UP, HostMark.GONE]
 
 
 def test_a_running_computer_stays_on_its_host_when_that_host_is_marked_full(
