@@ -110,10 +110,10 @@ class LibvirtHypervisor:
                 raise VmNotFound(f"there is no VM named {name}", vm=name) from None
             if code == libvirt.VIR_ERR_NO_DOMAIN_SNAPSHOT:
                 raise SnapshotNotFound(f"{name} has no such snapshot ({message})", vm=name) from None
+            if exc.get_error_domain() == libvirt.VIR_FROM_NETWORK:  # its network is missing or down on this host
+                raise NetworkUnusable(f"cannot {doing} {name}: {message}", vm=name) from None
             if code == libvirt.VIR_ERR_OPERATION_INVALID:
                 raise IllegalTransition(f"cannot {doing} {name} now: {message}", vm=name) from None
-            if code == libvirt.VIR_ERR_NO_NETWORK:  # its interface's network is not defined on this host
-                raise NetworkUnusable(f"cannot {doing} {name}: {message}", vm=name) from None
             if code in (libvirt.VIR_ERR_SYSTEM_ERROR, libvirt.VIR_ERR_RPC, libvirt.VIR_ERR_NO_CONNECT):
                 raise HypervisorUnavailable(f"libvirt failed to {doing} {name}: {message}", vm=name) from None
             raise VmDead(f"could not {doing} {name}: {message}", vm=name) from None

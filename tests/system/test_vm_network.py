@@ -92,15 +92,17 @@ def test_the_real_qemu_driver_takes_a_tool_computer_on_it_with_its_anti_spoofing
         hv.undefine(spec.name)
 
 
-def test_a_domain_on_a_network_this_host_lacks_does_not_start_and_says_the_network_is_unusable(
-        libvirtd: None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["missing", "not started"])
+def test_a_domain_on_a_network_this_host_lacks_or_has_not_started_does_not_start_and_says_it_is_unusable(
+        how: str, network: str, tmp_path: Path) -> None:
     """What lets a fleet pass over such a host for the next one (`HostFleet`): libvirt refuses before QEMU runs."""
-    missing = f"wkt-gone-{uuid.uuid4().hex[:6]}"
-    spec = spec_on(BridgePlace(network=missing, mac="52:54:00:12:34:57", address="10.77.0.3"), tmp_path)
+    name = f"wkt-gone-{uuid.uuid4().hex[:6]}" if how == "missing" else network  # `network` is defined, not started
+    spec = spec_on(BridgePlace(network=name, mac="52:54:00:12:34:57", address="10.77.0.3"), tmp_path)
     hv = LibvirtHypervisor(URI)
     hv.define(spec)
     try:
-        with pytest.raises(NetworkUnusable, match=f"no network with matching name '{missing}'"):
+        with pytest.raises(NetworkUnusable, match=f"no network with matching name '{name}'" if how == "missing"
+                           else f"network '{name}' is not active"):
             hv.start(spec.name)
         assert virsh("domstate", spec.name).stdout.strip() == "shut off"
     finally:
