@@ -29,6 +29,7 @@ from tests.system.second_libvirtd import running_network
 from wakeful.proxy.clock import FakeClock
 from wakeful.vm.accel import AccelChoice
 from wakeful.vm.cdp_browser import CdpBrowser
+from wakeful.vm.errors import VmError
 from wakeful.vm.hypervisor import ProxyCredential
 from wakeful.vm.libvirt_adapter import LibvirtHypervisor
 from wakeful.vm.lifecycle import AfterRestore, VmInfo, VmManager, VmSettings
@@ -70,11 +71,19 @@ class ComputerLab:
     what the server's does, and the clock resync goes on beside the caller's next `observe()`."""
 
     def boot(self, *, timeout: float = BOOT_TIMEOUT) -> None:
-        """Cold boot, then wait (bounded) for SSH and for Chromium's DevTools; nothing is observed yet."""
+        """Cold boot, then wait (bounded) for SSH and for Chromium's DevTools; nothing is observed yet. A boot that
+        does not get there fails with the end of the guest's serial console: where the guest stopped (the lab's
+        directory, the log with it, is gone by the time anyone looks)."""
         start = time.perf_counter()
         self.manager.ensure_running(self.vm.user)
         booted = time.perf_counter() - start
-        connected = self.computer.connect(wait=timeout)
+        try:
+            connected = self.computer.connect(wait=timeout)
+        except VmError as exc:
+            log = self.vm.serial_log
+            tail = log.read_bytes()[-4000:].decode(errors="replace") if log.exists() else "(no serial log)"
+            raise AssertionError(f"{exc.code} after {time.perf_counter() - start:.0f} s: {exc.message}; the guest's "
+                                 f"serial console ended with:\n{tail}") from exc
         self.boot_steps["ssh"] = booted + connected.ssh
         self.boot_steps["cdp"] = booted + (connected.cdp or 0.0)
 
