@@ -310,6 +310,11 @@ class Saturation:
     def levels(self) -> list[int]:
         return sorted({t.connections for t in self.turns})
 
+    @property
+    def rounds(self) -> int:
+        """Turns per connection level (each level has as many)."""
+        return len(self.at(self.levels[0]))
+
     def at(self, connections: int) -> list[Turn]:
         return [t for t in self.turns if t.connections == connections]
 
@@ -372,7 +377,7 @@ def saturation(server: Serve, d: Durations) -> Saturation:
 
 def _saturation_rows(sat: Saturation) -> list[Row]:
     clean = not any(t.hook.non_2xx or t.hook.socket_errors for t in sat.turns)
-    n = len(sat.at(sat.levels[0]))
+    n = sat.rounds
     hook_c, noop_c = sat.saturated("hook"), sat.saturated("noop")
 
     def at(endpoint: str, connections: int) -> list[WrkResult]:
@@ -402,7 +407,7 @@ def _saturation_notes(sat: Saturation) -> list[str]:
     accepted = sum(t.hook.requests - t.hook.non_2xx for t in sat.turns)
     notes = [f"saturation: {TURN_SECONDS:.0f} s of wrk against the no-op (worker process stopped), then "
              f"{TURN_SECONDS:.0f} s against the webhook, with each of {', '.join(map(str, sat.levels))} connections "
-             f"in turn, {len(sat.at(sat.levels[0]))} time(s); an endpoint's saturation is the level where its mean "
+             f"in turn, {sat.rounds} time(s); an endpoint's saturation is the level where its mean "
              "rate is higher"]
     notes += [f"saturation: webhook/no-op per turn with {c} connections: "
               + ", ".join(f"{t.hook.rps:,.0f}/{t.noop.rps:,.0f}" for t in sat.at(c)) for c in sat.levels]

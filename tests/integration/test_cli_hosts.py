@@ -22,11 +22,15 @@ from wakeful.vm.placement import HostMark
 NOTES = Path(__file__).resolve().parents[2] / "infra" / "README.md"
 
 
+def several_hosts() -> str:
+    """infra/README.md from its "Several hosts" heading on."""
+    return NOTES.read_text().split("## Several hosts", 1)[1]
+
+
 def registry(data: Path) -> Path:
     """infra/README.md's registry in `data`'s wakeful.toml, its shared directory and the server's SSH key under
     `data` (the fleet reads the key as it is built)."""
-    section = NOTES.read_text().split("## Several hosts", 1)[1]
-    example = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    example = several_hosts().split("```toml\n", 1)[1].split("```", 1)[0]
     shared, key = data / "shared", data / "hosts_ed25519"
     shared.mkdir(parents=True)
     keygen(key)
@@ -36,8 +40,7 @@ def registry(data: Path) -> Path:
 
 
 def doc_hosts_commands() -> list[list[str]]:
-    section = NOTES.read_text().split("## Several hosts", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    block = re.search(r"```bash\n(.*?)```", several_hosts(), re.S)
     assert block is not None, "infra/README.md no longer shows the hosts commands"
     return [shlex.split(line, comments=True)[1:] for line in block.group(1).splitlines() if line.strip()]
 
