@@ -356,8 +356,9 @@ class HostFleet:
             raise HypervisorUnavailable(f"no tool-computer host answers to define {spec.name}", vm=spec.name)
         home = self.home(spec.name)
         if home is None or home not in defined:
-            free = {h.name: h.room_mib for h in self.loads() if h.name in defined}
-            home = min(defined, key=lambda n: (-free.get(n, 0), n))
+            # A host that could take it now (not marked full, with room) before one that could not, as `place` ranks.
+            loads = [h for h in self.loads() if h.name in defined]
+            home = min(loads, key=lambda h: (h.why_not(spec.memory_mib) is not None, -h.room_mib, h.name)).name
         self._set_home(spec.name, home, spec.memory_mib, spec.bridge)
 
     def names(self) -> list[str]:

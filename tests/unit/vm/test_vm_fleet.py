@@ -62,6 +62,15 @@ def test_a_new_computer_is_defined_on_every_host_and_runs_on_the_one_with_most_f
     assert a.state(vm.name) is DomainState.RUNNING and b.state(vm.name) is DomainState.SHUT_OFF
 
 
+
+def test_a_new_computer_is_not_homed_on_a_host_marked_full_though_it_has_the_most_free_memory(
+        manager: VmManager, fleet: HostFleet, a: FakeHypervisor, b: FakeHypervisor) -> None:
+    fleet.mark("a", HostMark.FULL)
+    vm = manager.provision("alice", proxy_credential=CREDENTIAL)
+    assert vm.name in a.names() and fleet.home(vm.name) == "b"
+    manager.ensure_running("alice")
+    assert b.state(vm.name) is DomainState.RUNNING and a.state(vm.name) is DomainState.SHUT_OFF
+
 def test_a_suspended_computer_is_saved_to_the_shared_directory_not_to_its_host(
         manager: VmManager, fleet: HostFleet, a: FakeHypervisor, shared: Path) -> None:
     name = suspended_on_a(manager, fleet, a)
