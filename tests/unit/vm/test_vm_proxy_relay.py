@@ -4,11 +4,13 @@ in for the egress proxy. Needs the host's busybox (the same one QEMU runs)."""
 
 from __future__ import annotations
 
+import fcntl
 import shlex
 import socket
+import struct
 import subprocess
+import termios
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -116,6 +118,12 @@ def session_members(sid: int) -> list[int]:
     return found
 
 
+def all_read(guest: socket.socket) -> bool:
+    """Whether the relay has read every byte the guest sent: a Unix socket's output queue (SIOCOUTQ) holds what its
+    peer has not read yet."""
+    return struct.unpack("i", fcntl.ioctl(guest, termios.TIOCOUTQ, b"\0" * 4))[0] == 0
+
+
 def wait_for(condition: threading.Event, what: str) -> None:
     assert condition.wait(10), what
 
@@ -134,7 +142,7 @@ def test_a_request_line_that_arrives_in_pieces_keeps_its_carriage_return() -> No
     with upstream() as up, relay(up.port) as (guest, _proc):
         for piece in (b"CONNECT shop.test:443 HT", b"TP/1.1\r", b"\nHost: shop.test:443\r\n\r\n"):
             guest.sendall(piece)
-            time.sleep(0.05)  # separate writes, so the relay sees separate reads
+            wait_until(lambda: all_read(guest), 10, "the relay to read the piece before the next is sent")
         read_exactly(guest, len(RESPONSE))
     assert bytes(up.received) == b"CONNECT shop.test:443 HTTP/1.1\r\n" + AUTH + b"Host: shop.test:443\r\n\r\n"
 
