@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from tests.integration.test_cli import run
+from tests.support.docs import section
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess, free_port
 from wakeful.proxy.contract import RefusalCode
@@ -83,8 +84,8 @@ def test_proxy_help_says_that_without_a_subcommand_it_starts_the_proxy(tmp_path:
 
 
 def test_the_refusal_table_in_the_docs_gives_every_code_the_status_the_proxy_answers_with() -> None:
-    section = DOC.split("## Refusals", 1)[1].split("\n## ", 1)[0]
-    documented = {code: int(status) for codes, status in re.findall(r"^\| (`[^|]+`) \| (\d{3}) \|", section, re.M)
+    refusals = section(DOC, "## Refusals")
+    documented = {code: int(status) for codes, status in re.findall(r"^\| (`[^|]+`) \| (\d{3}) \|", refusals, re.M)
                   for code in re.findall(r"`(\w+)`", codes)}
     answered = {*RefusalCode, REQUEST_TOO_LARGE, UPSTREAM_FAILED, UPSTREAM_TIMEOUT}
     assert documented == {code: refusal_status(code) for code in answered}

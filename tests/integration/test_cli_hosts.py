@@ -5,13 +5,13 @@ marked. Refusals are one line with a stable code."""
 from __future__ import annotations
 
 import json
-import re
 import shlex
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_cli import run
+from tests.support.docs import fenced, section
 from tests.support.sshd import keygen
 from wakeful.server.computers.pool import hypervisor_for
 from wakeful.server.settings import load_settings
@@ -23,14 +23,14 @@ NOTES = Path(__file__).resolve().parents[2] / "infra" / "README.md"
 
 
 def several_hosts() -> str:
-    """infra/README.md from its "Several hosts" heading on."""
-    return NOTES.read_text().split("## Several hosts", 1)[1]
+    """infra/README.md's "Several hosts" section."""
+    return section(NOTES.read_text(), "## Several hosts")
 
 
 def registry(data: Path) -> Path:
     """infra/README.md's registry in `data`'s wakeful.toml, its shared directory and the server's SSH key under
     `data` (the fleet reads the key as it is built)."""
-    example = several_hosts().split("```toml\n", 1)[1].split("```", 1)[0]
+    example = fenced(several_hosts(), "toml")
     shared, key = data / "shared", data / "hosts_ed25519"
     shared.mkdir(parents=True)
     keygen(key)
@@ -40,9 +40,8 @@ def registry(data: Path) -> Path:
 
 
 def doc_hosts_commands() -> list[list[str]]:
-    block = re.search(r"```bash\n(.*?)```", several_hosts(), re.S)
-    assert block is not None, "infra/README.md no longer shows the hosts commands"
-    return [shlex.split(line, comments=True)[1:] for line in block.group(1).splitlines() if line.strip()]
+    lines = fenced(several_hosts(), "bash").splitlines()
+    return [shlex.split(line, comments=True)[1:] for line in lines if line.strip()]
 
 
 def fleet_of(data: Path) -> HostFleet:

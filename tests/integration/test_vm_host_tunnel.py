@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs import fenced, section
 from tests.support.polling import wait_until
 from tests.support.serve import free_port
 from tests.support.sshd import Sshd, keygen
@@ -328,7 +329,7 @@ def test_a_proxy_port_the_host_will_not_forward_is_a_clear_error(tmp_path: Path,
 def documented_sshd_config() -> dict[str, str]:
     """The sshd settings infra/README.md tells a host on an isolated network to set for the server's user."""
     notes = (Path(__file__).resolve().parents[2] / "infra" / "README.md").read_text()
-    block = notes.split("### Hosts reached over SSH", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    block = fenced(section(notes, "### Hosts reached over SSH"), "text")
     return dict(line.split() for line in block.splitlines() if line.startswith("    "))
 
 

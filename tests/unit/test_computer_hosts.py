@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from tests.support.docs import fenced, section
 from tests.support.sshd import keygen
 from wakeful.server.computers.pool import default_link, guest_socket, host_tunnel, hypervisor_for
 from wakeful.server.settings import ComputerHost, Settings, load_settings
@@ -84,7 +85,7 @@ def test_a_host_with_an_impossible_field_is_refused_naming_the_field(tmp_path: P
 
 def test_the_example_in_the_infra_notes_is_a_registry_the_settings_accept(tmp_path: Path) -> None:
     notes = (Path(__file__).resolve().parents[2] / "infra" / "README.md").read_text()
-    example = notes.split("## Several hosts", 1)[1].split("```toml\n", 1)[1].split("```", 1)[0]
+    example = fenced(section(notes, "## Several hosts"), "toml")
     (tmp_path / "wakeful.toml").write_text(example)
     settings = load_settings(data_dir=tmp_path)
     assert [(h.name, h.mark) for h in settings.computer_hosts] == [("kvm1", "up"), ("kvm2", "full")]

@@ -16,6 +16,7 @@ from fastapi.routing import APIWebSocketRoute
 from fastapi.staticfiles import StaticFiles
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 
+from tests.support.docs import section
 from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.signatures import sign, verify_signature
 from wakeful.server.faces.gate import ControlGate
@@ -50,7 +51,7 @@ ROUTE_ENTRY = re.compile(r"`(?:(GET|POST|PUT|PATCH|DELETE|WS) )?(/[^`\s?]*)(?:\?
 def _documented_routes() -> set[tuple[str, str]]:
     """(method, path) from the first column of the route table in docs/http-api.md; `*` for every method."""
     text = (DOCS / "http-api.md").read_text()
-    table = text.split("## Routes", 1)[1].split("\n## ", 1)[0]
+    table = section(text, "## Routes")
     found = set()
     for line in table.splitlines():
         if line.startswith("| `"):
@@ -92,7 +93,7 @@ def test_the_http_api_doc_lists_every_route_the_app_serves_and_no_other(tmp_path
 
 
 def test_every_error_code_of_the_openapi_document_is_in_the_http_api_doc_under_its_status() -> None:
-    table = (DOCS / "http-api.md").read_text().split("## Errors", 1)[1]
+    table = section((DOCS / "http-api.md").read_text(), "## Errors")
     rows = {int(status): text for status, text in re.findall(r"^\| (\d{3}) \| (.*)$", table, re.M)}
     missing = [f"{code} ({status})" for code, status in CODES.items() if f"`{code}`" not in rows.get(status, "")]
     assert not missing, f"not in docs/http-api.md's error table under their status: {missing}"
