@@ -8,7 +8,8 @@ cache kept), which is the baseline for our overhead. Each cycle
 restores twice our way: with the after-restore hook taking the first observation (`after_restore(observe=True)`),
 and as the server does it (a hook that only reconnects, then the agent's `observe()`, beside which the clock is
 resynced). After each bare restore it times the two halves of an observation alone, the accessibility tree (with
-the layout and the tab list) and the screenshot, in alternating order: the profile of the first observation.
+the layout and the tab list) and the screenshot, in alternating order, then the screenshot once more: the profile of
+the first observation, and with the bare restore its floor.
 Targets (issues 5 and 19): restore to the first observation within 4 s under TCG and ≥ 25× faster than a cold boot
 to it; no RAM held while suspended.
 Under user-mode networking (the default) the restore goes through the guest's clock keeper's side door once the
@@ -106,7 +107,15 @@ class Bare:
     """After the bare restore and a reconnect: the accessibility tree, layout and tabs alone (no screenshot)."""
     screenshot: float
     """The screenshot alone."""
+    screenshot_again: float
+    """The same screenshot once more at once: its code is translated now."""
     tree_first: bool
+
+    @property
+    def floor(self) -> float:
+        """The bare restore, then the two halves of an observation each alone on a connection already made: what a
+        restore to a fresh observation cannot go below."""
+        return self.restore + self.tree + self.screenshot
 
 
 @dataclass
@@ -153,9 +162,12 @@ def _bare_cycle(lab: ComputerLab, scratch: Path, tree_first: bool) -> Bare:
         else:
             lab.browser.screenshot()
         parts[part] = time.perf_counter() - start
+    start = time.perf_counter()
+    lab.browser.screenshot()
+    again = time.perf_counter() - start
     lab.computer.observe()
     return Bare(save=save, restore=restore, save_bytes=size, tree=parts["tree"], screenshot=parts["screenshot"],
-                tree_first=tree_first)
+                screenshot_again=again, tree_first=tree_first)
 
 
 def _settle(lab: ComputerLab) -> None:
@@ -241,7 +253,8 @@ def measure(cycles: int, network: bool = False) -> Figures:
             print(f"cycle {i + 1}: suspend {c.suspend:.2f} s (bare save {b.save:.2f} s), restore to first "
                   f"observation {c.restore_total:.2f} s, as the server does it {s.total:.2f} s (bare restore "
                   f"{b.restore:.2f} s; then tree {b.tree:.2f} s, screenshot {b.screenshot:.2f} s, "
-                  f"{'tree' if b.tree_first else 'screenshot'} first); load {os.getloadavg()[0]:.2f}", flush=True)
+                  f"{'tree' if b.tree_first else 'screenshot'} first, the screenshot again "
+                  f"{b.screenshot_again:.2f} s); load {os.getloadavg()[0]:.2f}", flush=True)
         figures.overlay_bytes = _allocated(lab.vm.disk) + _allocated(lab.vm.seed)
     return figures
 
@@ -263,6 +276,7 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
 
     restore = step(lambda c: c.restore_total)
     speedup = f.boot_first_observation / restore
+    floor = min(b.floor for b in f.bares)
     served = med([s.total for s in f.servers])
     fmt = save_format()
     save_bytes = max(c.save_bytes for c in f.cycles)
@@ -297,8 +311,12 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
         Row("profile, after a bare restore: AX tree + layout + tabs alone", _s(med([b.tree for b in f.bares])),
             "-"),
         Row("profile, after a bare restore: screenshot alone", _s(med([b.screenshot for b in f.bares])), "-"),
-        Row("restore speed-up over cold boot (to first observation)", f"{speedup:.1f}x", "-",
-            f"≥ {TARGET_SPEEDUP:.0f}x", verdict(speedup >= TARGET_SPEEDUP)),
+        Row("profile: the same screenshot again at once (its code translated)",
+            _s(med([b.screenshot_again for b in f.bares])), "-"),
+        Row("floor: bare virsh restore + tree alone + screenshot alone (fastest cycle)", _s(floor), "-"),
+        Row("restore speed-up over cold boot (to first observation)", f"{speedup:.1f}x",
+            f"{f.boot_first_observation / floor:.1f}x (floor)", f"≥ {TARGET_SPEEDUP:.0f}x",
+            verdict(speedup >= TARGET_SPEEDUP)),
         Row("RAM held while suspended", _mib(suspended_ram), f"{_mib(f.running_ram)} (running)", "0",
             verdict(suspended_ram == 0)),
         Row(f"saved state on disk ({fmt})", _mib(save_bytes),
@@ -323,6 +341,11 @@ def run(quick: bool = False, network: bool = False) -> list[Table]:
         "profile rows: each half alone right after a bare restore, a reconnect and the clock resync (nothing beside "
         "them); the half timed first pays the most for code the new QEMU process translates again (order: "
         + ", ".join("tree first" if b.tree_first else "screenshot first" for b in f.bares) + ")",
+        "floor: a restore returns no sooner than `virsh restore`, and the first observation costs the restored guest "
+        "at least its two halves taken alone over a connection already made (no reconnect, no clock resync beside "
+        "them); the speed-up beside it is the most that floor allows against this run's cold boot. Under TCG the "
+        "first screenshot pays for Chromium's code the new QEMU process translates again (the screenshot again at "
+        "once shows what that costs)",
         f"saved states: save_image_format = \"{fmt}\" in {QEMU_CONF} (libvirt 9.0 has no per-save format)",
         f"{platform.node()}, {os.cpu_count()} CPUs, load average "
         + ", ".join(f"{x:.2f}" for x in os.getloadavg()) + " at the end (the host is shared)",
