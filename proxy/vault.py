@@ -20,7 +20,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -344,12 +344,15 @@ class Vault:
             os.close(fd)
 
 
-def rotate_key_file(vault: Vault, key_path: Path) -> Key:
-    """Rotate to a fresh key, crash-safely: the key file holds new + old keys until every entry is re-encrypted.
+def rotate_key_file(vault: Vault, key_path: Path, *, reseal: Callable[[KeyRing], None] = lambda ring: None) -> Key:
+    """Rotate to a fresh key, crash-safely: the key file holds new + old keys until every entry is re-encrypted
+    and `reseal` (given the ring of both) has sealed under the new key whatever else was sealed under an old one.
 
     A crash at any step leaves a vault readable with the key file as it is, and running this again finishes."""
     new_key = generate_key()
-    write_keys(key_path, KeyRing(current=new_key, previous=(vault.keys.current, *vault.keys.previous)))
+    both = KeyRing(current=new_key, previous=(vault.keys.current, *vault.keys.previous))
+    write_keys(key_path, both)
     vault.rotate(new_key)
+    reseal(both)
     write_keys(key_path, KeyRing(current=new_key))
     return new_key

@@ -30,7 +30,7 @@ from sqlalchemy.dialects.sqlite import dialect as sqlite_dialect
 
 from wakeful.proxy.clock import Clock
 from wakeful.proxy.contract import DecisionRequest, Verdict
-from wakeful.proxy.vault import KEY_ENV, KeyRing, Vault, init_key, keys_from_env
+from wakeful.proxy.vault import KEY_ENV, Key, KeyRing, Vault, init_key, keys_from_env, rotate_key_file
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import WakefulError
 from wakeful.server.observe import metrics
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from wakeful.proxy.audit import EgressRecord
 
 __all__ = ["DeciderService", "ProxyChild", "abort_proxy_start", "decider_token", "new_decider_token", "open_vault",
-           "proxy_port_taken", "run_proxy", "serve_egress", "vault_keys"]
+           "proxy_port_taken", "rotate_vault_key", "run_proxy", "serve_egress", "vault_keys"]
 
 log = logging.getLogger(__name__)
 TOKEN_FILE = "decider.token"
@@ -61,6 +61,19 @@ def vault_keys(settings: Settings) -> KeyRing:
 
 def open_vault(settings: Settings) -> Vault:
     return Vault(settings.vault_path, vault_keys(settings))
+
+
+def rotate_vault_key(settings: Settings) -> Key:
+    """A fresh key in the key file for every credential and for the deployment CA's private key: the old keys leave
+    the file only once both are sealed under the new one (a CA sealed under a key no longer loaded stops the proxy).
+    Raises `VaultError` (`CAError` for the CA) with the old keys still in the file."""
+    from wakeful.proxy.tls import CA_KEY_FILE, load_or_create_ca
+
+    def reseal_ca(both: KeyRing) -> None:
+        if (settings.proxy_dir / CA_KEY_FILE).exists():
+            load_or_create_ca(settings.proxy_dir, both)  # re-seals a key found under an old one
+
+    return rotate_key_file(open_vault(settings), settings.vault_key_path, reseal=reseal_ca)
 
 
 def _token_path(settings: Settings) -> Path:

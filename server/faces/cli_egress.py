@@ -14,9 +14,9 @@ from rich.text import Text
 from sqlalchemy import Engine
 
 from wakeful.proxy.clock import SystemClock
-from wakeful.proxy.vault import KEY_ENV, CredentialNotFound, VaultError, rotate_key_file
+from wakeful.proxy.vault import KEY_ENV, CredentialNotFound, VaultError
 from wakeful.server.egress import grants as egress
-from wakeful.server.egress.proxyctl import open_vault, vault_keys
+from wakeful.server.egress.proxyctl import open_vault, rotate_vault_key, vault_keys
 from wakeful.server.errors import NotFound, WakefulError
 from wakeful.server.faces.cli_common import (
     DataDir,
@@ -172,7 +172,8 @@ def secret_rm(name: str, data_dir: DataDir = None) -> None:
 
 @secret_app.command("rotate-key")
 def secret_rotate_key(data_dir: DataDir = None) -> None:
-    """Re-encrypt every credential under a new key in the key file (safe to run again if interrupted)."""
+    """Re-encrypt every credential and the deployment CA's key under a new key in the key file (safe to run again if
+    interrupted)."""
     import os
 
     settings = settings_or_exit(data_dir, None)
@@ -180,10 +181,10 @@ def secret_rotate_key(data_dir: DataDir = None) -> None:
         err.print(f"[red]wakeful: key_in_environment:[/red] the keys come from {KEY_ENV}; rotate them there")
         raise typer.Exit(2)
     try:
-        key = rotate_key_file(open_vault(settings), settings.vault_key_path)
+        key = rotate_vault_key(settings)
     except VaultError as exc:
         raise _vault_failed(exc) from None
-    typer.echo(f"every credential is now encrypted under key {key.key_id}")
+    typer.echo(f"every credential and the deployment CA's key are now encrypted under key {key.key_id}")
 
 
 # -- audit and tool-computer access --------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_the_secret_commands_in_the_docs_store_list_remove_and_rotate_without_sh
     credential = vault.get("merchant_api")
     assert credential.render() == f"Bearer {key}" and credential.host == "merchant.example.com"
     assert key.encode() not in (tmp_path / "vault.json").read_bytes()
-    assert "every credential is now encrypted under key" in out.stdout  # rotate-key ran last
+    assert "every credential and the deployment CA's key are now encrypted under key" in out.stdout  # rotate-key
     assert vault.list()[0].key_id == load_keys(tmp_path / "vault.key").current.key_id
 
 
@@ -75,6 +75,17 @@ def test_the_ca_in_the_docs_is_a_certificate_and_its_key_is_stored_encrypted(tmp
     key_file = (tmp_path / "proxy" / "ca.key.enc").read_bytes()
     assert b"PRIVATE KEY" not in key_file and (tmp_path / "proxy" / "ca.key.enc").stat().st_mode & 0o077 == 0
     assert run(tmp_path, "proxy", "ca").stdout == pem  # the same CA every time
+
+
+def test_a_key_rotation_carries_the_ca_along_so_the_proxy_still_starts_with_the_ca_the_computers_trust(
+        tmp_path: Path) -> None:
+    pem = run(tmp_path, "proxy", "ca").stdout
+    for _ in range(2):  # the old key leaves the key file at once: the CA must not stay sealed under it
+        run(tmp_path, "secret", "rotate-key")
+        current = load_keys(tmp_path / "vault.key")
+        assert not current.previous
+        assert json.loads((tmp_path / "proxy" / "ca.key.enc").read_text())["key_id"] == current.current.key_id
+        assert run(tmp_path, "proxy", "ca").stdout == pem
 
 
 def test_proxy_help_says_that_without_a_subcommand_it_starts_the_proxy(tmp_path: Path) -> None:
