@@ -25,6 +25,7 @@ from sqlalchemy import and_, select
 from wakeful.server.acting import approvals, ledger
 from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import RunContext
+from wakeful.server.errors import WakefulError
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
 from wakeful.server.sims import Merchant, create_merchant, serve
@@ -36,6 +37,8 @@ __all__ = ["SubscriptionAgent", "run_demo"]
 
 # The example connector declarations ship as package data: an installed package is a folder on disk.
 EXAMPLE_POLICIES = Path(str(files("wakeful.policies")))
+DEMO_MARK = ".wakeful-demo"
+"""The file that says a data directory holds the demo's records (and nothing else): the demo runs there again."""
 
 COMPLETION = [{"effect": "merchant__cancel_renewal",
                "verify": {"read": "merchant__get_subscription", "with": {"subscription": "subscription"},
@@ -88,10 +91,24 @@ def _data_dir(given: Path | None) -> Iterator[Path]:
     """`--data-dir`, else `WAKEFUL_DATA_DIR`, else a temporary folder that goes when the demo ends."""
     named = given or (Path(os.environ["WAKEFUL_DATA_DIR"]) if os.environ.get("WAKEFUL_DATA_DIR") else None)
     if named is not None:
+        _claim(named)
         yield named
         return
     with tempfile.TemporaryDirectory(prefix="wakeful-demo-") as tmp:
         yield Path(tmp)
+
+
+def _claim(directory: Path) -> None:
+    """Refuse a named directory whose database holds records other than an earlier demo's (`DEMO_MARK`): the demo's
+    simulated cancellation, its approval and its spending would join a deployment's chained ledger for good."""
+    database = directory / "wakeful.db"  # the demo's settings name no other
+    if database.is_file() and database.stat().st_size > 0 and not (directory / DEMO_MARK).is_file():
+        raise WakefulError("not_a_demo_directory",
+                           f"{directory} holds other records, which the demo's simulated cancellation, its approval "
+                           "and its spending would join for good: run `wakeful demo` without --data-dir and "
+                           "WAKEFUL_DATA_DIR (it uses a temporary directory), or name an empty directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / DEMO_MARK).write_text("wakeful demo's records: the demo may run here again\n")
 
 
 def run_demo(data_dir: Path | None = None, out: Callable[[str], None] = print) -> int:

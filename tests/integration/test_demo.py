@@ -1,4 +1,5 @@
-"""`wakeful demo` keeps its records where the user says, and runs again on the same data directory."""
+"""`wakeful demo` keeps its records where the user says, runs again on the same data directory, and never writes into
+a deployment's."""
 
 from __future__ import annotations
 
@@ -48,3 +49,15 @@ def test_the_demo_runs_again_on_the_same_data_directory_as_a_new_delegation(tmp_
         history = wakeful("ledger", task, "--data-dir", data, env=env)
         assert "completion → accepted" in history
         assert len(re.findall(r"^\s*\S+\s+approval\s", history, re.M)) == 1  # each run approved its own action
+
+
+def test_the_demo_refuses_a_data_directory_that_holds_a_deployment_and_leaves_it_as_it_was(tmp_path: Path) -> None:
+    env = clean_env(WAKEFUL_DATA_DIR=tmp_path / "data")  # exported for `wakeful serve`, then the demo is tried
+    wakeful("token", env=env)
+    database = tmp_path / "data" / "wakeful.db"
+    before = database.read_bytes()
+    refused = subprocess.run([WAKEFUL, "demo"], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "not_a_demo_directory" in refused.stderr and "Traceback" not in refused.stderr
+    assert "delegated:" not in refused.stdout
+    assert database.read_bytes() == before
