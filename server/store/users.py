@@ -9,11 +9,11 @@ from __future__ import annotations
 from datetime import datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
-from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy import Connection, bindparam, delete, select, update
 
 from wakeful.server.errors import BadRequest, NotFound, Unauthorized
 from wakeful.server.store.ids import new_id, new_token, token_digest
-from wakeful.server.store.tables import users
+from wakeful.server.store.tables import console_sessions, users
 
 __all__ = ["OWNER", "authenticate", "ensure_user", "is_admin", "issue_token", "name_of", "set_zone",
            "user_id_by_name", "zone"]
@@ -39,10 +39,12 @@ def is_admin(conn: Connection, user_id: str) -> bool:
 
 
 def issue_token(conn: Connection, *, user_id: str) -> str:
-    """A fresh token for the user; the old one stops working."""
+    """A fresh token for the user; the old one stops working, and so does every console sign-in made with it (a
+    token is issued again when the old one leaked: a browser signed in with it must not stay in)."""
     token = new_token()
     if conn.execute(update(users).where(users.c.id == user_id).values(token_digest=token_digest(token))).rowcount != 1:
         raise NotFound("unknown_user", f"no user {user_id}")
+    conn.execute(delete(console_sessions).where(console_sessions.c.user_id == user_id))
     return token
 
 
@@ -65,7 +67,8 @@ _ZONE = select(users.c.timezone).where(users.c.id == bindparam("user_id"))
 
 def authenticate(conn: Connection, token: str | None) -> str:
     if not token:
-        raise Unauthorized("missing_token", "send `Authorization: Bearer <token>`; `wakeful token` issues one")
+        raise Unauthorized("missing_token", "send `Authorization: Bearer <token>`: a user's token (`wakeful token`), "
+                                            "or for an MCP client an agent credential (`wakeful agent add`)")
     user_id = conn.execute(_BY_DIGEST, {"digest": token_digest(token)}).scalar_one_or_none()
     if user_id is None:
         raise Unauthorized("bad_token", "that token is not valid (it may have been re-issued)")

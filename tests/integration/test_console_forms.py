@@ -77,6 +77,17 @@ def test_signing_in_sets_a_strict_httponly_secure_cookie_and_signing_out_ends_th
     assert client.get("/", follow_redirects=False).status_code == 303
 
 
+@BOTH
+def test_a_token_issued_again_ends_the_console_sessions_signed_in_with_the_old_one(
+        setup: tuple[World, TestClient, str], engine: Engine, owner: str) -> None:
+    _, client, token = setup
+    sign_in(client, token)
+    assert client.get("/", follow_redirects=False).status_code == 200
+    with write(engine) as conn:
+        issue_token(conn, user_id=owner)  # what `wakeful token` does when the old one leaked
+    assert client.get("/", follow_redirects=False).headers["location"] == "/signin?next=%2F"
+
+
 def test_a_wrong_token_or_a_foreign_next_does_not_sign_in_or_leave_the_server(
         setup: tuple[World, TestClient, str]) -> None:
     _, client, token = setup

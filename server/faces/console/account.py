@@ -1,7 +1,7 @@
 """Signing in and out, the home page, and STOP / START for the signed-in user.
 
     GET  /             what needs the user: pending approvals, active tasks (the sign-in page when signed out)
-    GET  /signin       the form: paste a user token (`wakeful token` prints one)
+    GET  /signin       the form: paste a user token (`wakeful serve` prints the owner's at its first start)
     POST /signin       → a console session cookie, then the page asked for (`next`, a path on this server only)
     POST /signout      ends the session
     POST /stop|start   the user's STOP / START, through the same function as `POST /v1/control/stop|start`
@@ -84,8 +84,8 @@ def signin(request: Request, form: Form) -> Response:
         with write(rt.engine) as conn:
             session_id, _session = sign_in(conn, token=form.get("token", ""), now=rt.clock.now())
     except Unauthorized:
-        return signin_form(request, next=form.get("next", "/"), error="That token is not valid: paste the token "
-                                                                      "`wakeful token` printed.")
+        return signin_form(request, next=form.get("next", "/"),
+                           error="That token is not valid: paste your latest token (`wakeful token` issues a new one).")
     except Refused as refused:  # an agent credential
         return _signin_page(request, next=form.get("next", "/"), error=refused.message[:1].upper()
                             + refused.message[1:] + ".", status=403)

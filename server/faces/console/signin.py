@@ -2,8 +2,9 @@
 
 Only the ID's SHA-256 digest is stored, beside the user, the session's CSRF token and its expiry: a database reader
 cannot sign in as anyone. Every form carries the CSRF token and every POST is checked against it
-(`check_csrf`); signing out deletes the row. A token re-issued with `wakeful token` does not end sessions already
-signed in with the old one (they expire), as a password change does not end a bank's open sessions; sign out ends one.
+(`check_csrf`); signing out deletes the row. A token issued again with `wakeful token` ends every session signed in
+with the old one (`users.issue_token`): it is how a user answers a leaked token, and only the browser that signed
+in could end its session otherwise.
 """
 
 from __future__ import annotations
