@@ -24,7 +24,7 @@ from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.server.acting.connectors import Registry, load_connectors
 from wakeful.server.acting.policy import load_policy
 from wakeful.server.computers.handoff import LiveViews
-from wakeful.server.computers.pool import Computers, LazyVmComputers, missing_vm_packages
+from wakeful.server.computers.pool import Computers, LazyVmComputers
 from wakeful.server.computers.remote import ActionLocks, ComputerServer, RemoteComputers, computers_socket
 from wakeful.server.core import control, faults, outbox, speaking, timers, waits
 from wakeful.server.core.inbox import GroupCommitter
@@ -39,7 +39,7 @@ from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.egress.pacing import Pacing
 from wakeful.server.harness.handlers import EchoHandler, NoModelHandler
 from wakeful.server.memory import expire_task
-from wakeful.server.settings import Settings
+from wakeful.server.settings import Settings, missing_vm_packages
 from wakeful.server.store import users
 from wakeful.server.store.db import make_engine, migrate, read, write
 from wakeful.server.store.tables import TimerState, WaitState

@@ -12,6 +12,7 @@ child can never disagree on a port or a directory.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 import os
@@ -19,7 +20,7 @@ import re
 import tomllib
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -31,8 +32,8 @@ from pydantic_settings import (
 )
 from sqlalchemy.engine import make_url
 
-__all__ = ["RESOLVED_ENV", "ComputerHost", "ConfigFileError", "Settings", "SourceSettings", "child_environment",
-           "config_file", "load_settings", "parse_listen"]
+__all__ = ["RESOLVED_ENV", "VM_PACKAGES", "ComputerHost", "ConfigFileError", "Settings", "SourceSettings",
+           "child_environment", "config_file", "load_settings", "missing_vm_packages", "parse_listen"]
 
 RESOLVED_ENV = "WAKEFUL_RESOLVED_SETTINGS"
 """The parent's resolved settings as JSON, for its children (never set it by hand: use `WAKEFUL_CONFIG`)."""
@@ -161,6 +162,21 @@ class ComputerHost(BaseModel):
         return self
 
 
+VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
+"""What the `computers` extra installs (`./scripts/install --computers`)."""
+
+
+def missing_vm_packages() -> list[str]:
+    """The VM stack's libraries that are not installed (looked up, not imported)."""
+    def missing(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except ImportError:  # a finder that refuses the name outright
+            return True
+
+    return [name for name in VM_PACKAGES if missing(name)]
+
+
 def _default_data_dir() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "wakeful"
 
@@ -210,8 +226,9 @@ class Settings(BaseSettings):
     vault_key_file: Path | None = None
     """The credential vault's key file; default `<data_dir>/vault.key`, created on first use. The environment
     variable `WAKEFUL_VAULT_KEY` (base64 keys, comma-separated, current first) is used instead when set."""
-    computers: bool = True
-    """Give each user a tool computer (a VM from `wakeful image build`, started on first use, suspended when idle)."""
+    computers: bool = Field(default_factory=lambda: not missing_vm_packages())
+    """Give each user a tool computer (a VM from `wakeful image build`, started on first use, suspended when idle).
+    Default: on when the VM packages are installed (`./scripts/install --computers`), else off."""
     computer_image: str = "guest"
     """The image under `<data_dir>/images/` tool computers boot from."""
     computer_idle_after: Duration = timedelta(minutes=10)

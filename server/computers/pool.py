@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import logging
 import operator
 import re
@@ -348,21 +347,6 @@ def guest_socket(fleet: HostFleet | None, info: VmInfo) -> Callable[[], object |
     (re)connect asks the fleet where the VM runs now and opens a channel there (None from it: here, directly).
     Without a fleet: None, a plain TCP connection."""
     return None if fleet is None else functools.partial(fleet.open_to, info.name, info.ssh_endpoint)
-
-
-VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
-"""What the `computers` extra installs (`./scripts/install --computers`)."""
-
-
-def missing_vm_packages() -> list[str]:
-    """The VM stack's libraries that are not installed (looked up, not imported)."""
-    def missing(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(name) is None
-        except ImportError:  # a finder that refuses the name outright
-            return True
-
-    return [name for name in VM_PACKAGES if missing(name)]
 
 
 def _build_vm_computers(settings: Settings, clock: Clock, credential: Callable[[str], ProxyCredential]) -> VmComputers:

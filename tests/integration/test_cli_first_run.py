@@ -276,12 +276,20 @@ def without_vm_packages(tmp_path: Path) -> str:
     return str(blocked)
 
 
-def test_serve_runs_a_delegation_without_the_vm_packages(tmp_path: Path, without_vm_packages: str) -> None:
+@pytest.mark.parametrize("asked", [False, True], ids=["computers as by default", "computers = true"])
+def test_serve_runs_a_delegation_without_the_vm_packages(tmp_path: Path, without_vm_packages: str,
+                                                         asked: bool) -> None:
     port = free_port()
     env = _env(WAKEFUL_DATA_DIR=str(tmp_path), WAKEFUL_PORT=str(port), WAKEFUL_PROXY="false",
-               PYTHONPATH=without_vm_packages)
+               PYTHONPATH=without_vm_packages, **({"WAKEFUL_COMPUTERS": "true"} if asked else {}))
     with serving(tmp_path, env=env) as proc:
         wait_until(lambda: _healthy(proc, port, tmp_path), SERVE_START, "serve to answer without the VM packages")
+        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10)
+        if asked:  # tool computers were asked for: not ready, saying what to install
+            assert ready.status_code == 503, ready.text
+            assert "./scripts/install --computers" in ready.json()["error"]["checks"]["libvirt"]
+        else:  # the default follows what is installed: no tool computers, and nothing missing
+            assert ready.status_code == 200 and "libvirt" not in ready.json()["checks"], ready.text
         auth = {"Authorization": f"Bearer {_said(tmp_path, 'stdout').strip()}"}
         task = httpx.post(f"http://127.0.0.1:{port}/v1/tasks", json={"title": "t"}, headers=auth, timeout=10).json()
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/v1/tasks/{task['task_id']}", headers=auth,
@@ -290,7 +298,8 @@ def test_serve_runs_a_delegation_without_the_vm_packages(tmp_path: Path, without
         assert proc.wait(timeout=30) in CLEAN_EXIT
     said = _said(tmp_path, "stderr")
     assert "Traceback" not in said
-    assert "the VM packages are missing (libvirt, paramiko, playwright)" in said  # said at the start, not at first use
+    # said at the start, not at first use, when they were asked for
+    assert ("the VM packages are missing (libvirt, paramiko, playwright)" in said) is asked
     assert "no connectors:" in said  # and that the agent has no connector tools, with what to do about it
 
 

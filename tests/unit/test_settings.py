@@ -3,6 +3,7 @@ defaults; the config file follows the data directory the flags name; a child get
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -119,3 +120,15 @@ def test_every_command_a_message_in_the_code_names_exists() -> None:
              for m in re.finditer(r"`wakeful ([a-z][a-z-]*(?: [a-z][a-z-]*)?)", path.read_text())}
     unknown = {(str(p), n) for p, n in named if n not in commands and n.split(" ")[0] not in commands}
     assert not unknown
+
+
+@pytest.mark.parametrize("installed", [True, False], ids=["with the VM packages", "without them"])
+def test_tool_computers_are_on_by_default_only_where_their_packages_are_installed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: find_spec(name, *a) if installed or name != "libvirt" else None)
+    monkeypatch.delenv("WAKEFUL_COMPUTERS", raising=False)
+    assert Settings(data_dir=tmp_path).computers is installed
+    (tmp_path / "wakeful.toml").write_text("computers = true\n")  # asked for: on, and /readyz says what is missing
+    assert load_settings(data_dir=tmp_path).computers is True
