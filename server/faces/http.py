@@ -156,6 +156,12 @@ class _Connections(set[Any]):
         self._on_open()
 
 
+def _said_json(request: Request) -> bool:
+    """Whether the request declared a JSON body, as FastAPI reads it (`application/json`, `application/…+json`)."""
+    mime = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    return re.fullmatch(r"application/([\w.-]+\+)?json", mime) is not None
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     """The one place an error becomes an HTTP response: `{"error": {"code", "message", ...}}` with a stable code.
 
@@ -470,7 +476,13 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
             app.mount("/novnc", StaticFiles(directory=NOVNC_DIR), name="novnc")
             described.append(NOVNC)
 
-    async def _error(_request: Request, exc: Exception) -> JSONResponse:
+    async def _error(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RequestValidationError) and not _said_json(request) \
+                and all(p.get("loc", ["body"])[0] == "body" for p in exc.errors()):
+            # FastAPI reads a body not declared JSON as bytes, and says they are not an object
+            said = request.headers.get("content-type") or "no Content-Type"
+            exc = BadRequest("malformed_body", f"the body is JSON: send it with `Content-Type: application/json` "
+                                               f"(this request said {said})")
         return error_response(exc)
 
     for caught in (WakefulError, RequestValidationError, HTTPException, Exception):

@@ -106,6 +106,18 @@ def test_each_error_answers_the_documented_shape_with_a_stable_code(
     assert f"`{code}`" in DOC, f"docs/http-api.md does not name the code {code}"
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded"])
+def test_a_json_body_sent_without_saying_it_is_json_is_told_to_say_so(server: Server,
+                                                                      content_type: str | None) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}  # curl -d sends the second
+    response = server.request("POST", "/v1/tasks", token=server.token, content=b'{"title": "x"}', headers=headers)
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["code"] == "malformed_body"
+    assert "send it with `Content-Type: application/json`" in error["message"]
+    assert (content_type or "no Content-Type") in error["message"]
+
+
 def test_a_wrong_method_says_which_methods_the_path_takes(server: Server) -> None:
     response = server.request("DELETE", "/v1/control", token=server.token)
     assert response.headers["allow"] == "GET"
