@@ -47,6 +47,9 @@ def read_export(lines: Iterable[str], key: PublicKey) -> Verdict:
         try:
             item = json.loads(line)
             if number == 1:
+                if isinstance(item, dict) and "task_id" in item and "format" not in item:
+                    raise ValueError("it is a task's history, as `wakeful ledger export -o FILE` writes; "
+                                     "`wakeful ledger export FILE` writes the ledger export")
                 if item.get("format") != FORMAT:
                     raise ValueError(f"not a {FORMAT} file")
             elif "checkpoint" in item:

@@ -614,6 +614,9 @@ def ledger_cmd(task: Annotated[str, typer.Argument(help="A task ID; `export` for
     checkpoints and names the first bad row (exit 1); `wakeful ledger export FILE` writes the rows with their
     hashes and checkpoints; `wakeful ledger verify --export FILE --key KEY` checks such a file offline;
     `wakeful ledger key` prints the public key."""
+    if task == "export" and file is not None and output is not None:
+        _fail(BadRequest("invalid_parameter", f"`export {file}` writes the verifiable ledger and `export -o {output}` "
+                                              "every task's history as JSON Lines: give one"))
     if task in ("verify", "key") or (task == "export" and file is not None):
         from wakeful.server.faces import cli_ledger
 

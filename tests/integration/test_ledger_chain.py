@@ -318,4 +318,11 @@ def test_the_command_line_refuses_what_it_cannot_check_in_one_line(tmp_path: Pat
     assert hostile.returncode == 2 and "wakeful: invalid_export: line 2 " in hostile.stderr
     missing = wakeful(None, tmp_path, "verify", "--export", str(tmp_path / "none.jsonl"), "--key", key)
     assert missing.returncode == 2 and "wakeful: cannot_read:" in missing.stderr
-    assert "Traceback" not in empty.stderr + no_key.stderr + bad_key.stderr + hostile.stderr + missing.stderr
+    (tmp_path / "histories.jsonl").write_text('{"task_id": "task_1", "kind": "task", "at": "2026-12-01T00:00:00"}\n')
+    mixed_up = wakeful(None, tmp_path, "verify", "--export", str(tmp_path / "histories.jsonl"), "--key", key)
+    assert mixed_up.returncode == 2 and "`wakeful ledger export -o FILE` writes" in mixed_up.stderr
+    both = wakeful(None, tmp_path, "export", str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "b.jsonl"))
+    assert both.returncode == 2 and "wakeful: invalid_parameter:" in both.stderr and "give one" in both.stderr
+    assert not (tmp_path / "a.jsonl").exists() and not (tmp_path / "b.jsonl").exists()
+    assert "Traceback" not in (empty.stderr + no_key.stderr + bad_key.stderr + hostile.stderr + missing.stderr
+                               + mixed_up.stderr + both.stderr)
