@@ -26,7 +26,7 @@ from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
 from wakeful.server.store.db import write
 from wakeful.server.store.tables import control as control_table
-from wakeful.server.store.tables import decisions, runs
+from wakeful.server.store.tables import decisions, run_contexts, runs
 from wakeful.server.store.users import ensure_user, is_admin, issue_token, user_id_by_name
 
 BOTH = pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
@@ -212,6 +212,22 @@ def test_a_run_of_20000_steps_is_shown_a_page_at_a_time_in_step_order(setup: tup
     assert following is not None
     second = client.get(following.group(1).replace("&amp;", "&"))
     assert re.findall(r"<tr><td>(\d+)<div", second.text) == [str(n) for n in range(50, 100)]
+
+
+def test_a_run_page_offers_wakeful_replay_only_for_a_run_that_kept_its_model_context(
+        setup: tuple[World, TestClient, str]) -> None:
+    w, client, token = setup
+    task = w.task("two runs")
+    with write(w.engine) as conn:
+        for run_id in ("run_echo", "run_model"):
+            conn.execute(runs.insert().values(id=run_id, session_id=task.session_id, user_id=w.owner, fencing_token=1,
+                                              worker="test", outcome="completed", steps=1, started_at=w.clock.now()))
+        conn.execute(run_contexts.insert().values(run_id="run_model", prefix_sha256="0" * 64, prefix="p", tail="{}",
+                                                  model="m", harness_version="1", created_at=w.clock.now()))
+    sign_in(client, token)
+    echo, model = client.get("/runs/run_echo").text, client.get("/runs/run_model").text
+    assert "wakeful replay" not in echo and "a run without a model records none" in echo
+    assert "<code>wakeful replay run_model</code>" in model and "1 step ·" in model
 
 
 def test_hostile_posts_are_refused_with_a_page_and_a_code_never_a_500(setup: tuple[World, TestClient, str]) -> None:

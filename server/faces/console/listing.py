@@ -24,6 +24,7 @@ from wakeful.server.store.tables import (
     decisions,
     events,
     outbox,
+    run_contexts,
     runs,
     tasks,
     timers,
@@ -170,5 +171,7 @@ def run_history(conn: Connection, *, user_id: str, run_id: str, cursor: str | No
             results.setdefault(r.step, []).append({"tool": r.tool, "result": r.result[:500]})
     rows = [{"step": s.step, "at": s.created_at, "proposal": s.proposal[:1000], "results": results.get(s.step, [])}
             for s in shown]
-    return dict(run._mapping), Page(rows=rows, next=encode_cursor([str(shown[-1].step)]) if len(steps) > limit
-                                    else None)
+    # only a model's run keeps the context `wakeful replay` re-runs it from (the echo handler's does not)
+    replayable = conn.execute(select(run_contexts.c.run_id).where(run_contexts.c.run_id == run_id)).first() is not None
+    return {**run._mapping, "replayable": replayable}, Page(
+        rows=rows, next=encode_cursor([str(shown[-1].step)]) if len(steps) > limit else None)
