@@ -492,8 +492,8 @@ Text = Annotated[str, typer.Argument(help="What you want the agent to hear, in y
 
 
 @app.command("say")
-def say_to_task(task: Target, text: Text, user: UserOpt = "owner", data_dir: DataDir = None,
-                database_url: DbUrl = None) -> None:
+def say_to_task(task: Annotated[str, typer.Argument(help="The task's ID (task_…).")], text: Text,
+                user: UserOpt = "owner", data_dir: DataDir = None, database_url: DbUrl = None) -> None:
     """Write to the agent about a task. The task is held at once (nothing new goes out) and a run in progress
     stops at its next step; the next run reads your message and either confirms a pause or lets the work go on."""
     if not text.strip():

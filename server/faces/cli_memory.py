@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from wakeful.server.errors import BadRequest, WakefulError
-from wakeful.server.faces.cli_common import DataDir, DbUrl, Json, fail, open_engine, print_json, settings_or_exit
+from wakeful.server.faces.cli_common import DataDir, DbUrl, Json, err, fail, open_engine, print_json, settings_or_exit
 
 if TYPE_CHECKING:
     from sqlalchemy import Connection
@@ -101,6 +101,8 @@ def list_cmd(form: Annotated[str | None, typer.Option(help="Only this form (pref
         return
     for record in page["records"]:
         typer.echo(_line(record))
+    if not page["records"]:
+        err.print("no memory records" + (" match" if form or state or review or task or after else ""))
     if page["next"]:
         typer.echo(f"more: --after {page['next']}")
 

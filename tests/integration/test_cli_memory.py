@@ -142,6 +142,9 @@ def test_the_http_examples_in_the_docs_run_as_written(served: Served) -> None:
 
 
 def test_a_refusal_is_one_line_with_its_code_and_exit_2(served: Served) -> None:
+    empty, none_pending = (run(served.data, "memory", "list", *more) for more in ((), ("--state", "pending")))
+    assert (empty.stdout, empty.stderr.strip()) == ("", "no memory records")  # said, not left blank
+    assert none_pending.stderr.strip() == "no memory records match"
     for args, code in ((["confirm", "mem_nope"], "unknown_memory"),
                        (["add", "hypothesis", "x", "--subject", "s", "--relation", "r", "--value", "v"],
                         "invalid_memory"),
