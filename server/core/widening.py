@@ -14,11 +14,12 @@ Each widening is said in plain words, for the card that asks the user.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Delegation", "over_ceilings", "widenings"]
+__all__ = ["MAX_CEILING", "Delegation", "ceiling_problem", "over_ceilings", "widenings"]
 
 _SHOWN = 80
 """Characters of a value a widening quotes: enough to recognise it, never a wall of text on a card."""
@@ -49,6 +50,18 @@ def _number(value: Any) -> bool:
 
 def _ceiling(key: str) -> bool:
     return key.startswith("max_")
+
+
+MAX_CEILING = 2**53
+"""The largest ceiling a constraint may hold: every number up to it compares exactly, in JSON readers too."""
+
+
+def ceiling_problem(key: str, value: Any) -> str | None:
+    """What is wrong with a constraint as a task version may hold it (None: nothing): a `max_…` key is a ceiling, a
+    number from 0 to `MAX_CEILING` (not negative, not NaN or infinite, not too large to compare)."""
+    if not _ceiling(key) or (_number(value) and math.isfinite(value) and 0 <= value <= MAX_CEILING):
+        return None
+    return f"{key} is a ceiling: a number from 0 to {MAX_CEILING}, not {_shown(value)}"
 
 
 def _constraint_widening(key: str, old: Any, new: Any, *, had: bool, has: bool) -> str | None:

@@ -67,6 +67,7 @@ from wakeful.server.store import users
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, events, outbox
 from wakeful.server.tools.layer import Completion
+from wakeful.server.tools.specs import Constraints
 
 __all__ = ["ControlIn", "decide", "router", "set_everything_stop", "set_stop", "transition"]
 
@@ -94,7 +95,7 @@ class TaskIn(BaseModel):
     model_config = {"extra": "forbid"}
     title: str = Field(min_length=1, max_length=2000)
     goal: str | None = Field(default=None, max_length=4000)
-    constraints: dict[str, Any] = Field(default_factory=dict)
+    constraints: Constraints
     completion: list[Completion] = Field(default_factory=list)
     keys: list[str] = Field(default_factory=list, max_length=MAX_KEYS,
                             description="Correlation keys of the task (a PNR, an order number, a mail thread ID): a "
@@ -104,7 +105,7 @@ class TaskIn(BaseModel):
 class SteerIn(BaseModel):
     model_config = {"extra": "forbid"}
     goal: str = Field(min_length=1, max_length=4000)
-    constraints: dict[str, Any] = Field(default_factory=dict)
+    constraints: Constraints
     completion: list[Completion] = Field(default_factory=list)
 
 

@@ -27,6 +27,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -49,11 +50,12 @@ from wakeful.server.acting.connectors import (
 from wakeful.server.computers.pool import ACT_TOOL, HANDOFF_TOOL, OBSERVE_TOOL, ActArgs
 from wakeful.server.core.keys import KEY_PATTERN, MAX_KEYS
 from wakeful.server.core.speaking import Level, Urgency
+from wakeful.server.core.widening import ceiling_problem
 from wakeful.server.errors import BadRequest
 from wakeful.server.memory.model import Proposal
 
-__all__ = ["RETURN_RESULT", "TASK_ID_PATTERN", "Completion", "Face", "Hints", "ToolSpec", "Verify", "connector_args",
-           "helper_specs", "input_schema", "TaskRef", "spec", "tool_specs", "urgency_of"]
+__all__ = ["RETURN_RESULT", "TASK_ID_PATTERN", "Completion", "Constraints", "Face", "Hints", "ToolSpec", "Verify",
+           "connector_args", "helper_specs", "input_schema", "TaskRef", "spec", "tool_specs", "urgency_of"]
 
 TASK_ID_PATTERN: Final = "^task_[0-9a-z]+$"
 
@@ -115,10 +117,22 @@ TaskKey = Annotated[str, Field(pattern=KEY_PATTERN, description="A correlation k
                                                                   "thread ID (1 to 200 characters, no spaces).")]
 
 
+def _ceilings_hold_numbers(constraints: dict[str, Any]) -> dict[str, Any]:
+    problems = [p for key, value in constraints.items() if (p := ceiling_problem(key, value)) is not None]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return constraints
+
+
+Constraints = Annotated[dict[str, Any], AfterValidator(_ceilings_hold_numbers),
+                        Field(default_factory=dict, description='e.g. {"max_amount_cents": 5000}: a key named '
+                              'max_… is a ceiling, a number from 0 to 2^53')]
+
+
 class CreateResponsibility(_Args):
     title: Annotated[str, Field(min_length=1, max_length=2000)]
     goal: Annotated[str, Field(max_length=4000)] | None = None
-    constraints: dict[str, Any] = Field(default_factory=dict, description='e.g. {"max_amount_cents": 5000}')
+    constraints: Constraints
     completion: list[Completion] = Field(default_factory=list, max_length=20, description=_COMPLETION_ABOUT)
     keys: list[TaskKey] = Field(default_factory=list, max_length=MAX_KEYS,
                                 description="Keys that lead a delivery carrying them to this task.")
@@ -126,7 +140,7 @@ class CreateResponsibility(_Args):
 
 class SteerResponsibility(_Args):
     goal: Annotated[str, Field(min_length=1, max_length=4000)]
-    constraints: dict[str, Any] = Field(default_factory=dict, description='e.g. {"max_amount_cents": 5000}')
+    constraints: Constraints
     completion: list[Completion] = Field(default_factory=list, max_length=20, description=_COMPLETION_ABOUT)
 
 

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from tests.support.acting import CANCEL_VERIFIED, World, world
+from tests.support.docs import DOCS, fenced, section
 from wakeful.proxy.clock import FakeClock
 from wakeful.server.core.worker import Binding
 from wakeful.server.faces.http import create_app
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.runtime import Runtime
 from wakeful.server.settings import Settings
-from wakeful.server.store.db import write
+from wakeful.server.store.db import read, write
+from wakeful.server.store.tables import task_keys, task_versions
 from wakeful.server.store.users import ensure_user, issue_token
 
 
@@ -78,3 +81,17 @@ def test_another_user_cannot_see_or_approve_the_action(setup: tuple[World, TestC
         assert response.status_code == 404
     assert client.post("/v1/tasks", json={"title": "x", "completion": [{"effect": "nope__x"}]},
                        headers=auth).json()["error"]["code"] == "unknown_tool"
+
+
+def test_the_delegation_body_in_the_docs_is_accepted_as_written_and_its_ceiling_is_the_tasks(
+        setup: tuple[World, TestClient, dict]) -> None:
+    w, client, auth = setup
+    body = json.loads(fenced(section((DOCS / "http-api.md").read_text(), "### A delegation's body"), "json"))
+    assert body["completion"] == CANCEL_VERIFIED  # the example merchant's own tools, as the tests use them
+    created = client.post("/v1/tasks", json=body, headers=auth)
+    assert created.status_code == 201, created.text
+    task_id = created.json()["task_id"]
+    with read(w.engine) as conn:
+        version = conn.execute(select(task_versions.c.constraints).where(task_versions.c.task_id == task_id)).one()
+        keys = conn.execute(select(task_keys.c.key).where(task_keys.c.task_id == task_id)).scalars().all()
+    assert json.loads(version.constraints) == {"max_amount_cents": 5000} and keys == ["SUB-1042"]
