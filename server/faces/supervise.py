@@ -148,7 +148,10 @@ class Supervisor:
         signal.set_wakeup_fd(self._signal_w)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._asked_to_stop)
+        own = self._run_dir / "serve.pid"  # the process to send SIGTERM to, beside its children's
         try:
+            self._run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            own.write_text(f"{os.getpid()}\n")
             if "proxy" in self._children:
                 new_decider_token(self._settings)
             for child in self._children.values():
@@ -157,6 +160,7 @@ class Supervisor:
         finally:
             signal.set_wakeup_fd(-1)
             crashed = self._stop_all()
+            own.unlink(missing_ok=True)
         # A child that reached an armed crash point while being stopped died there all the same: serve says so.
         return faults.EXIT_CODE if crashed and code == 0 else code
 

@@ -100,10 +100,11 @@ def test_serve_starts_api_worker_and_proxy_and_sigterm_stops_them_all(tmp_path: 
     with ServeProcess(_env(tmp_path), log_path=tmp_path / "serve.log") as server:
         children = _all_children(tmp_path, server)
         assert len(set(children.values()) | {server.pid}) == 4
+        assert int((tmp_path / "run" / "serve.pid").read_text()) == server.pid  # what to send SIGTERM to
         code, killed = server.terminate(grace=60)
         assert (code, killed) == (0, False), server.log()
     assert not any(map(_alive, children.values()))
-    assert _pids(tmp_path) == {}
+    assert _pids(tmp_path) == {} and not (tmp_path / "run" / "serve.pid").exists()
 
 
 def _threads(pid: int) -> int:
