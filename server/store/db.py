@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import operator
 import re
 import sqlite3
@@ -399,6 +400,9 @@ def migrate(engine: Engine, revision: str = "head") -> None:
 
 
 def _migrate(conn: Connection, revision: str) -> None:
+    # alembic's plugins announce themselves at INFO as it is imported, seven lines of every first start (the upgrades
+    # it runs still say what they do)
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     from alembic import command
     from alembic.script import ScriptDirectory
     from alembic.script.revision import RevisionError

@@ -148,6 +148,7 @@ def test_the_first_start_prints_the_owner_token_alone_on_stdout_and_the_migratio
         token = _said(tmp_path, "stdout")
         assert re.fullmatch(r"wk_\S+\n", token), token
         assert "Running upgrade" in _said(tmp_path, "stderr") and token.strip() not in _said(tmp_path, "stderr")
+        assert "setup plugin" not in _said(tmp_path, "stderr")  # alembic's own start-up chatter
         assert httpx.get(f"http://127.0.0.1:{port}/v1/control", timeout=5,
                          headers={"Authorization": f"Bearer {token.strip()}"}).status_code == 200
         proc.send_signal(signal.SIGTERM)
