@@ -89,6 +89,8 @@ def sim(which: Annotated[str, typer.Argument(help="merchant, airline, hotel, mai
         = None,
         tls: Annotated[bool, typer.Option("--tls", help="Serve HTTPS with a throwaway self-signed certificate.")]
         = False,
+        cert_out: Annotated[Path | None, typer.Option(help="With --tls: write the certificate (not its key) here, "
+                                                           "for a server's egress_upstream_ca.")] = None,
         webhook_url: Annotated[str | None, typer.Option(help="Where signed webhooks go ({sim}: the name).")] = None,
         webhook_secret_file: Annotated[Path | None, typer.Option(help=f"The signing secret [env {SECRET_ENV}].")]
         = None,
@@ -96,12 +98,21 @@ def sim(which: Annotated[str, typer.Argument(help="merchant, airline, hotel, mai
                                                         "POST /_sim/webhooks/flush).", min=0)] = 0.5) -> None:
     """Run simulated services on 127.0.0.1 until interrupted (Ctrl-C or SIGTERM)."""
     from wakeful.server.sims import SimClock
-    from wakeful.server.sims.fleet import running, self_signed_pem
+    from wakeful.server.sims.fleet import certificate_of, running, self_signed_pem
 
     names = _names(which)
     target = _target(webhook_url, webhook_secret_file, names)
+    if cert_out is not None and not tls:
+        say("invalid_parameter", "--cert-out writes the certificate --tls serves with: give --tls too")
+        raise typer.Exit(2)
     with tempfile.TemporaryDirectory(prefix="wakeful-sim-") as tmp, ExitStack() as stack:
         pem = self_signed_pem(Path(tmp)) if tls else None
+        if pem is not None and cert_out is not None:
+            try:
+                cert_out.write_bytes(certificate_of(pem))
+            except OSError as exc:
+                say("cannot_write", f"cannot write {cert_out}: {exc.strerror}")
+                raise typer.Exit(2) from None
         try:
             fleet = stack.enter_context(running(names, clock=SimClock(), ports=port or [], tls=pem, webhooks=target,
                                                 flush_every=flush_every or None))
@@ -114,6 +125,8 @@ def sim(which: Annotated[str, typer.Argument(help="merchant, airline, hotel, mai
                 typer.echo(f"  {started.url}/_sim/{control}")
         if target is not None:
             typer.echo(f"webhooks -> {target.url}")
+        if cert_out is not None:
+            typer.echo(f"certificate {cert_out}", err=True)
         typer.echo("ready (Ctrl-C to stop)", err=True)
         _until_signalled()
     typer.echo("stopped", err=True)

@@ -30,7 +30,7 @@ from wakeful.server.sims.hotel import create_hotel
 from wakeful.server.sims.mail import create_mail
 from wakeful.server.sims.merchant import create_merchant
 
-__all__ = ["CORRELATION", "SIMULATORS", "Running", "WebhookTarget", "running", "self_signed_pem"]
+__all__ = ["CORRELATION", "SIMULATORS", "Running", "WebhookTarget", "certificate_of", "running", "self_signed_pem"]
 
 SIMULATORS: dict[str, Callable[[SimClock], tuple[FastAPI, Sim]]] = {
     "merchant": lambda clock: create_merchant(clock=clock),
@@ -76,6 +76,13 @@ def self_signed_pem(directory: Path) -> Path:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     path.chmod(0o600)
     return path
+
+
+def certificate_of(pem: Path) -> bytes:
+    """The certificate alone from a `self_signed_pem` file (what a client trusts; the key stays behind)."""
+    text = pem.read_bytes()
+    end = b"-----END CERTIFICATE-----\n"
+    return text[:text.index(end) + len(end)]
 
 
 @contextmanager

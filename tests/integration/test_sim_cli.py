@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,16 +26,17 @@ SIMS = ("merchant", "airline", "hotel", "mail")
 def test_the_docs_sim_commands_are_the_ones_these_tests_run() -> None:
     assert doc_commands("evaluation.md", "sim") == [
         ["all", "--webhook-url", "http://127.0.0.1:8787/v1/hooks/{sim}"],
-        ["all", "--tls", "--port", "9101", "--port", "9102", "--port", "9103", "--port", "9104"]]
+        ["all", "--tls", "--cert-out", "sims.pem", "--port", "9101", "--port", "9102", "--port", "9103", "--port",
+         "9104"]]
 
 
 @contextmanager
-def sim_process(*args: str, lines_before_ready: int,
-                env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+def sim_process(*args: str, lines_before_ready: int, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
     """`wakeful sim ARGS`, with the lines it prints once its servers listen (five per simulator, one more for
     the webhook target)."""
     process = subprocess.Popen([str(WAKEFUL), "sim", *args], env={**os.environ, **(env or {})}, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, cwd=cwd)
     try:
         lines: list[str] = []
         assert process.stdout is not None
@@ -84,13 +86,16 @@ def test_the_simulators_send_signed_webhooks_that_a_real_server_records_and_stop
             assert "stopped" in (process.stderr.read() if process.stderr else "")
 
 
-def test_all_simulators_serve_https_on_the_ports_given() -> None:
+def test_all_simulators_serve_https_on_the_ports_given_with_the_certificate_they_write(tmp_path: Path) -> None:
     ports = {str(doc_port): str(free_port()) for doc_port in range(9101, 9105)}
     args = [ports.get(a, a) for a in doc_commands("evaluation.md", "sim")[1]]
-    with sim_process(*args, lines_before_ready=20) as (process, lines):
+    with sim_process(*args, lines_before_ready=20, cwd=tmp_path) as (process, lines):
         urls = [line.split()[1] for line in lines if len(line.split()) == 2]
         assert urls == [f"https://127.0.0.1:{p}" for p in ports.values()]
-        booking = httpx.get(f"{urls[1]}/v1/bookings/PNR123", verify=False).json()
+        written = (tmp_path / "sims.pem").read_text()
+        assert "PRIVATE KEY" not in written
+        trusting = ssl.create_default_context(cafile=str(tmp_path / "sims.pem"))  # that certificate alone
+        booking = httpx.get(f"https://localhost:{ports['9102']}/v1/bookings/PNR123", verify=trusting).json()
         assert booking["pnr"] == "PNR123"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=15) == 0
@@ -114,3 +119,10 @@ def test_a_port_already_taken_is_named_in_a_one_line_refusal() -> None:
     assert result.returncode == 2
     assert "wakeful: not_started: " in result.stderr and str(port) in result.stderr.splitlines()[-1]
     assert "Traceback" not in result.stderr
+
+
+def test_a_certificate_file_without_tls_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    result = subprocess.run([str(WAKEFUL), "sim", "merchant", "--cert-out", str(tmp_path / "c.pem")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "invalid_parameter" in result.stderr and result.stdout == ""
+    assert not (tmp_path / "c.pem").exists()
