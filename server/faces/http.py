@@ -480,7 +480,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
         if isinstance(exc, RequestValidationError) and not _said_json(request) \
                 and all(p.get("loc", ["body"])[0] == "body" for p in exc.errors()):
             # FastAPI reads a body not declared JSON as bytes, and says they are not an object
-            said = request.headers.get("content-type") or "no Content-Type"
+            said = (request.headers.get("content-type") or "no Content-Type")[:100]
             exc = BadRequest("malformed_body", f"the body is JSON: send it with `Content-Type: application/json` "
                                                f"(this request said {said})")
         return error_response(exc)
