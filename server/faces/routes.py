@@ -42,6 +42,7 @@ from wakeful.server.core import outbox as outbox_core
 from wakeful.server.core.keys import MAX_KEYS
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import BadRequest, NotFound, Refused
+from wakeful.server.faces import listing
 from wakeful.server.faces.auth import User, current_user
 from wakeful.server.faces.pages import Cursor, Limit, decode_cursor, encode_cursor
 from wakeful.server.faces.schemas import (
@@ -57,6 +58,7 @@ from wakeful.server.faces.schemas import (
     StopAnswer,
     StopRecorded,
     TaskCreated,
+    TaskPage,
     TaskStateAnswer,
     TaskStatus,
     TaskVersionAnswer,
@@ -65,7 +67,7 @@ from wakeful.server.faces.schemas import (
 from wakeful.server.runtime import Runtime
 from wakeful.server.store import users
 from wakeful.server.store.db import read, write
-from wakeful.server.store.tables import ControlKind, events, outbox
+from wakeful.server.store.tables import ControlKind, TaskState, events, outbox
 from wakeful.server.tools.layer import Completion
 from wakeful.server.tools.specs import Constraints
 
@@ -253,6 +255,16 @@ def task_control(user: User, rt: Rt, task_id: str, operation: TaskOperation,
         raise NotFound("unknown_operation",
                        f"tasks have no operation {operation!r}; one of: {', '.join(TASK_OPERATIONS)}")
     return transition(rt, user, task_id, TASK_OPERATIONS[operation], body.reason if body else "")
+
+
+@router.get("/v1/tasks", response_model=TaskPage, responses=refusals("bad_cursor"))
+def list_tasks(user: User, rt: Rt, limit: Limit = 100, cursor: Cursor = None,
+               state: TaskState | None = None) -> dict[str, Any]:
+    """The caller's delegations, newest first (the console's task list, as JSON)."""
+    with read(rt.engine) as conn:
+        page = listing.tasks_page(conn, user_id=user, cursor=cursor, state=state, limit=limit)
+    return {"tasks": [{"task_id": t["id"], "title": t["title"], "state": t["state"], "version": t["current_version"],
+                       "created_at": t["created_at"].isoformat()} for t in page.rows], "next": page.next}
 
 
 @router.get("/v1/tasks/{task_id}", response_model=TaskStatus, responses=refusals("unknown_task"))

@@ -353,6 +353,19 @@ class EgressRequest(_Answer):
     recorded_at: str
 
 
+class TaskSummary(_Answer):
+    task_id: str
+    title: str
+    state: TaskState
+    version: int
+    created_at: str
+
+
+class TaskPage(_Answer):
+    tasks: list[TaskSummary]
+    next: str | None = Field(description="the cursor of the following page; null on the last")
+
+
 class EgressPage(_Answer):
     requests: list[EgressRequest]
     next: str | None = Field(description="the cursor of the following page; null on the last")

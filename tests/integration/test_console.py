@@ -25,7 +25,7 @@ from wakeful.proxy.clock import FakeClock
 from wakeful.server import memory
 from wakeful.server.core import inbox
 from wakeful.server.core.worker import Binding, Worker
-from wakeful.server.faces.console import listing
+from wakeful.server.faces import listing
 from wakeful.server.faces.http import create_app
 from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, calls

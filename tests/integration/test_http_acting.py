@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
@@ -95,3 +96,24 @@ def test_the_delegation_body_in_the_docs_is_accepted_as_written_and_its_ceiling_
         version = conn.execute(select(task_versions.c.constraints).where(task_versions.c.task_id == task_id)).one()
         keys = conn.execute(select(task_keys.c.key).where(task_keys.c.task_id == task_id)).scalars().all()
     assert json.loads(version.constraints) == {"max_amount_cents": 5000} and keys == ["SUB-1042"]
+
+
+def test_the_task_list_pages_a_users_own_delegations_newest_first_and_filters_by_state(
+        setup: tuple[World, TestClient, dict]) -> None:
+    w, client, auth = setup
+    made = []
+    for title in ("first", "second", "third"):
+        made.append(client.post("/v1/tasks", json={"title": title}, headers=auth).json()["task_id"])
+        w.clock.advance(timedelta(seconds=1))
+    assert client.post(f"/v1/tasks/{made[0]}/pause", headers=auth).status_code == 200
+    first = client.get("/v1/tasks?limit=2", headers=auth).json()
+    assert [(t["task_id"], t["title"]) for t in first["tasks"]] == [(made[2], "third"), (made[1], "second")]
+    rest = client.get(f"/v1/tasks?limit=2&cursor={first['next']}", headers=auth).json()
+    assert [(t["task_id"], t["state"], t["version"]) for t in rest["tasks"]] == [(made[0], "paused", 1)]
+    assert rest["next"] is None
+    assert [t["task_id"] for t in client.get("/v1/tasks?state=paused", headers=auth).json()["tasks"]] == [made[0]]
+    assert client.get("/v1/tasks?state=gone", headers=auth).json()["error"]["code"] == "invalid_parameter"
+    assert client.get("/v1/tasks?cursor=WyJ4Il0", headers=auth).json()["error"]["code"] == "bad_cursor"
+    with write(w.engine) as conn:
+        _, other = ensure_user(conn, name="mallory", now=w.clock.now())
+    assert client.get("/v1/tasks", headers={"Authorization": f"Bearer {other}"}).json() == {"tasks": [], "next": None}

@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import func, select
 
 from wakeful.server.errors import Refused, Unauthorized
-from wakeful.server.faces.console import listing
+from wakeful.server.faces import listing
 from wakeful.server.faces.console.signin import SESSION_TTL, sign_in, sign_out
 from wakeful.server.faces.console.web import COOKIE, Form, Me, Posted, console_router, page, runtime_of
 from wakeful.server.faces.routes import set_everything_stop, set_stop

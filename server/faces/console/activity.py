@@ -21,7 +21,7 @@ from sqlalchemy import and_, select
 
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import NotFound
-from wakeful.server.faces.console import listing
+from wakeful.server.faces import listing
 from wakeful.server.faces.console.web import Me, Posted, console_router, page
 from wakeful.server.faces.pages import decode_cursor, encode_cursor
 from wakeful.server.store.db import read

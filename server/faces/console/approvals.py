@@ -19,8 +19,7 @@ from sqlalchemy import Connection, select
 from wakeful.server.acting.actions import load_action
 from wakeful.server.acting.admission import admit
 from wakeful.server.acting.verdicts import gather_facts, render_card
-from wakeful.server.faces import routes
-from wakeful.server.faces.console import listing
+from wakeful.server.faces import listing, routes
 from wakeful.server.faces.console.web import Form, Me, Posted, console_router, page
 from wakeful.server.runtime import Runtime
 from wakeful.server.store.db import read, write

@@ -19,8 +19,7 @@ from sqlalchemy import Connection, and_, select
 from wakeful.server.acting import ledger
 from wakeful.server.core import control
 from wakeful.server.errors import NotFound
-from wakeful.server.faces import routes
-from wakeful.server.faces.console import listing
+from wakeful.server.faces import listing, routes
 from wakeful.server.faces.console.web import Form, Me, Posted, console_router, page
 from wakeful.server.store.db import read
 from wakeful.server.store.tables import actions, attempts, evidence, outbox, task_versions

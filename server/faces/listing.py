@@ -1,5 +1,6 @@
-"""The console's reads: pages of the user's records, newest first by a stable cursor (`faces.pages`), each a bounded
-query so a user with 10,000 tasks or a run with 20,000 entries costs one page, never the whole history.
+"""The paged reads of the console and the API: pages of the user's records, newest first by a stable cursor
+(`faces.pages`), each a bounded query so a user with 10,000 tasks or a run with 20,000 entries costs one page, never
+the whole history.
 
 A page is `Page(rows, next)`: `next` is the cursor of the page after it (None on the last), which names the last
 row's sort key, so rows added meanwhile never shift or repeat a page.
