@@ -32,7 +32,7 @@ from pydantic_settings import (
 )
 from sqlalchemy.engine import make_url
 
-__all__ = ["RESOLVED_ENV", "VM_PACKAGES", "ComputerHost", "ConfigFileError", "Settings", "SourceSettings",
+__all__ = ["DB_FILE", "RESOLVED_ENV", "VM_PACKAGES", "ComputerHost", "ConfigFileError", "Settings", "SourceSettings",
            "child_environment", "config_file", "load_settings", "missing_vm_packages", "parse_listen"]
 
 RESOLVED_ENV = "WAKEFUL_RESOLVED_SETTINGS"
@@ -161,6 +161,9 @@ class ComputerHost(BaseModel):
                              "trusted on first use) and ssh_key (the api's private key)")
         return self
 
+
+DB_FILE: Final = "wakeful.db"
+"""The SQLite database in a data directory, unless `database_url` names another database."""
 
 VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
 """What the `computers` extra installs (`./scripts/install --computers`)."""
@@ -480,7 +483,7 @@ class Settings(BaseSettings):
 
     @property
     def db_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.data_dir / 'wakeful.db'}"
+        return self.database_url or f"sqlite:///{self.data_dir / DB_FILE}"
 
     @property
     def db_shown(self) -> str:

@@ -17,7 +17,7 @@ from rich.markup import escape
 from sqlalchemy import Engine
 
 from wakeful.server.errors import WakefulError
-from wakeful.server.settings import ConfigFileError, Settings, config_file, load_settings
+from wakeful.server.settings import DB_FILE, ConfigFileError, Settings, config_file, load_settings
 from wakeful.server.store.db import make_engine, migrate
 from wakeful.server.store.toml_lines import TomlLines
 
@@ -61,7 +61,7 @@ def settings_or_exit(data_dir: Path | None, database_url: str | None, *, existin
         for problem in exc.errors():
             say("invalid_settings", _describe(problem, data_dir, {k for k, v in flags.items() if v is not None}))
         raise typer.Exit(2) from None
-    if existing and settings.database_url is None and not (settings.data_dir / "wakeful.db").exists():
+    if existing and settings.database_url is None and not (settings.data_dir / DB_FILE).exists():
         say("no_data", f"{settings.data_dir} holds no wakeful database: check --data-dir or WAKEFUL_DATA_DIR, "
                        f"or start `wakeful serve --data-dir {settings.data_dir}` there first")
         raise typer.Exit(2)
@@ -100,7 +100,7 @@ def _private_data_dir(settings: Settings) -> None:
         settings.data_dir.mkdir(parents=True, mode=0o700)
         os.chmod(settings.data_dir, 0o700)  # mkdir's mode is filtered by the umask
     if settings.database_url is None:
-        path = settings.data_dir / "wakeful.db"
+        path = settings.data_dir / DB_FILE
         with contextlib.suppress(FileExistsError):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.fchmod(fd, 0o600)

@@ -27,7 +27,7 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import RunContext
 from wakeful.server.errors import WakefulError
 from wakeful.server.runtime import Runtime
-from wakeful.server.settings import Settings
+from wakeful.server.settings import DB_FILE, Settings
 from wakeful.server.sims import Merchant, create_merchant, serve
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import OutboxState, actions, outbox, verdicts
@@ -101,7 +101,7 @@ def _data_dir(given: Path | None) -> Iterator[Path]:
 def _claim(directory: Path) -> None:
     """Refuse a named directory whose database holds records other than an earlier demo's (`DEMO_MARK`): the demo's
     simulated cancellation, its approval and its spending would join a deployment's chained ledger for good."""
-    database = directory / "wakeful.db"  # the demo's settings name no other
+    database = directory / DB_FILE  # the demo's settings name no other database
     if database.is_file() and database.stat().st_size > 0 and not (directory / DEMO_MARK).is_file():
         raise WakefulError("not_a_demo_directory",
                            f"{directory} holds other records, which the demo's simulated cancellation, its approval "
