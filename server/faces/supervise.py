@@ -148,9 +148,9 @@ class Supervisor:
         signal.set_wakeup_fd(self._signal_w)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._asked_to_stop)
-        own = self._run_dir / "serve.pid"  # the process to send SIGTERM to, beside its children's
+        own = self._pid_file("serve")  # the process to send SIGTERM to, beside its children's
         try:
-            self._run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # before any child starts
             own.write_text(f"{os.getpid()}\n")
             if "proxy" in self._children:
                 new_decider_token(self._settings)
@@ -262,8 +262,7 @@ class Supervisor:
         if hasattr(os, "pidfd_open"):
             with contextlib.suppress(ProcessLookupError):
                 child.pidfd = os.pidfd_open(pid)
-        self._run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._pid_file(child).write_text(f"{pid}\n")
+        self._pid_file(child.name).write_text(f"{pid}\n")
         log.info("started %s (pid %d)", child.name, pid)
 
     def _become(self, argv: list[str], parent: int) -> None:
@@ -293,15 +292,15 @@ class Supervisor:
                 sys.stderr.flush()
             os._exit(code)
 
-    def _pid_file(self, child: _Child) -> Path:
-        return self._run_dir / f"{child.name}.pid"
+    def _pid_file(self, name: str) -> Path:
+        return self._run_dir / f"{name}.pid"
 
     def _forget(self, child: _Child) -> None:
         if child.pidfd is not None:
             os.close(child.pidfd)
         child.pidfd, child.pid, child.code, child.listening = None, None, None, False
         with contextlib.suppress(FileNotFoundError):
-            self._pid_file(child).unlink()
+            self._pid_file(child.name).unlink()
 
     def _terminate(self, child: _Child) -> int:
         """Stop a running child with SIGTERM (SIGKILL after its grace); returns how it ended."""
