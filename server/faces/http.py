@@ -156,20 +156,21 @@ class _Connections(set[Any]):
         self._on_open()
 
 
-def _said_json(request: Request) -> bool:
-    """Whether the request declared a JSON body, as FastAPI reads it (`application/json`, `application/…+json`)."""
-    mime = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+def _json_type(content_type: str) -> bool:
+    """Whether a Content-Type declares a JSON body, as FastAPI reads it (`application/json`, `application/…+json`)."""
+    mime = content_type.partition(";")[0].strip().lower()
     return re.fullmatch(r"application/([\w.-]+\+)?json", mime) is not None
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException, *, content_type: str | None = None) -> JSONResponse:
     """The one place an error becomes an HTTP response: `{"error": {"code", "message", ...}}` with a stable code.
 
     Our own refusals carry their code and status; a request FastAPI could not validate is `malformed_body` (the
     body: not JSON, or not the schema) or `invalid_parameter` (path or query); an HTTP error raised by the
     framework or a mounted app (unknown path, wrong method, ...) is coded from its status phrase (`not_found`,
     `method_not_allowed`, `gone`, ...) and keeps its headers (`Allow`, `WWW-Authenticate`); anything else is a
-    500 `internal_error` that says nothing about the inside."""
+    500 `internal_error` that says nothing about the inside. `content_type`: the request's, when known ("" for none):
+    a body that did not declare JSON is told to (FastAPI read it as bytes, and would say they are not an object)."""
     headers: Mapping[str, str] | None = None
     if isinstance(exc, WakefulError):
         error, status = exc, exc.http_status
@@ -177,6 +178,9 @@ def error_response(exc: BaseException) -> JSONResponse:
         problems = json.loads(json.dumps(exc.errors(), default=str))
         if not all(p.get("loc", ["body"])[0] == "body" for p in problems):
             error = BadRequest("invalid_parameter", "a path or query parameter is not valid", details=problems)
+        elif content_type is not None and not _json_type(content_type):
+            error = BadRequest("malformed_body", "the body is JSON: send it with `Content-Type: application/json` "
+                                                 f"(this request said {(content_type or 'no Content-Type')[:100]})")
         elif any(p.get("type") == "json_invalid" for p in problems):
             error = BadRequest("malformed_body", "the body is not valid JSON", details=problems)
         else:
@@ -477,13 +481,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
             described.append(NOVNC)
 
     async def _error(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, RequestValidationError) and not _said_json(request) \
-                and all(p.get("loc", ["body"])[0] == "body" for p in exc.errors()):
-            # FastAPI reads a body not declared JSON as bytes, and says they are not an object
-            said = (request.headers.get("content-type") or "no Content-Type")[:100]
-            exc = BadRequest("malformed_body", f"the body is JSON: send it with `Content-Type: application/json` "
-                                               f"(this request said {said})")
-        return error_response(exc)
+        return error_response(exc, content_type=request.headers.get("content-type", ""))
 
     for caught in (WakefulError, RequestValidationError, HTTPException, Exception):
         app.add_exception_handler(caught, _error)
