@@ -327,3 +327,16 @@ def test_the_install_script_leaves_tool_computers_to_an_explicit_choice() -> Non
     assert "pip install -e .\n" in default and not re.search(r"libvirt|qemu", default)
     assert "pip install -e .[computers]" in computers and "libvirt-dev" in computers and "qemu.conf" in computers
     assert "pip install -e .[dev,computers]" in everything and "qemu-system-x86" in everything
+
+
+@pytest.mark.parametrize("script", ["install", "libvirtd", "container-base"])
+def test_each_setup_script_explains_itself_and_refuses_what_it_does_not_take(script: str) -> None:
+    """They change system configuration (packages, users, daemons): `--help` only reads, and an option a script does
+    not take stops it before it does anything."""
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(ROOT / "scripts" / script), *args], capture_output=True, text=True, timeout=60)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and f"scripts/{script}" in helped.stdout and not helped.stderr
+    refused = run("--no-such-option")
+    assert refused.returncode == 2 and refused.stderr.startswith(f"scripts/{script}: unknown option --no-such-option")
