@@ -19,6 +19,7 @@ import os
 import re
 import tomllib
 from datetime import timedelta
+from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
@@ -164,6 +165,10 @@ class ComputerHost(BaseModel):
 
 DB_FILE: Final = "wakeful.db"
 """The SQLite database in a data directory, unless `database_url` names another database."""
+
+EXAMPLE_POLICIES: Final = Path(str(files("wakeful.policies")))
+"""The example connector declarations and policy, as the package ships them (an installed package is a folder on
+disk): what the demo and the evals run with, and what a user copies into `<data_dir>/policies`."""
 
 VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
 """What the `computers` extra installs (`./scripts/install --computers`)."""

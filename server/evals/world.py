@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from datetime import time as dt_time
 from functools import cache, partial
-from importlib.resources import files
 from pathlib import Path
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo
@@ -32,7 +31,7 @@ from starlette.types import ASGIApp
 from wakeful.server.harness.model import ModelAdapter
 from wakeful.server.harness.wake import Harness
 from wakeful.server.runtime import Runtime, load_registry
-from wakeful.server.settings import DB_FILE, Settings, SourceSettings
+from wakeful.server.settings import DB_FILE, EXAMPLE_POLICIES, Settings, SourceSettings
 from wakeful.server.sims import Sim, SimClock, serve
 from wakeful.server.sims.fleet import CORRELATION, running
 from wakeful.server.store.db import make_engine, migrate, write
@@ -40,7 +39,6 @@ from wakeful.server.store.users import ensure_user, issue_token
 
 __all__ = ["AppFactory", "EvalWorld", "Gave", "world"]
 
-EXAMPLE_POLICIES = Path(str(files("wakeful.policies")))
 T = TypeVar("T")
 COALESCE = timedelta(seconds=2)
 """The runtime's coalescing window: keyed webhooks arriving within it are one run (`Settings.coalesce_seconds`)."""

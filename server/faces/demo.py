@@ -17,7 +17,6 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib.resources import files
 from pathlib import Path
 
 from sqlalchemy import and_, select
@@ -27,7 +26,7 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import RunContext
 from wakeful.server.errors import WakefulError
 from wakeful.server.runtime import Runtime
-from wakeful.server.settings import DB_FILE, Settings
+from wakeful.server.settings import DB_FILE, EXAMPLE_POLICIES, Settings
 from wakeful.server.sims import Merchant, create_merchant, serve
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import OutboxState, actions, outbox, verdicts
@@ -35,8 +34,6 @@ from wakeful.server.store.users import ensure_user
 
 __all__ = ["SubscriptionAgent", "run_demo"]
 
-# The example connector declarations ship as package data: an installed package is a folder on disk.
-EXAMPLE_POLICIES = Path(str(files("wakeful.policies")))
 DEMO_MARK = ".wakeful-demo"
 """The file that says a data directory holds the demo's records (and nothing else): the demo runs there again."""
 

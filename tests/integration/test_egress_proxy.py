@@ -25,7 +25,7 @@ from mcp.client.streamable_http import streamable_http_client
 from sqlalchemy import Engine, select
 
 from tests.integration.test_cli import run
-from tests.support.acting import CANCEL_VERIFIED, POLICIES, Received, recorder
+from tests.support.acting import CANCEL_VERIFIED, Received, recorder
 from tests.support.egress import EgressStack, egress_stack
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, ServeProcess, free_port
@@ -37,6 +37,7 @@ from wakeful.server.acting.actions import load_action
 from wakeful.server.core import control
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import WakefulError
+from wakeful.server.settings import EXAMPLE_POLICIES
 from wakeful.server.sims import create_merchant, serve
 from wakeful.server.store.db import read, write
 from wakeful.server.store.tables import ControlKind, attempts, egress_grants
@@ -252,7 +253,7 @@ methods = ["GET"]
 def tool_stack(engine: Engine, clock: FakeClock, owner: str, tmp_path: Path) -> Iterator[EgressStack]:
     policies = tmp_path / "policies"
     (policies / "connectors").mkdir(parents=True)
-    for file in (POLICIES / "connectors").glob("*.toml"):
+    for file in (EXAMPLE_POLICIES / "connectors").glob("*.toml"):
         (policies / "connectors" / file.name).write_text(file.read_text())
     with egress_stack(engine, clock, owner, tmp_path, policies=policies) as stack:
         ports = {name: _port(stack, name) for name in ("merchant", "airline")}
@@ -426,7 +427,7 @@ def test_under_wakeful_serve_the_canary_secret_is_only_in_the_headers_the_mercha
     with serve(recorder(app, received), tls=str(ca.leaf_file)) as url:
         port = int(url.rsplit(":", 1)[1])
         policies = tmp_path / "policies"
-        shutil.copytree(POLICIES / "connectors", policies / "connectors")
+        shutil.copytree(EXAMPLE_POLICIES / "connectors", policies / "connectors")
         (policies / "egress.toml").write_text(
             f'[[allow]]\nname = "merchant"\nhost = "merchant.test"\nports = [{port}]\ncredential = "merchant_api"\n')
         secret = f"wkcanary{secrets.token_hex(12)}"

@@ -25,7 +25,7 @@ from jsonschema import Draft202012Validator
 from mcp import Client
 from sqlalchemy import Engine
 
-from tests.support.acting import POLICIES, world
+from tests.support.acting import world
 from tests.support.computers import FakeComputers
 from tests.support.model_strategies import JSON, Special, arguments
 from wakeful.proxy.clock import FakeClock
@@ -35,11 +35,12 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.faces.mcpserver import WakefulMCP
+from wakeful.server.settings import EXAMPLE_POLICIES
 from wakeful.server.store.db import write
 from wakeful.server.store.users import ensure_user
 from wakeful.server.tools.specs import TASK_ID_PATTERN, Face, tool_specs
 
-TOOLS = [s.name for s in tool_specs(load_connectors(POLICIES / "connectors"), Face.MCP, computers=True)]
+TOOLS = [s.name for s in tool_specs(load_connectors(EXAMPLE_POLICIES / "connectors"), Face.MCP, computers=True)]
 CODED = re.compile(r"[a-z][a-z0-9_]*: \S")
 FUZZ = settings(max_examples=25, deadline=None, derandomize=False,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from tests.integration.test_cli import run
-from tests.support.acting import CANCEL_VERIFIED, POLICIES, World, world
+from tests.support.acting import CANCEL_VERIFIED, World, world
 from tests.support.records import event_rows, messages, run_rows
 from wakeful.proxy.clock import FakeClock, SystemClock
 from wakeful.server.acting.connectors import load_connectors
@@ -27,7 +27,7 @@ from wakeful.server.harness.handlers import EchoHandler
 from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, calls, quiet
 from wakeful.server.harness.wake import Harness
 from wakeful.server.runtime import Runtime
-from wakeful.server.settings import Settings
+from wakeful.server.settings import EXAMPLE_POLICIES, Settings
 from wakeful.server.sims import serve
 from wakeful.server.store.db import make_engine, read, write
 from wakeful.server.store.tables import ControlKind, EventStatus, RunOutcome, TaskState, actions, tasks, tool_results
@@ -240,7 +240,7 @@ def test_the_agents_credentials_cannot_write_as_the_user(api: tuple[str, dict[st
                             timeout=10)
         assert (answer.status_code, answer.json()["error"]["code"]) == (401, code)
     assert [e for e in event_rows(engine) if e.source == holds.CHAT_SOURCE] == []
-    names = {s.name for face in Face for s in tool_specs(load_connectors(POLICIES / "connectors"), face,
+    names = {s.name for face in Face for s in tool_specs(load_connectors(EXAMPLE_POLICIES / "connectors"), face,
                                                          computers=True)}
     assert not any("message" in name or "say" in name or "release" in name for name in names)
 

@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,10 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import ActionDispatcher
 from wakeful.server.egress.outbound import ConnectorHTTP
+from wakeful.server.settings import EXAMPLE_POLICIES
 from wakeful.server.sims import Airline, Hotel, Merchant, SimClock, create_airline, create_hotel, create_merchant, serve
 from wakeful.server.store.db import write
 from wakeful.server.tools.layer import ToolLayer
-
-POLICIES = Path(str(files("wakeful.policies")))  # the example policies, as the package ships them
 
 CANCEL_VERIFIED = [{"effect": "merchant__cancel_renewal",
                     "verify": {"read": "merchant__get_subscription", "with": {"subscription": "subscription"},
@@ -103,7 +101,7 @@ def world(engine: Engine, clock: FakeClock, owner: str, *, policy: Policy | None
                 for name, app in apps.items()}
         if tls is not None:
             urls = {name: url.replace("127.0.0.1", f"{name}.test") for name, url in urls.items()}
-        registry = load_connectors(POLICIES / "connectors", base_urls=urls)
+        registry = load_connectors(EXAMPLE_POLICIES / "connectors", base_urls=urls)
         http = http or ConnectorHTTP(timeout=client_timeout)
         tools = ToolLayer(engine, clock, registry=registry, policy=policy, http=http)
         dispatcher = ActionDispatcher(engine, clock, policy=policy, http=http, resend_after=timedelta(seconds=10))

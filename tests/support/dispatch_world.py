@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +41,15 @@ from wakeful.server.core import control, sessions
 from wakeful.server.core.faults import EXIT_CODE
 from wakeful.server.core.worker import Binding
 from wakeful.server.egress.dispatch import reconcile_key
+from wakeful.server.settings import EXAMPLE_POLICIES
 from wakeful.server.sims import Merchant, create_merchant, serve
 from wakeful.server.store import users
 from wakeful.server.store.db import make_engine, read, write
 from wakeful.server.store.tables import actions, attempts, events, evidence, objects, outbox, waits
 from wakeful.server.tools.layer import ToolLayer
 
-__all__ = ["CANCEL_VERIFIED", "CLEAN_EXIT", "POLICIES", "DispatchWorld", "Proposed", "dispatch_world", "holds_for"]
+__all__ = ["CANCEL_VERIFIED", "CLEAN_EXIT", "DispatchWorld", "Proposed", "dispatch_world", "holds_for"]
 
-POLICIES = Path(str(files("wakeful.policies")))  # the example policies, as the package ships them
 # SIGTERM: uvicorn shuts down gracefully, then re-raises the signal, so a clean stop reads as -SIGTERM.
 CLEAN_EXIT = (0, -15)
 CRASH_TIMEOUT = 30.0
@@ -109,7 +108,7 @@ class DispatchWorld:
     def env(self, crash_at: str | None) -> dict[str, str]:
         env = {
             "WAKEFUL_DATA_DIR": str(self.data_dir),
-            "WAKEFUL_POLICIES_DIR": str(POLICIES),
+            "WAKEFUL_POLICIES_DIR": str(EXAMPLE_POLICIES),
             "WAKEFUL_CONNECTOR_URLS__MERCHANT": self.merchant_url,
             "WAKEFUL_RECONCILE_INTERVAL": str(self.reconcile_interval),
             "WAKEFUL_RECONCILE_BACKOFF_MAX": "2",  # reads double from the interval: keep a recovery within seconds
@@ -144,7 +143,7 @@ class DispatchWorld:
             owner = users.user_id_by_name(conn, "owner")
             self._token = users.issue_token(conn, user_id=owner)
         self._owner = owner
-        registry = load_connectors(POLICIES / "connectors", base_urls={"merchant": self.merchant_url})
+        registry = load_connectors(EXAMPLE_POLICIES / "connectors", base_urls={"merchant": self.merchant_url})
         self._tools = ToolLayer(self._engine, self.clock, registry=registry, policy=Policy())
 
     def wait_crash(self, point: str, timeout: float = CRASH_TIMEOUT) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import Engine
 
-from tests.support.acting import POLICIES, World, world
+from tests.support.acting import World, world
 from tests.support.polling import wait_until
 from tests.support.serve import WAKEFUL, free_port
 from tests.support.tlsca import make_test_ca
@@ -31,7 +31,7 @@ from wakeful.proxy.contract import DecisionRequest, Verdict
 from wakeful.server.egress import grants as egress
 from wakeful.server.egress.outbound import ConnectorHTTP
 from wakeful.server.egress.proxyctl import DeciderService, ProxyChild, new_decider_token
-from wakeful.server.settings import Settings
+from wakeful.server.settings import EXAMPLE_POLICIES, Settings
 from wakeful.server.store.db import read
 
 __all__ = ["EgressStack", "decider_on_thread", "egress_stack", "proxy_child"]
@@ -132,7 +132,7 @@ def _decider(stack: EgressStack, service: DeciderService) -> Iterator[None]:
 
 @contextmanager
 def egress_stack(engine: Engine, clock: FakeClock, owner: str, tmp_path: Path, *,
-                 policies: Path = POLICIES) -> Iterator[EgressStack]:
+                 policies: Path = EXAMPLE_POLICIES) -> Iterator[EgressStack]:
     hosts = [f"{name}.test" for name in SIMS] + ["intranet.test"]
     ca = make_test_ca(tmp_path, hosts)
     settings = Settings(data_dir=tmp_path, proxy=True, proxy_port=free_port(), proxy_decider_timeout=1.0,
