@@ -37,6 +37,13 @@ def _fleet_settings(data_dir: Path | None, database_url: str | None) -> tuple[Se
 def list_cmd(data_dir: DataDir = None, database_url: DbUrl = None, as_json: Json = False) -> None:
     """Each host: its mark in effect (`marked` when `wakeful hosts mark` set it, else as the settings say), the
     memory tool computers may take there, its cap of restores in flight, and its libvirt URI."""
+    settings = settings_or_exit(data_dir, database_url)
+    if not settings.computer_hosts:  # nothing wrong: one host, which takes no marks
+        if as_json:
+            print_json({"hosts": [], "libvirt_uri": settings.libvirt_uri})
+        else:
+            typer.echo(f"no host registry (computer_hosts): tool computers run on {settings.libvirt_uri} alone")
+        return
     settings, shared = _fleet_settings(data_dir, database_url)
     marked = _marks(shared)
     hosts = [{"name": h.name, "mark": str(marked.get(h.name, HostMark(h.mark))),

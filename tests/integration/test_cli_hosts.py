@@ -79,6 +79,10 @@ def test_a_mark_for_no_such_host_or_no_such_mark_is_refused_and_writes_nothing(
     assert not (shared / "marks.json").exists()
 
 
-def test_without_a_registry_there_is_no_host_to_mark(tmp_path: Path) -> None:
+def test_without_a_registry_there_is_no_host_to_mark_and_the_list_names_the_one_host(tmp_path: Path) -> None:
     refused = run(tmp_path, "hosts", "mark", "kvm1", "full", check=False)
     assert refused.returncode == 2 and "wakeful: no_hosts: computer_hosts is not set" in refused.stderr
+    listed = run(tmp_path, "hosts", "list")
+    assert listed.stdout == "no host registry (computer_hosts): tool computers run on qemu:///system alone\n"
+    assert json.loads(run(tmp_path, "hosts", "list", "--json").stdout) == {"hosts": [],
+                                                                          "libvirt_uri": "qemu:///system"}
