@@ -416,8 +416,7 @@ def migrate_cmd(data_dir: DataDir = None, database_url: DbUrl = None,
     """Create or upgrade the database schema (or take it to the revision --to names)."""
     settings = _settings(data_dir, database_url)
     if to is None:
-        _engine(settings)
-        typer.echo("schema is up to date")
+        typer.echo(f"schema is at revision {current_revision(_engine(settings))}, the newest")
         return
     engine = make_engine(settings.db_url)
     try:

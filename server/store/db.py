@@ -372,6 +372,14 @@ def newest_revision() -> str | None:
     return heads.pop() if len(heads) == 1 else None
 
 
+_MIGRATION_LOCK = 0x77616B65  # "wake": PostgreSQL's advisory lock held by the transaction that migrates
+
+
+class Irreversible(Exception):
+    """A migration's downgrade meets records the older schema has no place for, or that going back would destroy:
+    the downgrade is refused (`downgrade_refused`, with this message) and nothing changes."""
+
+
 def migrate(engine: Engine, revision: str = "head") -> None:
     """Bring the schema to the newest revision (the only way a database is created); to `revision` instead, up or
     down: `wakeful migrate --to` takes a database back before an older release is installed, and the migration
@@ -383,11 +391,20 @@ def migrate(engine: Engine, revision: str = "head") -> None:
         with engine.connect().execution_options(sqlite_begin="DEFERRED") as conn:  # a read: no write lock
             if _revision(conn) == newest:
                 return
-    with engine.connect().execution_options(sqlite_begin="DEFERRED") as conn:
+    with engine.connect().execution_options(sqlite_begin="IMMEDIATE") as conn:
         sqlite = conn.dialect.name == "sqlite"
         if sqlite:  # SQLite's batch mode rebuilds a table: its references must not fail or cascade meanwhile
             sqlite_driver(conn).execute("PRAGMA foreign_keys = OFF")  # (a no-op inside a transaction)
         try:
+            # Processes started together on a new database (the units, serve's children) each migrate: one at a
+            # time, each after the other's commit (SQLite's write lock, taken first; a lock of the transaction's
+            # on PostgreSQL), and the later ones find it done.
+            if sqlite:
+                conn.exec_driver_sql("SELECT 1")
+            else:
+                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
+            if revision == "head" and _revision(conn) == newest_revision() is not None:
+                return
             _migrate(conn, revision)
             if sqlite and (broken := conn.exec_driver_sql("PRAGMA foreign_key_check").all()):
                 raise Conflict("migration_refused", f"migrating to {revision} would leave {len(broken)} rows "
@@ -433,9 +450,10 @@ def _migrate(conn: Connection, revision: str) -> None:
     for step, before in undo:  # one at a time, to name the one that fails; all in the one transaction
         try:
             command.downgrade(config, before)
-        except DBAPIError as exc:
+        except (DBAPIError, Irreversible) as exc:
+            why = exc.orig if isinstance(exc, DBAPIError) else exc
             raise Conflict("downgrade_refused", f"revision {step} cannot be undone on this database, nothing was "
-                           f"changed (it stays at {current}): {exc.orig}".rstrip()) from None
+                           f"changed (it stays at {current}): {why}".rstrip()) from None
 
 
 def _undo(script: Any, target: str, current: str | None) -> list[tuple[str, str]]:

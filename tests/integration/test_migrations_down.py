@@ -15,6 +15,8 @@ from sqlalchemy import Engine, inspect, select, text
 
 from tests.support.postgres import postgres_database
 from wakeful.proxy.clock import FakeClock
+from wakeful.server.audit.seal import seal
+from wakeful.server.audit.signing import load_or_create_key
 from wakeful.server.core import control, holds, sessions
 from wakeful.server.errors import BadRequest, Conflict
 from wakeful.server.store import users
@@ -107,6 +109,53 @@ def test_a_downgrade_past_history_the_older_schema_cannot_hold_is_refused_and_ch
         assert holds.current_hold(conn, task_id=task_id) is not None
 
 
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+def test_a_sealed_ledger_is_not_dropped_by_a_downgrade(engine: Engine, clock: FakeClock, owner: str,
+                                                       tmp_path: Path) -> None:
+    """Dropped and made again by the upgrade, the chain would be chained anew: an export an auditor kept would no
+    longer match, as if the past had been rewritten. A ledger never sealed may still go back."""
+    with write(engine) as conn:
+        session_id = sessions.create_session(conn, user_id=owner, now=clock.now())
+        control.create_task(conn, user_id=owner, session_id=session_id, title="rebook", now=clock.now())
+    assert seal(engine, load_or_create_key(tmp_path / "ledger.key"), now=clock.now()) > 0
+    before = schema(engine)
+    with pytest.raises(Conflict) as refused:
+        migrate(engine, "0020")
+    assert refused.value.code == "downgrade_refused" and "revision 0021" in refused.value.message
+    assert "sealed" in refused.value.message
+    assert current_revision(engine) == newest_revision() and schema(engine) == before
+    migrate(engine, "0021")  # the revisions after the ledger's still go back
+    assert current_revision(engine) == "0021"
+
+
+@pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
+def test_processes_starting_together_on_a_new_database_migrate_it_once(engine: Engine, tmp_path: Path) -> None:
+    """The units and serve's children start together, and each migrates: one after the other, the later ones find it
+    done (on PostgreSQL, two creating alembic's table at once failed with a unique violation)."""
+    migrate(engine, "base")
+    go = tmp_path / "go"
+    script = ("import pathlib, sys, time\n"
+              "from wakeful.server.store.db import make_engine, migrate\n"
+              "engine = make_engine(sys.argv[1])\n"
+              "engine.connect().close()\n"
+              "print('ready', flush=True)\n"
+              "while not pathlib.Path(sys.argv[2]).exists():\n"
+              "    time.sleep(0.001)\n"
+              "migrate(engine)\n")
+    url = engine.url.render_as_string(hide_password=False)
+    starting = [subprocess.Popen([sys.executable, "-c", script, url, str(go)], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for process in starting:  # each has imported and connected: the migrations start within a millisecond
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    go.touch()
+    outcomes = []
+    for process in starting:
+        _, err = process.communicate(timeout=120)
+        outcomes.append((process.returncode, err.splitlines()[-1:]))  # the error's last line, if any
+    assert outcomes == [(0, [])] * len(starting)
+    assert current_revision(engine) == newest_revision()
+
+
 def test_an_unknown_revision_is_refused_by_name(tmp_path: Path) -> None:
     engine = make_engine(f"sqlite:///{tmp_path / 'wakeful.db'}")
     migrate(engine)
@@ -125,10 +174,10 @@ def _wakeful(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_wakeful_migrate_to_takes_the_database_back_and_a_newer_database_is_refused_by_older_code(
         tmp_path: Path) -> None:
     assert _wakeful(tmp_path, "migrate").returncode == 0
-    back = _wakeful(tmp_path, "migrate", "--to", "0020")
-    assert back.returncode == 0 and "schema is at revision 0020" in back.stdout, back.stderr
+    back = _wakeful(tmp_path, "migrate", "--to", "0022")  # as docs/deploy.md shows
+    assert back.returncode == 0 and "schema is at revision 0022" in back.stdout, back.stderr
     engine = make_engine(f"sqlite:///{tmp_path / 'wakeful.db'}")
-    assert current_revision(engine) == "0020"
+    assert current_revision(engine) == "0022"
     wrong = _wakeful(tmp_path, "migrate", "--to", "9999")
     assert wrong.returncode == 2 and "wakeful: unknown_revision:" in wrong.stderr, wrong.stderr
     assert "Traceback" not in wrong.stderr

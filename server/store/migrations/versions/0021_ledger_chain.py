@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 import wakeful.server.store.tables
+from wakeful.server.store.db import Irreversible
 from wakeful.server.store.tables import CHAIN_KEY_SEPARATOR, append_only_ddl, chain_ddl, chain_guard_ddl, metadata
 
 revision = '0021'
@@ -68,6 +69,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    # A sealed chain is what an auditor's kept export is checked against: dropped and made again by the upgrade, it
+    # would be chained anew, indistinguishable from a rewritten past. Only a ledger never sealed can go.
+    sealed = op.get_bind().exec_driver_sql("SELECT count(*) FROM ledger_checkpoints").scalar()
+    if sealed:
+        raise Irreversible(f"the ledger has been sealed ({sealed} signed checkpoints), and the older schema has no "
+                           "place for its chain")
     dialect = op.get_bind().dialect.name
     for table in _CHAINED:
         for trigger in ('chain', 'chain_outcome', 'chain_outcome_set') if table == 'attempts' else ('chain',):
