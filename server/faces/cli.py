@@ -38,6 +38,7 @@ from wakeful.server.faces.cli_hosts import hosts_app
 from wakeful.server.faces.cli_image import image_app
 from wakeful.server.faces.cli_memory import memory_app
 from wakeful.server.faces.cli_sim import sim
+from wakeful.server.observe.logs import announce
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
 from wakeful.server.store.db import current_revision, make_engine, migrate, read, write
@@ -150,7 +151,7 @@ def _prepare(runtime: Runtime) -> str | None:
 
 def _show_token(token: str | None) -> None:
     if token:
-        err.print("Created user 'owner'. Its API token is on stdout, shown once (`wakeful token` issues a new one).")
+        announce("Created user 'owner'. Its API token is on stdout, shown once (`wakeful token` issues a new one).")
         typer.echo(token)
 
 
@@ -275,8 +276,7 @@ def api(data_dir: DataDir = None, database_url: DbUrl = None, host: Host = None,
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets=sockets)
             if self.started and not self.should_exit:
-                err.print(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_shown})",
-                          soft_wrap=True)
+                announce(f"wakeful serving on http://{settings.host}:{settings.port} (database {settings.db_shown})")
 
     app = create_app(runtime, proxy_child=False, await_proxy=await_proxy)
     server = Serving(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
@@ -296,8 +296,8 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
     """Run the runs: workers, scheduler, dispatcher, reconciler and sweeper, until SIGTERM or Ctrl-C. Woken at once
     by `wakeful api`'s commits (a socket in <data_dir>/run on SQLite, LISTEN/NOTIFY on PostgreSQL), by its own, and
     by a poll as the fallback. On SQLite one worker process at a time (a second is refused: worker_running); on
-    PostgreSQL start as many as you like, on as many hosts. Tool computers (computers = true) are the API's: the
-    worker reaches them on <data_dir>/run/computers.sock, so it runs on the API's host."""
+    PostgreSQL start as many as you like, on other hosts too while tool computers are off. With computers = true
+    they are the API's, and the worker reaches them on <data_dir>/run/computers.sock: on the API's host."""
     import signal
 
     from wakeful.server.runtime import Role, Runtime, load_registry, make_handler
@@ -318,10 +318,10 @@ def worker(data_dir: DataDir = None, database_url: DbUrl = None,
     except WakefulError as exc:
         runtime.stop()
         _fail(exc)
-    err.print(f"wakeful worker running {settings.workers} worker threads (pid {os.getpid()}, database "
-              f"{settings.db_shown})", soft_wrap=True)
+    announce(f"wakeful worker running {settings.workers} worker threads (pid {os.getpid()}, database "
+             f"{settings.db_shown})")
     received = signal.sigwait(stop_signals)
-    err.print(f"wakeful worker: {signal.Signals(received).name}: finishing the runs in progress")
+    announce(f"wakeful worker: {signal.Signals(received).name}: finishing the runs in progress")
     runtime.stop()
 
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from wakeful.server.settings import Settings
 
-__all__ = ["JsonFormatter", "Redactor", "configure_logging", "route_uvicorn_to_root", "secrets_of"]
+__all__ = ["JsonFormatter", "Redactor", "announce", "configure_logging", "route_uvicorn_to_root", "secrets_of"]
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 REDACTED = "[redacted]"
@@ -89,6 +89,15 @@ def configure_logging(settings: Settings, *, level: int = logging.INFO) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def announce(line: str) -> None:
+    """A line for whoever started the process (where it serves, that it stops): as it is on a terminal, a log record
+    where the logs are JSON, whose stderr then holds nothing but one object per line."""
+    if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+        logging.getLogger("wakeful").info(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def route_uvicorn_to_root(*, access_log: bool = True) -> None:

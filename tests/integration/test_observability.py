@@ -168,9 +168,6 @@ def _after_a_run(http: httpx.Client) -> dict[tuple[str, frozenset[tuple[str, str
     return samples if value(samples, "wakeful_runs_total", outcome="completed") else None
 
 
-TEXT_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (INFO|WARNING|ERROR)")
-
-
 def test_serve_drains_on_sigterm_sums_metrics_across_processes_and_logs_json(tmp_path: Path) -> None:
     env = {"WAKEFUL_DATA_DIR": str(tmp_path / "data"), "WAKEFUL_COMPUTERS": "false", "WAKEFUL_LOG_FORMAT": "json",
            "WAKEFUL_DRAIN_SECONDS": "120", "WAKEFUL_COALESCE_SECONDS": "0", "WAKEFUL_ECHO_WITHOUT_MODEL": "true",
@@ -199,9 +196,14 @@ def test_serve_drains_on_sigterm_sums_metrics_across_processes_and_logs_json(tmp
         server._process.send_signal(signal.SIGTERM)  # a second one stops it now
         assert server.wait_exit(30) is not None, server.log()
     lines = [line for line in server.log().splitlines() if line.strip()]
-    logged = [json.loads(line) for line in lines if line.startswith("{")]
-    assert not [line for line in lines if TEXT_LOG_LINE.match(line)], "a log line in the text format"
-    assert logged and all({"time", "level", "logger", "message"} <= set(entry) for entry in logged)
+    token = [line for line in lines if line.startswith("wk_")]  # stdout, in the same file here
+    assert len(token) == 1, "the owner's token, once"
+    logged = [json.loads(line) for line in lines if line not in token]  # stderr: nothing but JSON objects
+    assert all({"time", "level", "logger", "message"} <= set(entry) for entry in logged)
+    said = [entry["message"] for entry in logged]
+    assert "Created user 'owner'. Its API token is on stdout, shown once (`wakeful token` issues a new one)." in said
+    assert any(m.startswith(f"wakeful serving on http://127.0.0.1:{server.port}") for m in said)
+    assert any(m.startswith("wakeful worker running") for m in said)
     assert any(entry["message"].startswith("SIGTERM: draining for 120 s") for entry in logged)
     assert SECRET not in server.log()
 
