@@ -65,8 +65,11 @@ def replay(conn: Connection, run_id: str, *, registry: Registry, instructions: P
            computers: bool = False) -> ReplayReport:
     run = conn.execute(select(runs).where(runs.c.id == run_id)).first()
     context = conn.execute(select(run_contexts).where(run_contexts.c.run_id == run_id)).first()
-    if run is None or context is None:
-        raise NotFound("unknown_run", f"no recorded model run {run_id} (runs of the echo handler have no context)")
+    if run is None:
+        raise NotFound("unknown_run", f"no run {run_id}")
+    if context is None:
+        raise NotFound("unknown_run", f"run {run_id} kept no model context to replay: it ran without a model (none "
+                                      "was configured, or the echo handler ran)")
     handled = conn.execute(select(events).where(events.c.run_id == run_id)
                        .order_by(events.c.received_at, events.c.id)).all()  # the order the run was handed them in
     views = tuple(EventView(id=e.id, source=e.source, source_id=e.source_id, kind=e.kind, trust=e.trust,

@@ -18,6 +18,7 @@ from wakeful.server.acting import approvals
 from wakeful.server.acting.policy import Policy
 from wakeful.server.core import control, inbox, waits
 from wakeful.server.core.worker import Binding, Worker
+from wakeful.server.errors import NotFound
 from wakeful.server.harness import history
 from wakeful.server.harness.context import wake_sizes
 from wakeful.server.harness.model import ModelReply, ModelRequest, ScriptedModel, Step, calls, quiet
@@ -249,6 +250,20 @@ def test_replaying_a_recorded_run_reproduces_the_same_context_bytes(w: World, se
         reports = [replay(conn, run_id, registry=w.tools.registry, instructions=None) for run_id in run_ids]
     assert len(reports) == 3
     assert [(r.context_same, r.differences) for r in reports] == [(True, [])] * 3
+
+
+def test_a_run_without_a_model_is_not_replayed_and_says_why(w: World) -> None:
+    task = w.task()
+    with write(w.engine) as conn:  # as a run of the no-model or the echo handler leaves it: no run_contexts row
+        conn.execute(runs.insert().values(id="run_quiet", session_id=task.session_id, user_id=w.owner,
+                                          fencing_token=1, worker="test", outcome="completed", steps=0,
+                                          started_at=w.clock.now()))
+    with read(w.engine) as conn:
+        for run_id, said in (("run_quiet", "run run_quiet kept no model context to replay: it ran without a model"),
+                             ("run_nowhere", "no run run_nowhere")):
+            with pytest.raises(NotFound) as refused:
+                replay(conn, run_id, registry=w.tools.registry, instructions=None)
+            assert refused.value.code == "unknown_run" and refused.value.message.startswith(said)
 
 
 def test_consecutive_wakes_share_the_prefix_and_the_snapshot_byte_for_byte(w: World, settings: Settings) -> None:
