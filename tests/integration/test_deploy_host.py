@@ -4,6 +4,7 @@ and security docs show host commands only in blocks the suite does not pretend t
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,6 +27,12 @@ def _scratch_root(tmp_path: Path) -> Path:
     return root
 
 
+def _settings_in(env: Path) -> dict[str, str]:
+    """What an EnvironmentFile= sets: its KEY=value lines, comments left out."""
+    lines = [line for line in env.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    return dict(line.split("=", 1) for line in lines)
+
+
 def _setup(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(SETUP), "--root", str(root), *extra], capture_output=True, text=True, timeout=120)
 
@@ -44,7 +51,7 @@ def test_setup_host_adds_the_wakeful_user_a_private_data_directory_the_environme
     assert (data.st_mode & 0o777, data.st_uid, data.st_gid) == (0o700, uid, gid)
     env = root / "etc" / "wakeful" / "wakeful.env"
     assert (env.stat().st_mode & 0o777, env.stat().st_uid, env.stat().st_gid) == (0o640, 0, gid)
-    assert "WAKEFUL_DATABASE_URL=postgresql+psycopg://wakeful@/wakeful?host=/run/postgresql" in env.read_text()
+    assert "WAKEFUL_DATABASE_URL" not in _settings_in(env)  # SQLite in the data directory (docs/deploy.md)
     installed = sorted(p.name for p in (root / "etc" / "systemd" / "system").iterdir())
     assert installed == sorted(p.name for p in (ROOT / "infra" / "systemd").iterdir())
 
@@ -73,3 +80,45 @@ def test_the_deploy_doc_shows_the_setup_command_the_tests_run_and_the_units_it_i
     assert "```text\ninfra/setup-host\n```" in text
     for unit in (ROOT / "infra" / "systemd").iterdir():
         assert f"`{unit.name}`" in text, unit.name
+
+
+def test_setup_host_leaves_the_database_url_out_so_one_host_runs_on_sqlite_without_psycopg(tmp_path: Path) -> None:
+    """The regression: it always wrote a PostgreSQL URL, which fails every command without psycopg, while
+    docs/deploy.md says one host needs none."""
+    root = _scratch_root(tmp_path)
+    result = _setup(root)
+    assert result.returncode == 0, result.stderr
+    assert "WAKEFUL_DATABASE_URL" not in _settings_in(root / "etc" / "wakeful" / "wakeful.env")
+    assert "SQLite" in result.stderr
+    # PostgreSQL is asked for by name.
+    postgres = _scratch_root(tmp_path / "postgres")
+    url = "postgresql+psycopg://wakeful@/wakeful?host=/run/postgresql"
+    assert _setup(postgres, "--database-url", url).returncode == 0
+    assert _settings_in(postgres / "etc" / "wakeful" / "wakeful.env") == {"WAKEFUL_DATABASE_URL": url}
+
+
+def test_setup_host_says_when_the_group_the_api_unit_joins_is_missing(tmp_path: Path) -> None:
+    root = _scratch_root(tmp_path)
+    without = _setup(root)
+    assert without.returncode == 0 and "no group libvirt" in without.stderr
+    with (root / "etc" / "group").open("a") as group:
+        group.write("libvirt:x:990:\n")
+    assert "no group libvirt" not in _setup(root).stderr
+
+
+def test_setup_host_help_is_its_header_comment_and_nothing_of_its_code() -> None:
+    result = subprocess.run([str(SETUP), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Prepare a Debian 12 host")
+    assert "--database-url" in result.stdout and "--root DIR" in result.stdout
+    assert "set -euo" not in result.stdout and "#" not in result.stdout
+
+
+def test_the_deploy_doc_installs_psycopg_where_it_names_a_postgresql_database() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    section = text.split("### PostgreSQL", 1)[1].split("\n### ", 1)[0]
+    block = re.search(r"```text\n(.*?)```", section, re.S)
+    assert block, "docs/deploy.md's PostgreSQL section no longer shows its commands"
+    commands = block.group(1)
+    assert "pip install 'psycopg[binary]" in commands
+    assert commands.index("pip install 'psycopg") < commands.index("WAKEFUL_DATABASE_URL=postgresql+psycopg")

@@ -1,5 +1,6 @@
 """The systemd units in infra/systemd/ are valid, run as the `wakeful` user in a sandbox, and systemd rates each no
-more exposed than docs/deploy.md says."""
+more exposed than docs/deploy.md says; the group `libvirt` goes to the unit of the process that holds the tool
+computers, and no unit restarts a refusal."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from wakeful.server.computers.remote import RemoteComputers
+from wakeful.server.faces.supervise import REFUSED
+from wakeful.server.harness.handlers import EchoHandler
+from wakeful.server.runtime import Role, Runtime
+from wakeful.server.settings import Settings
+
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "infra" / "systemd"
 SERVICES = sorted(UNITS.glob("*.service"))
@@ -18,6 +25,7 @@ ANALYZE = shutil.which("systemd-analyze")
 needs_analyze = pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is missing (Debian's `systemd` package; "
                                                             "scripts/install --all installs it)")
 SCORE_ROW = re.compile(r"^\| `([\w@.-]+\.service)` \| ([\d.]+) \|", re.M)
+UNIT_ROW = re.compile(r"^\| `([\w@.-]+\.service)` \|(.*)$", re.M)
 
 
 def _directives(unit: Path) -> dict[str, list[str]]:
@@ -32,6 +40,32 @@ def _directives(unit: Path) -> dict[str, list[str]]:
 
 def _documented_exposure() -> dict[str, float]:
     return {name: float(score) for name, score in SCORE_ROW.findall((ROOT / "docs" / "deploy.md").read_text())}
+
+
+def _command(unit: Path) -> str:
+    """The wakeful command a service runs (`api`, `worker`, `proxy`)."""
+    return _directives(unit)["ExecStart"][0].split()[1]
+
+
+def _holds_computers(command: str, data_dir: Path) -> bool:
+    """Whether the process `wakeful <command>` starts holds the tool computers itself, as its runtime decides with
+    computers = true (the worker's reach the API's over a socket; the proxy has no runtime)."""
+    if command not in {role.value for role in Role}:
+        return False
+    settings = Settings(data_dir=data_dir, computers=True, computer_fakes=True)
+    runtime = Runtime(settings, handler=EchoHandler(), role=Role(command))
+    try:
+        return runtime.computers is not None and not isinstance(runtime.computers, RemoteComputers)
+    finally:
+        runtime.engine.dispose()
+
+
+def _doc_rows(text: str) -> dict[str, list[str]]:
+    """Each unit's rows in the doc's tables (the units table, then the exposure table)."""
+    rows: dict[str, list[str]] = {}
+    for name, rest in UNIT_ROW.findall(text):
+        rows.setdefault(name, []).append(rest)
+    return rows
 
 
 def _fake_root(tmp_path: Path) -> Path:
@@ -121,3 +155,59 @@ def test_no_service_is_more_exposed_than_the_deploy_doc_says(unit: Path) -> None
     assert score, result.stdout + result.stderr
     assert float(score.group(1)) <= documented[unit.name], (
         f"{unit.name}: exposure {score.group(1)} is above the {documented[unit.name]} docs/deploy.md states")
+
+
+def test_the_unit_of_the_process_that_holds_the_tool_computers_is_the_only_one_in_the_group_libvirt(
+        tmp_path: Path) -> None:
+    """The regression: the API came to hold the computers while the worker's unit kept the group `libvirt`, the JIT
+    Playwright needs and the user IDs PrivateUsers would hide, and the API's unit was without them."""
+    holders = [unit.name for unit in SERVICES if _holds_computers(_command(unit), tmp_path / unit.stem)]
+    assert holders == ["wakeful-api.service"]
+    for unit in SERVICES:
+        d = _directives(unit)
+        if unit.name in holders:
+            assert d["SupplementaryGroups"] == ["libvirt"], unit.name
+            assert "libvirtd.service" in d["After"][0].split(), unit.name
+            # Playwright's driver is Node.js (a JIT); PrivateUsers would hide the group libvirt.
+            assert "MemoryDenyWriteExecute" not in d and "PrivateUsers" not in d, unit.name
+        else:
+            assert "SupplementaryGroups" not in d, unit.name
+            assert d["MemoryDenyWriteExecute"] == ["yes"] and d["PrivateUsers"] == ["yes"], unit.name
+
+
+def test_the_deploy_doc_gives_the_group_libvirt_to_the_process_that_holds_the_tool_computers(tmp_path: Path) -> None:
+    rows = _doc_rows((ROOT / "docs" / "deploy.md").read_text())
+    for unit in SERVICES:
+        holds = _holds_computers(_command(unit), tmp_path / unit.stem)
+        assert len(rows[unit.name]) == 2, f"docs/deploy.md has not both rows (units, exposure) for {unit.name}"
+        for row in rows[unit.name]:
+            assert ("group `libvirt`" in row) == holds, f"{unit.name}: {row}"
+
+
+@pytest.mark.parametrize("unit", SERVICES, ids=lambda p: p.name)
+def test_no_service_restarts_a_refusal(unit: Path) -> None:
+    """`wakeful` exits 2 when it refuses to run (a setting, a second worker on SQLite, no decider to wait for): a
+    restart every 2 s would refuse again, for ever. `wakeful serve` does not restart such a child either."""
+    d = _directives(unit)
+    assert d["Restart"] == ["on-failure"]
+    assert d["RestartPreventExitStatus"] == [str(REFUSED)]
+    assert "RestartPreventExitStatus=2" in (ROOT / "docs" / "deploy.md").read_text()
+
+
+@needs_analyze
+def test_the_deploy_docs_drop_in_for_a_host_without_tool_computers_confines_the_api_as_the_proxy(
+        tmp_path: Path) -> None:
+    assert ANALYZE
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    drop_in = re.search(r"`systemctl edit wakeful-api\.service`\).*?```ini\n(.*?)```", text, re.S)
+    assert drop_in, "docs/deploy.md no longer shows the API's drop-in for a host without tool computers"
+    root = tmp_path / "root"
+    shutil.copytree(UNITS, root / "etc" / "systemd" / "system")
+    (root / "etc" / "systemd" / "system" / "wakeful-api.service.d").mkdir()
+    (root / "etc" / "systemd" / "system" / "wakeful-api.service.d" / "override.conf").write_text(drop_in.group(1))
+    result = subprocess.run([ANALYZE, "security", "--offline=true", f"--root={root}", "wakeful-api.service"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "Service has no supplementary groups" in result.stdout, result.stdout + result.stderr
+    score = re.search(r"Overall exposure level for \S+: ([\d.]+)", result.stdout)
+    assert score, result.stdout + result.stderr
+    assert float(score.group(1)) <= _documented_exposure()["wakeful-proxy.service"]
