@@ -164,7 +164,7 @@ def test_the_image_builds_from_local_wheels_and_serves_as_wakeful_on_a_private_v
 
 
 # The units run their own commands; no libvirtd answers in the container, so tool computers are off (with them on,
-# the API runs the worker's loops itself and `wakeful worker` refuses to start).
+# the API holds them and the worker reaches them on the API's socket).
 DROP_INS = {
     "wakeful-api.service": "[Service]\nEnvironment=WAKEFUL_COMPUTERS=false\n",
     "wakeful-worker@.service": "[Service]\nEnvironment=WAKEFUL_COMPUTERS=false\n",
