@@ -3,8 +3,9 @@
 `wakeful api` and `wakeful worker` processes that `wakeful serve` supervises.
 
 Loops sleep on a `threading.Event` and are woken the moment a commit gives them work (a delivery wakes the workers,
-a run's commit wakes the dispatcher); an API process relays each wake-up to the worker process
-(`server.core.wakeups`). Polling every `poll_interval` is only the fallback. Everything they need is in the
+a run's commit the dispatcher and the scheduler); an API process relays each wake-up to the worker process
+(`server.core.wakeups`). The scheduler also sleeps no longer than until the first timer or wait deadline it would act
+on. Polling every `poll_interval` is only the fallback. Everything they need is in the
 database, so a restart resumes from it alone.
 """
 
@@ -18,7 +19,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Engine, and_, func, select
+from sqlalchemy import Engine, select
 
 from wakeful.proxy.clock import Clock, SystemClock
 from wakeful.server.acting.connectors import Registry, load_connectors
@@ -42,10 +43,7 @@ from wakeful.server.memory import expire_task
 from wakeful.server.settings import Settings, missing_vm_packages
 from wakeful.server.store import users
 from wakeful.server.store.db import make_engine, migrate, read, write
-from wakeful.server.store.tables import TimerState, WaitState
 from wakeful.server.store.tables import tasks as tasks_table
-from wakeful.server.store.tables import timers as timers_table
-from wakeful.server.store.tables import waits as waits_table
 from wakeful.server.tools.layer import ToolLayer
 
 if TYPE_CHECKING:
@@ -230,8 +228,9 @@ class Runtime:
         self.signals.dispatch.set()
 
     def _after_run(self) -> None:
-        # A run's commit may hold outbox rows; new timers are found by the scheduler's next look (≤ poll_interval).
+        # A run's commit may hold outbox rows, and timers or waits due before the scheduler's next look.
         self.signals.dispatch.set()
+        self.signals.timers.set()
 
     def _woken(self, loop: str, received: int) -> None:
         """A wake-up from the API process."""
@@ -293,32 +292,34 @@ class Runtime:
             idle.wait(self.signals.timers, at_most=until_next)
 
     def scheduler_tick(self) -> float:
-        """Fire due timers and expire due waits; returns how long to sleep before the next due timer."""
-        fired = expired = 0
-        if self._anything_due(self.clock.now()):
+        """Fire due timers and expire due waits; returns how long to sleep: until the next timer or wait deadline
+        falls due, the idle ceiling when none is coming."""
+        next_due, moved = self._next_due(), 0
+        if next_due is not None and next_due <= self.clock.now():
             with write(self.engine) as conn:
                 now = self.clock.now()  # read under the lock: an event's received_at is when it was written
                 stop = control.stop_state(conn)
                 fired = 0 if stop.everything else timers.fire_due(conn, now=now, blocked=stop.blocks)
                 expired = waits.expire_due(conn, now=now)
-        if fired or expired:
-            self.signals.work.set()
-        if expired:
-            self.signals.reconcile.set()  # a reconcile wait that ran out is told to the user by the reconciler
-        with read(self.engine) as conn:
-            next_due: datetime | None = conn.execute(select(func.min(timers_table.c.due_at))
-                                    .where(timers_table.c.state == TimerState.ACTIVE.value)).scalar()
+            if fired or expired:
+                self.signals.work.set()
+            if expired:
+                self.signals.reconcile.set()  # a reconcile wait that ran out is told to the user by the reconciler
+            moved = fired + expired
+            next_due = self._next_due()
         if next_due is None:
             return self.settings.idle_poll_max
-        return max(0.0, (next_due - self.clock.now()).total_seconds())
+        until = (next_due - self.clock.now()).total_seconds()
+        if until > 0 or moved:
+            return max(0.0, until)  # still due after a tick that moved some: more than one batch was due
+        # Due, and this tick moved none of it: held under STOP (or, on PostgreSQL, another scheduler's to fire).
+        return self.settings.poll_interval
 
-    def _anything_due(self, now: datetime) -> bool:
+    def _next_due(self) -> datetime | None:
+        """When the scheduler next has work: the first timer or wait deadline it would act on (one query)."""
         with read(self.engine) as conn:
-            timer = conn.execute(select(timers_table.c.id).where(and_(
-                timers_table.c.state == TimerState.ACTIVE.value, timers_table.c.due_at <= now)).limit(1)).first()
-            wait = conn.execute(select(waits_table.c.id).where(and_(
-                waits_table.c.state == WaitState.PENDING.value, waits_table.c.deadline <= now)).limit(1)).first()
-        return timer is not None or wait is not None
+            due = conn.execute(select(timers.next_due(), waits.next_deadline())).one()
+        return min((at for at in due if at is not None), default=None)
 
     def _dispatcher_loop(self) -> None:
         idle = IdlePoll(self.settings.poll_interval, self.settings.idle_poll_max)

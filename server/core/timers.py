@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, select, update
+from sqlalchemy import Connection, ScalarSelect, and_, func, select, update
 
 from wakeful.server.core import inbox
 from wakeful.server.core.schedule import Misfire, Recurrence, decide, min_gap
@@ -22,7 +22,12 @@ from wakeful.server.errors import NotFound, Refused
 from wakeful.server.store.ids import new_id
 from wakeful.server.store.tables import Authority, EventKind, TaskState, TimerKind, TimerState, tasks, timers
 
-__all__ = ["check_followup", "check_interval", "create_followup", "create_schedule", "fire_due", "recurrence"]
+__all__ = ["check_followup", "check_interval", "create_followup", "create_schedule", "fire_due", "next_due",
+           "recurrence"]
+
+_LIVE = and_(timers.c.state == TimerState.ACTIVE.value, tasks.c.state == TaskState.ACTIVE.value)
+"""The timers that fire when due (joined with their tasks): active ones of active tasks. A paused or held task's
+timers wait, untouched, for it to be active again."""
 
 
 def _task_session(conn: Connection, *, user_id: str, task_id: str) -> str:
@@ -96,6 +101,12 @@ def recurrence(row: Any) -> Recurrence | None:
                       cron=row.cron, tz=row.tz)
 
 
+def next_due() -> ScalarSelect[datetime]:
+    """When the first timer `fire_due` would fire falls due (NULL: none will), as a subquery for the scheduler."""
+    return select(func.min(timers.c.due_at)).join(tasks, tasks.c.id == timers.c.task_id).where(_LIVE) \
+        .scalar_subquery()
+
+
 def fire_due(conn: Connection, *, now: datetime, blocked: Callable[[str], bool] = lambda _user: False,
              limit: int = 500) -> int:
     """Turn due timers of active tasks into inbox events; returns how many events were recorded.
@@ -104,8 +115,7 @@ def fire_due(conn: Connection, *, now: datetime, blocked: Callable[[str], bool] 
     due = conn.execute(
         select(timers)
         .join(tasks, tasks.c.id == timers.c.task_id)
-        .where(and_(timers.c.state == TimerState.ACTIVE.value, timers.c.due_at <= now,
-                    tasks.c.state == TaskState.ACTIVE.value))
+        .where(and_(_LIVE, timers.c.due_at <= now))
         .order_by(timers.c.due_at)
         .limit(limit)
         .with_for_update(of=timers, skip_locked=True)  # PostgreSQL: timers another scheduler is firing are its own

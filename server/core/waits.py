@@ -26,7 +26,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Row, and_, or_, select, update
+from sqlalchemy import ColumnElement, Connection, Row, ScalarSelect, and_, func, or_, select, update
 
 from wakeful.server.core import inbox, outbox, sessions
 from wakeful.server.core.authority import may_satisfy
@@ -45,9 +45,15 @@ from wakeful.server.store.tables import (
     waits,
 )
 
-__all__ = ["TERMINAL", "cancel", "expire_due", "register", "resolve", "settle"]
+__all__ = ["TERMINAL", "cancel", "expire_due", "next_deadline", "register", "resolve", "settle"]
 
 TERMINAL = frozenset({WaitState.SATISFIED, WaitState.TIMED_OUT, WaitState.CANCELLED})
+
+_EXPIRING = and_(waits.c.state == WaitState.PENDING.value,
+                 or_(waits.c.on_timeout.is_(None),
+                     waits.c.task_id.not_in(select(tasks.c.id).where(tasks.c.state == TaskState.PAUSED.value))))
+"""The waits whose deadline the scheduler acts on: pending ones, but for a paused task's reply waits (they time out
+on resume, which wakes the scheduler)."""
 
 
 def register(conn: Connection, *, user_id: str, session_id: str, match_key: str, kind: str, authority: str,
@@ -130,15 +136,18 @@ def settle(conn: Connection, *, user_id: str, match_key: str, now: datetime) -> 
                         to=WaitState.SATISFIED, now=now) == 1
 
 
+def next_deadline() -> ScalarSelect[datetime]:
+    """The first deadline `expire_due` would act on (NULL: none), as a subquery for the scheduler."""
+    return select(func.min(waits.c.deadline)).where(_EXPIRING).scalar_subquery()
+
+
 def expire_due(conn: Connection, *, now: datetime, limit: int = 500) -> int:
     """Time out pending waits past their deadline, each as its `on_timeout` says (none: a timeout event wakes the
     wait's session). A reply wait of a paused task is held until the task resumes."""
     due = conn.execute(
         select(waits.c.id, waits.c.user_id, waits.c.session_id, waits.c.task_id, waits.c.match_key,
                waits.c.deadline, waits.c.on_timeout, waits.c.note)
-        .where(and_(waits.c.state == WaitState.PENDING.value, waits.c.deadline <= now,
-                    or_(waits.c.on_timeout.is_(None),
-                        waits.c.task_id.not_in(select(tasks.c.id).where(tasks.c.state == TaskState.PAUSED.value)))))
+        .where(and_(_EXPIRING, waits.c.deadline <= now))
         .limit(limit)
         .with_for_update(of=waits, skip_locked=True)  # PostgreSQL: waits another scheduler is expiring are its own
     ).all()
