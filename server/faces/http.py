@@ -52,7 +52,7 @@ from wakeful.server.faces.auth import BearerGate, current_user, user_of
 from wakeful.server.faces.console import console_routers
 from wakeful.server.faces.gate import ControlGate
 from wakeful.server.faces.liveview import live_router
-from wakeful.server.faces.mcpserver import WakefulMCP
+from wakeful.server.faces.mcpserver import WakefulMCP, transport_security
 from wakeful.server.faces.memory_routes import memory_router
 from wakeful.server.faces.openapi import MCP, NOVNC, WEBHOOKS, openapi_document
 from wakeful.server.faces.routes import router
@@ -450,7 +450,8 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
     # checks the token once per request, and the handlers read the user it found (`server.faces.auth`). A call is
     # answered as one JSON body, not an SSE stream: no handler sends what only a request's stream could carry (a
     # progress or log notification, a request of its own), and the stream's machinery was ~25% of a call's CPU.
-    mcp_app = mcp.server.streamable_http_app(streamable_http_path="/mcp", host=settings.host, json_response=True)
+    mcp_app = mcp.server.streamable_http_app(streamable_http_path="/mcp", json_response=True,
+                                             transport_security=transport_security(settings))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

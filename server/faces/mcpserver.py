@@ -33,11 +33,13 @@ import json
 from collections.abc import Callable, Mapping
 from datetime import UTC, timedelta
 from typing import Any, Final
+from urllib.parse import urlsplit
 
 import anyio
 import mcp_types as types
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
+from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from sqlalchemy import Engine, and_, select
 
@@ -58,9 +60,37 @@ from wakeful.server.store.tables import OnTimeout, actions, tasks, verdicts
 from wakeful.server.tools.layer import ToolLayer
 from wakeful.server.tools.specs import CreateResponsibility, Face, ToolSpec, input_schema, tool_specs, urgency_of
 
-__all__ = ["WakefulMCP"]
+__all__ = ["WakefulMCP", "transport_security"]
 
 _ANY_OBJECT: Final = {"type": "object"}
+_LOOPBACK: Final = ("127.0.0.1", "localhost", "::1")
+_ANY_ADDRESS: Final = ("", "0.0.0.0", "::")
+"""Listen addresses that are no name a request is sent to."""
+
+
+def _bracketed(host: str) -> str:
+    """A host as a `Host` or `Origin` header carries it: an IPv6 address in brackets."""
+    host = host.strip("[]").lower()
+    return f"[{host}]" if ":" in host else host
+
+
+def transport_security(settings: Settings) -> TransportSecuritySettings:
+    """The `Host` and `Origin` values `/mcp` answers (the SDK's DNS-rebinding protection): this machine's loopback
+    names, the listen address (`host`), and `public_url`'s host, behind the TLS proxy docs/deploy.md describes. Any
+    other `Host` is refused 421, any other `Origin` 403, so a page on a name of its own that resolves here gets
+    nothing. Any port goes: nginx's `$host` drops it while Caddy keeps it, and rebinding is a matter of names."""
+    names = [_bracketed(h) for h in _LOOPBACK]
+    if settings.host.strip("[]") not in _ANY_ADDRESS:
+        names.append(_bracketed(settings.host))
+    origins = [f"http://{name}" for name in names]
+    public = urlsplit(settings.public_url or "")
+    if public.hostname:
+        names.append(_bracketed(public.hostname))
+        origins.append(f"{public.scheme}://{names[-1]}")
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=list(dict.fromkeys(h for name in names for h in (name, f"{name}:*"))),
+        allowed_origins=list(dict.fromkeys(o for origin in origins for o in (origin, f"{origin}:*"))))
 
 
 def _mcp_tool(spec: ToolSpec) -> types.Tool:
