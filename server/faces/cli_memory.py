@@ -30,6 +30,7 @@ memory_app = typer.Typer(help="What the agent learnt about you, and what you tol
 MemoryArg = Annotated[str, typer.Argument(help="The record's ID (mem_…), from `wakeful memory list`.")]
 UserOpt = Annotated[str, typer.Option("--user", help="Whose memory (the CLI acts as that user).")]
 Reason = Annotated[str, typer.Option(help="Why, in your words, for the record.")]
+SCOPE_REF = "The run's or the task's ID, or the project's name."
 
 
 def _act(user: str, data_dir: Path | None, database_url: str | None, *, writes: bool,
@@ -136,7 +137,7 @@ def add(form: Annotated[str, typer.Argument(help="instruction, preference or fac
         relation: Annotated[str, typer.Option(help="How: a lowercase identifier (prefers).")],
         value: Annotated[str, typer.Option(help="The value (window).")],
         scope: Annotated[str | None, typer.Option(help="run, task, project or always (default).")] = None,
-        scope_ref: Annotated[str | None, typer.Option(help="The run's or the task's ID, or the project's name.")] = None,
+        scope_ref: Annotated[str | None, typer.Option(help=SCOPE_REF)] = None,
         valid_until: Annotated[str | None, typer.Option(help="When it stops holding: ISO 8601 with a zone.")] = None,
         topic: Annotated[list[str] | None, typer.Option(help="What else it is recalled for (repeatable).")] = None,
         as_json: Json = False, user: UserOpt = "owner", data_dir: DataDir = None,
@@ -180,7 +181,7 @@ def edit(memory_id: MemoryArg,
          text: Annotated[str | None, typer.Option(help="New words.")] = None,
          value: Annotated[str | None, typer.Option(help="A new value.")] = None,
          scope: Annotated[str | None, typer.Option(help="run, task, project or always.")] = None,
-         scope_ref: Annotated[str | None, typer.Option(help="The run's or the task's ID, or the project's name.")] = None,
+         scope_ref: Annotated[str | None, typer.Option(help=SCOPE_REF)] = None,
          valid_until: Annotated[str | None, typer.Option(help="When it stops holding: ISO 8601 with a zone.")] = None,
          as_json: Json = False, user: UserOpt = "owner", data_dir: DataDir = None,
          database_url: DbUrl = None) -> None:
