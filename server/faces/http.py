@@ -23,7 +23,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from email.utils import formatdate
 from functools import partial
@@ -35,10 +35,11 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import iter_route_contexts
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import Column, String
 from starlette.exceptions import HTTPException
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.server import HANDLED_SIGNALS
 
@@ -205,6 +206,17 @@ def error_response(exc: BaseException, *, content_type: str | None = None) -> JS
     else:
         error, status = WakefulError("internal_error", "the server failed to answer; the error is in its log"), 500
     return JSONResponse(error.to_json(), status_code=status, headers=headers)
+
+
+def _allowing(exc: HTTPException, routes: Sequence[BaseRoute], scope: Scope) -> HTTPException:
+    """A wrong method's 405 with an `Allow` naming every method the path takes, sorted: Starlette's names only the
+    methods of the first route matching the path (`DELETE /v1/tasks` said `POST`; `GET /v1/tasks` is another route)."""
+    # FastAPI keeps an included router as one route: `iter_route_contexts` (its OpenAPI's walk) yields each inside it.
+    methods = sorted({m for route in iter_route_contexts(routes) if route.matches(scope)[0] is not Match.NONE
+                      for m in route.methods or ()})
+    if not methods:  # a mounted app's own 405 (the static files'): it said what it takes, if anything
+        return exc
+    return HTTPException(405, detail=exc.detail, headers={**(exc.headers or {}), "Allow": ", ".join(methods)})
 
 
 class ExactPath:
@@ -482,6 +494,8 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
             described.append(NOVNC)
 
     async def _error(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, HTTPException) and exc.status_code == 405:
+            exc = _allowing(exc, app.router.routes, request.scope)
         return error_response(exc, content_type=request.headers.get("content-type", ""))
 
     for caught in (WakefulError, RequestValidationError, HTTPException, Exception):
