@@ -5,14 +5,15 @@ Unix domain socket, in a directory of mode 0700, the socket itself 0600. Every m
     4-byte big-endian unsigned N (1 ≤ N ≤ MAX_MESSAGE_BYTES + 1), then N bytes: 1 byte kind, N-1 bytes body
 
     H  client → server  {"v":1,"token":"…"}      hello; first frame, within 2 s, or the server closes
-    W  server → client  {"v":1}                   welcome; never sent for a wrong token
+    W  server → client  {"v":1}                   welcome; never sent for a wrong token (the server closes instead)
     D  client → server  contract.encode_request   a decision request
     V  server → client  contract.encode_verdict   its verdict (answers may come back in any order)
     A  client → server  audit.encode_record       one egress record
     K  server → client  {"v":1,"request_id":"…"}  the record is durably stored
 
 Anything else (an oversized frame, an unknown kind, a body that does not parse) closes the connection.
-`DeciderClient` (the proxy's end) never raises into the proxy and never allows on error.
+`DeciderClient` (the proxy's end) never raises into the proxy and never allows on error. It asks for its token at
+every connect: the decider may have been restarted with a new one (`wakeful api` writes one at each start).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ _RECORD_BATCH: Final = 500
 Decide = Callable[[DecisionRequest], Awaitable[Verdict]]
 DecideNow = Callable[[DecisionRequest], Verdict | None]
 Record = Callable[[list[EgressRecord]], Awaitable[None]]
+Token = Callable[[], str]
+"""The decider's current token, asked for at each connect (it may read a file: keep it to a few microseconds)."""
 
 
 class ChannelError(Exception):
@@ -143,13 +146,19 @@ class DeciderClient:
     the connection is lost, and `Refuse(malformed_verdict)` for an answer that is not understood. `audit` queues a
     record until the decider acknowledges it; unacknowledged records are re-sent after a reconnect (the decider
     deduplicates by request_id) and the oldest are dropped past `audit_capacity`, counted in `audit_dropped`.
+
+    `token` is the secret itself, or a `Token` that says the current one at each connect. After the decider refuses
+    a hello, the client tries again by itself (backing off) as soon as `token` says another one, so a decider
+    restarted with a new token is reached again without waiting for a request; the refused one is tried again only
+    for a request.
     """
 
-    def __init__(self, path: Path | str, token: str, *, timeout: float = 2.0, backoff: float = 0.05,
+    def __init__(self, path: Path | str, token: str | Token, *, timeout: float = 2.0, backoff: float = 0.05,
                  max_backoff: float = 1.0, audit_capacity: int = 100_000) -> None:
         self.path = str(path)
         self.timeout = timeout
-        self._token = token
+        self._token: Token = token if callable(token) else (lambda: token)
+        self._refused: str | None = None  # the token the decider last refused, until it welcomes one
         self._backoff_min = backoff
         self._backoff_max = max_backoff
         self._backoff = backoff
@@ -167,7 +176,7 @@ class DeciderClient:
         self._down_logged = False
         self.audit_dropped = 0
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # never the token
         return f"DeciderClient({self.path!r}, connected={self._conn is not None})"
 
     @property
@@ -286,8 +295,12 @@ class DeciderClient:
             await asyncio.wait_for(asyncio.shield(self._connecting), max(0.0, deadline - loop.time()))
         return self._conn
 
+    def _wanted(self) -> bool:
+        # Audit records need a connection even when no request comes to open one; so does a refused hello, to find
+        # the decider's new token before the next request does.
+        return bool(self._unacked) or self._refused is not None
+
     def _kick(self) -> None:
-        # Audit records need a connection even when no request comes to open one.
         if self._closed or self._conn is not None or self._connecting is not None or self._retry is not None:
             return
         delay = self._not_before - time.monotonic()
@@ -295,39 +308,52 @@ class DeciderClient:
         if delay > 0:
             self._retry = loop.call_later(delay, self._retry_now)
         else:
-            self._connecting = loop.create_task(self._connect())
+            self._connecting = loop.create_task(self._connect(unasked=True))
 
     def _retry_now(self) -> None:
         self._retry = None
-        if self._unacked:
+        if self._wanted():
             self._kick()
 
-    async def _connect(self) -> None:
+    async def _connect(self, *, unasked: bool = False) -> None:
+        """One try. `unasked` (no request waits on it): a token the decider refused is not tried again."""
         try:
+            token = self._token()
+            if unasked and token == self._refused and not self._unacked:
+                raise _StillRefused
             reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), HELLO_TIMEOUT)
             try:
-                writer.write(frame(HELLO, json.dumps({"v": 1, "token": self._token}).encode("utf-8")))
-                kind, body = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT)
+                writer.write(frame(HELLO, json.dumps({"v": 1, "token": token}).encode("utf-8")))
+                try:
+                    kind, body = await asyncio.wait_for(read_frame(reader), HELLO_TIMEOUT)
+                except asyncio.IncompleteReadError:  # closed without a welcome: this token is not its own
+                    self._refused = token
+                    raise _Refused from None
                 if kind != WELCOME:
                     raise ChannelError("the decider did not welcome us")
                 _json_object(body, frozenset({"v"}))
             except BaseException:
                 writer.close()
                 raise
-        except (OSError, ChannelError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            self._not_before = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, self._backoff_max)
+        except _StillRefused:
+            self._retry_later()
+            return
+        except (OSError, ChannelError, TimeoutError, asyncio.IncompleteReadError, _Refused) as exc:
+            self._retry_later()
             if not self._down_logged:
-                log.warning("cannot reach the decider at %s (%s): refusing requests until it answers",
-                            self.path, type(exc).__name__)
+                if isinstance(exc, _Refused):
+                    log.warning("the decider at %s refused our hello (a token from an earlier run of it?): refusing "
+                                "requests until it answers; its token is read again at each try", self.path)
+                else:
+                    log.warning("cannot reach the decider at %s (%s): refusing requests until it answers",
+                                self.path, type(exc).__name__)
                 self._down_logged = True
-            if self._unacked and not self._closed:
-                self._kick_later()
             return
         finally:
             self._connecting = None
         conn = _Connection(reader, writer)
         self._conn = conn
+        self._refused = None
         self._backoff = self._backoff_min
         if self._down_logged:
             log.info("the decider at %s answers again", self.path)
@@ -336,9 +362,12 @@ class DeciderClient:
         for body in list(self._unacked.values()):
             conn.send(frame(AUDIT, body))
 
-    def _kick_later(self) -> None:
-        # Called from inside `_connect`, whose task slot is being cleared: schedule instead of recursing.
-        asyncio.get_running_loop().call_soon(self._kick)
+    def _retry_later(self) -> None:
+        self._not_before = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, self._backoff_max)
+        if self._wanted() and not self._closed:
+            # Called from inside `_connect`, whose task slot is being cleared: schedule instead of recursing.
+            asyncio.get_running_loop().call_soon(self._kick)
 
     async def _read(self, conn: _Connection) -> None:
         lost = refuse(RefusalCode.DECIDER_UNAVAILABLE, "the connection to the policy component was lost")
@@ -395,6 +424,14 @@ class DeciderClient:
             self._kick()
 
 
+class _Refused(Exception):
+    """The decider closed the connection after our hello without welcoming us: it holds another token."""
+
+
+class _StillRefused(Exception):
+    """An unasked retry found the token the decider refused last: nothing to try yet."""
+
+
 def _expire(future: asyncio.Future[Verdict], timeout: float) -> None:
     if not future.done():
         future.set_result(refuse(RefusalCode.DECIDER_UNAVAILABLE,
@@ -445,6 +482,13 @@ class DeciderServer:
         self._server: asyncio.Server | None = None
         self._peers: set[_Peer] = set()
         self._handlers: set[asyncio.Task[None]] = set()
+        self._refused_last = False
+
+    @property
+    def hello_refused(self) -> bool:
+        """The last hello heard here was refused and no proxy welcomed here is connected: a proxy is likely
+        knocking with a token that is not this decider's, and reaches no decision until it reads the right one."""
+        return self._refused_last and not self._peers
 
     def __repr__(self) -> str:
         return f"DeciderServer({str(self.path)!r})"
@@ -520,7 +564,9 @@ class DeciderServer:
             token = None
         if not isinstance(token, str) or not hmac.compare_digest(token.encode("utf-8"), self._token):
             log.warning("refused a connection on the decider channel: no valid hello")
+            self._refused_last = True
             return False
+        self._refused_last = False
         peer.send(frame(WELCOME, b'{"v":1}'))
         return True
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +20,9 @@ def _hosts(hosts: frozenset[str]) -> frozenset[str]:
 class ProxyConfig:
     decider_socket: Path
     """The decider's unix socket (see `proxy.channel`)."""
-    decider_token: str = field(repr=False)
-    """The shared secret the proxy says hello with on the decider channel."""
+    decider_token: str | Callable[[], str] = field(repr=False)
+    """The shared secret the proxy says hello with on the decider channel, or what says the current one at each
+    connect (the decider may be restarted with a new one: see `channel.DeciderClient`)."""
     ca_dir: Path
     """Holds `ca.pem` and `ca.key.enc`; the CA is created there on first start (see `proxy.tls`)."""
     keys: KeyRing = field(repr=False)

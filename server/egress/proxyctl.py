@@ -2,8 +2,9 @@
 serve` answers on, and `wakeful proxy` run as its child process.
 
 The proxy holds no policy: it asks the server over a unix socket (owner-only, in `<data_dir>/run/`) and
-authenticates with a token the server writes there at each start. The vault's secrets are decrypted only in the
-proxy process; the server never reads them.
+authenticates with a token the server writes there at each start; the proxy reads that file again at each connect,
+so it follows the server through a restart. The vault's secrets are decrypted only in the proxy process; the server
+never reads them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,14 +35,16 @@ from wakeful.proxy.vault import KEY_ENV, Key, KeyRing, Vault, init_key, keys_fro
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import WakefulError
 from wakeful.server.observe import metrics
+from wakeful.server.observe.health import Check
 from wakeful.server.settings import Settings, child_environment
 from wakeful.server.store.db import read, write
 
 if TYPE_CHECKING:
     from wakeful.proxy.audit import EgressRecord
+    from wakeful.proxy.channel import DeciderServer
 
 __all__ = ["DeciderService", "ProxyChild", "abort_proxy_start", "decider_token", "new_decider_token", "open_vault",
-           "proxy_port_taken", "rotate_vault_key", "run_proxy", "serve_egress", "vault_keys"]
+           "proxy_port_taken", "rotate_vault_key", "run_proxy", "serve_egress", "vault_keys", "with_decider"]
 
 log = logging.getLogger(__name__)
 TOKEN_FILE = "decider.token"
@@ -100,6 +103,21 @@ def _kept_token(settings: Settings) -> str | None:
         return _token_path(settings).read_text().strip() or None
     except FileNotFoundError:
         return None
+
+
+def _current_token(settings: Settings, first: str) -> Callable[[], str]:
+    """The token file as it is now, for each connect of the proxy to the decider: `wakeful api` writes a new one at
+    each start (a stale one from a killed api may be all the proxy found when it started). The last one read when
+    the file is gone or unreadable: the connect then fails on its own, and the next one reads again."""
+    last = first
+
+    def current() -> str:
+        nonlocal last
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            last = _kept_token(settings) or last
+        return last
+
+    return current
 
 
 def decider_token(settings: Settings, *, wait: float = 0.0) -> str:
@@ -383,7 +401,8 @@ def run_proxy(settings: Settings, *, await_api: float = 0.0) -> None:
 
     keys = vault_keys(settings)
     config = ProxyConfig(
-        decider_socket=settings.decider_socket, decider_token=decider_token(settings, wait=await_api),
+        decider_socket=settings.decider_socket,
+        decider_token=_current_token(settings, decider_token(settings, wait=await_api)),
         ca_dir=settings.proxy_dir,
         keys=keys, listen_port=settings.proxy_port,
         vault=Vault(settings.vault_path, keys, key_file=None if _keys_in_env() else settings.vault_key_path),
@@ -395,12 +414,23 @@ def run_proxy(settings: Settings, *, await_api: float = 0.0) -> None:
     server.run(config)
 
 
+def with_decider(checks: list[Check], decider: DeciderServer | None) -> list[Check]:
+    """`/readyz`'s checks, the proxy's failed when its port answers but a proxy's last hello on `decider` was
+    refused: that proxy refuses every request with `decider_unavailable` until it reads this run's token."""
+    if decider is None or not decider.hello_refused:
+        return checks
+    problem = (f"the decider refuses the proxy's hello on {decider.path}: it holds a token from an earlier run of the "
+               f"api (it reads {TOKEN_FILE} again as it reconnects; an older proxy must be restarted)")
+    return [Check(name=c.name, problem=problem) if c.name == "proxy" and c.ok else c for c in checks]
+
+
 @contextlib.asynccontextmanager
 async def serve_egress(engine: Engine, clock: Clock, settings: Settings, *, proxy_child: bool = True,
-                       await_proxy: bool = False) -> AsyncIterator[None]:
-    """Inside the HTTP process: answer the proxy on the decider socket, and run the proxy as a child unless
-    `proxy_child` is False (`wakeful api`: `wakeful serve` supervises the proxy beside it). `await_proxy`: return
-    only once that proxy listens (bounded), so the API, too, answers only once a connector call can go out."""
+                       await_proxy: bool = False) -> AsyncIterator[DeciderServer]:
+    """Inside the HTTP process: answer the proxy on the decider socket (yielded, for `with_decider`), and run the
+    proxy as a child unless `proxy_child` is False (`wakeful api`: `wakeful serve` supervises the proxy beside it).
+    `await_proxy`: return only once that proxy listens (bounded), so the API, too, answers only once a connector call
+    can go out."""
     from wakeful.proxy.channel import DeciderServer
     from wakeful.proxy.tls import load_or_create_ca
 
@@ -423,7 +453,7 @@ async def serve_egress(engine: Engine, clock: Clock, settings: Settings, *, prox
                                 "(connector calls fail until it does)", settings.proxy_port, READY_TIMEOUT)
                     break
                 await asyncio.sleep(0.05)
-        yield
+        yield server
     finally:
         if child is not None:
             await asyncio.to_thread(child.stop)

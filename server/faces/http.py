@@ -46,7 +46,7 @@ from uvicorn.server import HANDLED_SIGNALS
 from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.inbox import Delivery
 from wakeful.server.core.signatures import SignatureError, Signed, verify_signature
-from wakeful.server.egress.proxyctl import serve_egress
+from wakeful.server.egress.proxyctl import serve_egress, with_decider
 from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, Unavailable, WakefulError
 from wakeful.server.faces import bodies
 from wakeful.server.faces.auth import BearerGate, current_user, user_of
@@ -470,8 +470,8 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
         async with contextlib.AsyncExitStack() as stack:
             if manage_runtime and settings.proxy:
                 # The proxy is up before the first connector call can be made.
-                await stack.enter_async_context(serve_egress(runtime.engine, clock, settings,
-                                                            proxy_child=proxy_child, await_proxy=await_proxy))
+                _app.state.decider = await stack.enter_async_context(serve_egress(
+                    runtime.engine, clock, settings, proxy_child=proxy_child, await_proxy=await_proxy))
             if manage_runtime:
                 runtime.start()
             try:
@@ -512,6 +512,7 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
         """Ready for traffic: the database, the egress proxy (`proxy`), libvirt (`computers`) answer, and the process
         is not draining after a SIGTERM. No credential; it names no user."""
         checks = await readiness(settings, runtime.engine, inbox.drain)
+        checks = with_decider(checks, getattr(app.state, "decider", None))  # the proxy answers, but is it let in?
         said = {check.name: check.problem or "ok" for check in checks}
         failed = [f"{check.name}: {check.problem}" for check in checks if check.problem is not None]
         if failed:
