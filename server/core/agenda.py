@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, tzinfo
+from datetime import datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 from sqlalchemy import Connection, and_, bindparam, func, select, update
 
@@ -226,10 +227,6 @@ def check_deadline(deadline: datetime, *, now: datetime) -> None:
 # -- in plain words ----------------------------------------------------------------------------------------------
 
 
-def _local(at: datetime, zone: tzinfo) -> str:
-    return at.astimezone(zone).strftime("%Y-%m-%d %H:%M")
-
-
 _WEEKDAYS = {"0": "Sunday", "1": "Monday", "2": "Tuesday", "3": "Wednesday", "4": "Thursday", "5": "Friday",
              "6": "Saturday", "7": "Sunday"}
 
@@ -253,24 +250,26 @@ def _how_often(row: Any) -> str:
     return f"on the schedule '{row.cron}' ({zone})"
 
 
-def said_of_timer(row: Any, zone: tzinfo) -> str:
-    """A follow-up or a check in the user's words: 'checks prices every day at 09:00 Asia/Hong_Kong; next …'."""
+def said_of_timer(row: Any, zone: ZoneInfo) -> str:
+    """A follow-up or a check in the user's words: 'checks prices every day at 09:00 Asia/Hong_Kong; next …' (the
+    zone said once, unless the schedule's is another)."""
     what = row.note or "this task"
     if row.kind == TimerKind.FOLLOWUP.value:
-        return f"follows up on {what} at {_local(row.due_at, zone)}"
-    return f"checks {what} {_how_often(row)}; next {_local(row.due_at, zone)}"
+        return f"follows up on {what} at {users.in_words(row.due_at, zone)}"
+    said = row.cron is not None and (row.tz or "UTC") == zone.key  # the schedule named the zone
+    return f"checks {what} {_how_often(row)}; next {users.in_words(row.due_at, zone, named=not said)}"
 
 
 _ON_TIMEOUT_SAID = {OnTimeout.FOLLOW_UP.value: "then looks again", OnTimeout.TELL_USER.value: "then tells you",
                     OnTimeout.CLOSE.value: "then stops waiting"}
 
 
-def said_of_wait(row: Any, zone: tzinfo) -> str | None:
+def said_of_wait(row: Any, zone: ZoneInfo) -> str | None:
     """A reply wait the agent set, in the user's words; None for the server's own waits."""
     if row.on_timeout is None:
         return None
     what = row.note or f"a reply carrying {row.match_key}"
-    return f"waits for {what} until {_local(row.deadline, zone)}; {_ON_TIMEOUT_SAID[row.on_timeout]}"
+    return f"waits for {what} until {users.in_words(row.deadline, zone)}; {_ON_TIMEOUT_SAID[row.on_timeout]}"
 
 
 def listing(conn: Connection, *, user_id: str, task_id: str) -> dict[str, list[dict[str, Any]]]:

@@ -161,7 +161,7 @@ def _timed_out(conn: Connection, w: Any, *, now: datetime) -> None:
     if w.on_timeout == OnTimeout.CLOSE.value:
         return
     if w.on_timeout == OnTimeout.TELL_USER.value:
-        when = w.deadline.astimezone(users.zone(conn, w.user_id)).strftime("%Y-%m-%d %H:%M")
+        when = users.in_words(w.deadline, users.zone(conn, w.user_id))
         outbox.enqueue(conn, user_id=w.user_id, session_id=w.session_id, now=now, message_id=f"wto_{w.id}",
                        once=True, body={"kind": "wait_timed_out", "task_id": w.task_id, "wait_id": w.id,
                                         "text": f"No reply came by {when}: I was waiting for "

@@ -6,7 +6,9 @@ creates is one, `wakeful user-add --admin` makes another.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
+from typing import Final
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from sqlalchemy import Connection, bindparam, delete, select, update
@@ -15,21 +17,33 @@ from wakeful.server.errors import BadRequest, NotFound, Unauthorized
 from wakeful.server.store.ids import new_id, new_token, token_digest
 from wakeful.server.store.tables import console_sessions, users
 
-__all__ = ["OWNER", "authenticate", "ensure_user", "is_admin", "issue_token", "name_of", "set_zone",
+__all__ = ["OWNER", "authenticate", "checked_name", "ensure_user", "is_admin", "issue_token", "name_of", "set_zone",
            "user_id_by_name", "zone"]
 
 OWNER = "owner"
 """The user `wakeful serve` creates on its first start (and `wakeful token` without `--user` names): an admin."""
 
+_NAME: Final = re.compile(r"[a-z0-9][a-z0-9._-]{0,39}")
+"""A user's name, as an agent's is (`store.agents`): it is typed on command lines and shown in records."""
+
+
+def checked_name(name: str) -> str:
+    """`name` if it may name a new user; else a 400 `invalid_user_name` saying what a name is."""
+    if not _NAME.fullmatch(name):
+        raise BadRequest("invalid_user_name", f"{name[:80]!r} is not a user name: 1 to 40 lower-case letters, digits, "
+                                              "'.', '_' or '-', starting with a letter or digit (e.g. alice)")
+    return name
+
 
 def ensure_user(conn: Connection, *, name: str, now: datetime, admin: bool = False) -> tuple[str, str | None]:
-    """(user_id, token): the token is new (shown once) only when the user was just created. `admin` is given to a
-    user created here; an existing user is left as they are."""
+    """(user_id, token): the token is new (shown once) only when the user was just created, which a name that is
+    not one (`checked_name`) never is. `admin` is given to a user created here; an existing user is left as they
+    are."""
     existing = conn.execute(select(users.c.id).where(users.c.name == name)).scalar_one_or_none()
     if existing is not None:
         return existing, None
     user_id = new_id("usr")
-    conn.execute(users.insert().values(id=user_id, name=name, created_at=now, admin=admin))
+    conn.execute(users.insert().values(id=user_id, name=checked_name(name), created_at=now, admin=admin))
     return user_id, issue_token(conn, user_id=user_id)
 
 
@@ -81,6 +95,12 @@ def zone(conn: Connection, user_id: str) -> ZoneInfo:
     if name is None:
         raise NotFound("unknown_user", f"no user {user_id}")
     return ZoneInfo(name)
+
+
+def in_words(at: datetime, zone: ZoneInfo, *, named: bool = True) -> str:
+    """A time as the user reads it: '2026-12-04 22:37 Europe/Paris', the zone named unless the sentence already
+    did (a message outlives a move to another zone)."""
+    return f"{at.astimezone(zone):%Y-%m-%d %H:%M}" + (f" {zone.key}" if named else "")
 
 
 def set_zone(conn: Connection, *, user_id: str, name: str) -> ZoneInfo:

@@ -212,7 +212,7 @@ async def test_an_mcp_client_keeps_time_for_a_task_within_its_caps(w: World, set
     assert over.is_error and over.content[0].text.startswith("wake_budget_exceeded: ")
     assert wait.structured_content["deadline"] == "2026-12-04T01:00:00+00:00"
     assert [x["said"] for x in listed.structured_content["waits"]] == [
-        "waits for the client until 2026-12-04 09:00; then looks again"]
+        "waits for the client until 2026-12-04 09:00 Asia/Hong_Kong; then looks again"]
     assert not cancelled.is_error and again.is_error and again.content[0].text.startswith("unknown_timer: ")
     assert status.structured_content["waits"] == [] and len(status.structured_content["timers"]) == 1
 

@@ -141,7 +141,7 @@ def test_an_acknowledgement_becomes_a_two_day_wait_that_wakes_the_task_once_and_
     task = delegated(agent, waiting("thread-42", "follow_up"))
     (shown,) = agent.status(task)["waits"]
     assert shown["said"] == ("waits for the client's confirmation (they are asking their boss) until 2026-12-04 "
-                             "20:00; then looks again")
+                             "20:00 Asia/Hong_Kong; then looks again")
     agent.later(DAY)
     assert timeouts(agent.w.engine) == [] and not agent.run()
     agent.later(DAY)
@@ -179,8 +179,8 @@ def test_a_wait_that_tells_the_user_at_its_deadline_sends_exactly_one_message_an
     agent.later(timedelta(hours=2))
     agent.later(timedelta(hours=1))
     (told,) = [m for m in messages(agent.w.engine) if m.get("kind") == "wait_timed_out"]
-    assert told["text"] == ("No reply came by 2026-12-02 22:00: I was waiting for the client's confirmation (they "
-                            "are asking their boss).")
+    assert told["text"] == ("No reply came by 2026-12-02 22:00 Asia/Hong_Kong: I was waiting for the client's "
+                            "confirmation (they are asking their boss).")
     assert timeouts(agent.w.engine) == [] and not agent.run()
 
 
@@ -267,7 +267,7 @@ def test_the_agent_lists_and_cancels_its_own_timers(agent: Agent) -> None:
     assert agent.run(calls(("list_timers", {})), quiet("listed"))
     listed = json.loads(agent.model.seen[-1].messages[-1]["content"][0]["content"])
     (check,), (wait,) = listed["timers"], listed["waits"]
-    assert check["said"] == "checks prices every day; next 2026-12-03 20:00"
+    assert check["said"] == "checks prices every day; next 2026-12-03 20:00 Asia/Hong_Kong"
     agent.mail(task, "m-2")
     assert agent.run(calls(("cancel_timer", {"id": check["timer_id"]}), ("cancel_timer", {"id": wait["wait_id"]})),
                      quiet("no longer needed"))

@@ -36,10 +36,11 @@ def _check(**row: object) -> SimpleNamespace:
      "checks prices every day at 09:00 Asia/Hong_Kong; next 2026-12-03 09:00"),
     (_check(cron="30 7 * * 1", tz="Asia/Hong_Kong"),
      "checks prices every Monday at 07:30 Asia/Hong_Kong; next 2026-12-03 09:00"),
-    (_check(cron="0 */6 * * *"), "checks prices on the schedule '0 */6 * * *' (UTC); next 2026-12-03 09:00"),
-    (_check(interval_seconds=7200), "checks prices every 2 hours; next 2026-12-03 09:00"),
-    (_check(interval_seconds=90), "checks prices every 90 seconds; next 2026-12-03 09:00"),
-    (_check(kind="followup", note="the refund"), "follows up on the refund at 2026-12-03 09:00"),
+    (_check(cron="0 */6 * * *"),  # the schedule's zone is not the user's: the next time names the user's
+     "checks prices on the schedule '0 */6 * * *' (UTC); next 2026-12-03 09:00 Asia/Hong_Kong"),
+    (_check(interval_seconds=7200), "checks prices every 2 hours; next 2026-12-03 09:00 Asia/Hong_Kong"),
+    (_check(interval_seconds=90), "checks prices every 90 seconds; next 2026-12-03 09:00 Asia/Hong_Kong"),
+    (_check(kind="followup", note="the refund"), "follows up on the refund at 2026-12-03 09:00 Asia/Hong_Kong"),
 ], ids=["daily", "weekly", "other cron", "interval", "odd interval", "follow-up"])
 def test_a_timer_is_said_in_the_users_time_zone(row: SimpleNamespace, said: str) -> None:
     assert said_of_timer(row, HONG_KONG) == said
@@ -49,6 +50,6 @@ def test_only_the_agents_reply_waits_are_said_and_the_servers_own_are_not() -> N
     deadline = datetime(2026, 12, 4, 1, 0, tzinfo=UTC)
     reply = SimpleNamespace(on_timeout="tell_user", note=None, match_key="thread-9", deadline=deadline)
     approval = SimpleNamespace(on_timeout=None, note=None, match_key="approval:act_1", deadline=deadline)
-    said = "waits for a reply carrying thread-9 until 2026-12-04 09:00; then tells you"
+    said = "waits for a reply carrying thread-9 until 2026-12-04 09:00 Asia/Hong_Kong; then tells you"
     assert said_of_wait(reply, HONG_KONG) == said
     assert said_of_wait(approval, HONG_KONG) is None
