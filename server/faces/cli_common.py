@@ -12,9 +12,11 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 from rich.console import Console
 from rich.markup import escape
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from wakeful.server.errors import WakefulError
 from wakeful.server.settings import DB_FILE, ConfigFileError, Settings, config_file, load_settings
@@ -61,6 +63,9 @@ def settings_or_exit(data_dir: Path | None, database_url: str | None, *, existin
         for problem in exc.errors():
             say("invalid_settings", _describe(problem, data_dir, {k for k, v in flags.items() if v is not None}))
         raise typer.Exit(2) from None
+    except SettingsError as exc:  # a source that could not be read at all; the cause says why
+        say("invalid_settings", f"{exc}: {exc.__cause__}" if exc.__cause__ else str(exc))
+        raise typer.Exit(2) from None
     if existing and settings.database_url is None and not (settings.data_dir / DB_FILE).exists():
         say("no_data", f"{settings.data_dir} holds no wakeful database: check --data-dir or WAKEFUL_DATA_DIR, "
                        f"or start `wakeful serve --data-dir {settings.data_dir}` there first")
@@ -73,7 +78,19 @@ def _describe(problem: Any, data_dir: Path | None, flags: set[str]) -> str:
     """`field (where): what is wrong`, where is the flag, the environment variable or the file and line."""
     loc = tuple(problem["loc"])
     field = ".".join(str(part) for part in loc) or "settings"
-    return f"{field} ({_origin(loc, data_dir, flags)}): {problem['msg']}"
+    origin = _origin(loc, data_dir, flags)
+    error = problem.get("ctx", {}).get("error") if problem["type"] == "value_error" else None
+    said = str(error) if error is not None else problem["msg"]  # our own words, without pydantic's "Value error, "
+    hint = _JSON_HINTS.get(problem["type"], "") if origin.startswith("environment") else ""
+    return f"{field} ({origin}): {said}{hint}"
+
+
+_JSON_HINTS = {
+    "list_type": ' (in the environment a list is JSON: ["…", "…"])',
+    "dict_type": ' (in the environment a table is JSON: {"key": …})',
+    "model_type": ' (in the environment a table is JSON: {"key": …})',
+}
+"""What a value in the environment that should have been JSON, and was not, is told (`settings._Environment`)."""
 
 
 def _origin(loc: tuple[str | int, ...], data_dir: Path | None, flags: set[str]) -> str:
@@ -108,10 +125,17 @@ def _private_data_dir(settings: Settings) -> None:
 
 
 def open_engine(settings: Settings) -> Engine:
-    """The database, migrated to the newest revision; exit 2 if it cannot be (a newer version migrated it)."""
+    """The database, migrated to the newest revision; exit 2 if it cannot be (a newer version migrated it, or it
+    does not answer: `database_unreachable`)."""
     engine = make_engine(settings.db_url)
     try:
         migrate(engine)
     except WakefulError as exc:
         fail(exc)
+    except OperationalError as exc:
+        engine.dispose()
+        reason = " ".join(str(exc.orig if exc.orig is not None else exc).split())
+        say("database_unreachable", f"{settings.db_shown}: {reason} (check database_url, and that the database "
+                                    "server is running and lets this user in)")
+        raise typer.Exit(2) from None
     return engine
