@@ -41,7 +41,7 @@ from wakeful.server.faces.cli_sim import sim
 from wakeful.server.observe.logs import announce
 from wakeful.server.settings import Settings
 from wakeful.server.store import users
-from wakeful.server.store.db import current_revision, make_engine, migrate, read, write
+from wakeful.server.store.db import current_revision, read, write
 from wakeful.server.store.tables import ControlKind, EventStatus, OutboxState, RunOutcome, events, outbox, runs, tasks
 
 if TYPE_CHECKING:
@@ -114,7 +114,8 @@ def _port_free(host: str, port: int) -> bool:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 return False
-            raise
+            raise WakefulError("cannot_listen", f"{host}:{port}: {exc.strerror} (host is an address of this "
+                                                "machine's, or 0.0.0.0 for all)") from None
     return True
 
 
@@ -415,15 +416,9 @@ def migrate_cmd(data_dir: DataDir = None, database_url: DbUrl = None,
                     "schema cannot."))] = None) -> None:
     """Create or upgrade the database schema (or take it to the revision --to names)."""
     settings = _settings(data_dir, database_url)
-    if to is None:
-        typer.echo(f"schema is at revision {current_revision(_engine(settings))}, the newest")
-        return
-    engine = make_engine(settings.db_url)
-    try:
-        migrate(engine, to)
-    except WakefulError as exc:
-        _fail(exc)
-    typer.echo(f"schema is at revision {current_revision(engine) or 'base (no tables)'}")
+    engine = _engine(settings, to or "head")
+    newest = ", the newest" if to is None else ""
+    typer.echo(f"schema is at revision {current_revision(engine) or 'base (no tables)'}{newest}")
 
 
 Target = Annotated[str, typer.Argument(help="The task or action ID.")]

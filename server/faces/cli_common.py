@@ -124,12 +124,12 @@ def _private_data_dir(settings: Settings) -> None:
             os.close(fd)
 
 
-def open_engine(settings: Settings) -> Engine:
-    """The database, migrated to the newest revision; exit 2 if it cannot be (a newer version migrated it, or it
-    does not answer: `database_unreachable`)."""
+def open_engine(settings: Settings, revision: str = "head") -> Engine:
+    """The database, migrated to the newest revision (or to `revision`); exit 2 if it cannot be (a newer version
+    migrated it, a downgrade is refused, or it does not answer: `database_unreachable`)."""
     engine = make_engine(settings.db_url)
     try:
-        migrate(engine)
+        migrate(engine, revision)
     except WakefulError as exc:
         fail(exc)
     except OperationalError as exc:

@@ -185,6 +185,8 @@ def test_version_and_short_help_are_answered(tmp_path: Path) -> None:
     ["egress", "log", "--verdict", "maybe"], ["egress", "client", "vm", "--user", "nobody"], ["secret", "rm", "nope"],
     ["user-add"], ["status", "--bogus"], ["bogus"], ["egress", "log", "--limit", "0"], ["status", "--data-dir"],
     ["ledger", "export", "-o", "/nonexistent/dir/ledger.jsonl"],
+    ["serve", "--host", "192.0.2.1"],  # an address of no interface here (TEST-NET-1): nothing is sent to it
+    ["migrate", "--to", "0022", "--database-url", "postgresql+psycopg://nobody@127.0.0.1:1/none"],
 ], ids=" ".join)
 def test_wrong_input_is_one_clear_line_and_a_nonzero_exit_never_a_traceback(tmp_path: Path, args: list[str]) -> None:
     run(tmp_path, "token")  # the owner exists, as after the first `wakeful serve`
