@@ -5,14 +5,18 @@ the API, in the live view and in the MCP server's plain-HTTP answers. Real reque
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import iter_route_contexts
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute
 
 from tests.support.serve import serving
 from wakeful.server.computers.handoff import NOVNC_DIR
@@ -26,10 +30,36 @@ from wakeful.server.store.users import ensure_user
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "http-api.md").read_text()
 
+METHODS = ("DELETE", "GET", "PATCH", "POST", "PUT")
+
+
+def _fastapi(app: Any) -> FastAPI:
+    """The FastAPI app inside the ASGI wrappers `create_app` puts in front of it."""
+    while not isinstance(app, FastAPI):
+        app = app.app
+    return app
+
+
+def _concrete(path: str) -> str:
+    """A path a route's template matches: each `{name}` or `{name:convertor}` filled in."""
+    return re.sub(r"\{[^}:]+(:int|:float)?(:[^}]+)?\}", lambda m: "1" if m.group(1) else "x", path)
+
+
+def _wrong_methods(routes: list[BaseRoute]) -> list[tuple[str, str, list[str]]]:
+    """(path, a method no route of it takes, the methods of every route whose template matches the path), for each
+    path a route with methods serves (not a mount's, nor `/mcp`'s, which takes any). FastAPI keeps an included router
+    as one route: `iter_route_contexts` is its own walk of the routes inside."""
+    routed = [r for r in iter_route_contexts(routes) if r.methods]
+    cases = []
+    for path in dict.fromkeys(_concrete(str(r.path)) for r in routed):
+        taken = sorted({m for r in routed if r.path_regex.match(path) for m in r.methods or ()})
+        cases.append((path, next(m for m in METHODS if m not in taken), taken))
+    return cases
+
 
 class Server:
-    def __init__(self, url: str, token: str) -> None:
-        self.url, self.token = url, token
+    def __init__(self, url: str, token: str, routes: list[BaseRoute]) -> None:
+        self.url, self.token, self.routes = url, token, routes
 
     def request(self, method: str, path: str, *, token: str | None = None, **kwargs: Any) -> httpx.Response:
         headers = kwargs.pop("headers", {}) | ({"Authorization": f"Bearer {token}"} if token else {})
@@ -47,7 +77,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     app = create_app(runtime, manage_runtime=False)  # the loops are not needed to answer errors
     try:
         with serving(app) as url:
-            yield Server(url, token)
+            yield Server(url, token, list(_fastapi(app).routes))
     finally:
         runtime.engine.dispose()
 
@@ -222,3 +252,35 @@ def test_eight_megabytes_of_constraints_are_a_413_and_a_deep_body_a_400(server: 
     assert (deep.status_code, error_of(deep)["code"]) == (400, "json_too_deep")
     fine = server.request("POST", "/v1/tasks", token=server.token, json={"title": "t", "constraints": {"a": 1}})
     assert fine.status_code == 201, fine.text
+
+
+def test_a_wrong_method_on_any_path_is_405_naming_every_method_its_routes_take(server: Server) -> None:
+    """In `Allow` and in the message (docs/http-api.md), where several routes share the path (`GET` and `POST
+    /v1/tasks`) too."""
+    url, token = server.url, server.token
+    cases = _wrong_methods(server.routes)
+    assert {"/v1/tasks", "/v1/preferences", "/v1/memory"} <= {path for path, _, _ in cases}
+    wrong = []
+    for path, method, taken in cases:
+        response = httpx.request(method, url + path, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        allow = ", ".join(taken)
+        error = response.json()["error"] if response.status_code == 405 else {}
+        if (response.status_code, response.headers.get("allow"), error.get("code")) != (405, allow,
+                                                                                        "method_not_allowed") \
+                or not error["message"].endswith(f"it takes {allow}"):
+            wrong.append((method, path, response.status_code, response.headers.get("allow"), allow,
+                          response.text[:200]))
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("DELETE", "/v1/tasks", "GET, POST"),
+    ("DELETE", "/v1/preferences", "GET, PUT"),
+    ("DELETE", "/v1/memory", "GET, POST"),
+])
+def test_the_reported_paths_name_both_their_methods(server: Server, method: str, path: str, allow: str) -> None:
+    url, token = server.url, server.token
+    response = httpx.request(method, url + path, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    assert (response.status_code, response.headers["allow"]) == (405, allow)
+    assert response.json()["error"]["message"] == f"this path does not take that method; it takes {allow}"
+
