@@ -175,6 +175,9 @@ def _database_url(value: str | None) -> str | None:
                          f"through psycopg are supported; {supported}")
     if url.drivername.startswith("sqlite") and url.database in (None, "", ":memory:"):
         raise ValueError(f"SQLite needs a file, which every wakeful process opens: {supported}")
+    if url.drivername == "postgresql+psycopg" and _missing("psycopg"):
+        raise ValueError("PostgreSQL's driver, psycopg 3, is not installed: install it into wakeful's virtualenv "
+                         "(pip install 'psycopg[binary]>=3.1'; docs/deploy.md)")
     return value
 
 # Where each provider puts the delivery ID and a natural session key, unless the source says otherwise. GitHub has
@@ -290,15 +293,17 @@ VM_PACKAGES: Final = ("libvirt", "paramiko", "playwright")
 """What the `computers` extra installs (`./scripts/install --computers`)."""
 
 
-def missing_vm_packages() -> list[str]:
-    """The VM stack's libraries that are not installed (looked up, not imported)."""
-    def missing(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(name) is None
-        except ImportError:  # a finder that refuses the name outright
-            return True
+def _missing(package: str) -> bool:
+    """True when `package` is not installed (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(package) is None
+    except ImportError:  # a finder that refuses the name outright
+        return True
 
-    return [name for name in VM_PACKAGES if missing(name)]
+
+def missing_vm_packages() -> list[str]:
+    """The VM stack's libraries that are not installed."""
+    return [name for name in VM_PACKAGES if _missing(name)]
 
 
 def _default_data_dir() -> Path:

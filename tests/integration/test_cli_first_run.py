@@ -263,9 +263,8 @@ def test_the_data_directory_is_created_owner_only_and_the_database_0600(tmp_path
 # -- without tool computers ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def without_vm_packages(tmp_path: Path) -> str:
-    """A PYTHONPATH on which libvirt, paramiko and Playwright cannot be found, as on a machine without them."""
+def _hiding(tmp_path: Path, *packages: str) -> str:
+    """A PYTHONPATH on which `packages` cannot be found, as on a machine without them."""
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / "sitecustomize.py").write_text(
@@ -273,10 +272,26 @@ def without_vm_packages(tmp_path: Path) -> str:
         "class _Absent:\n"
         "    @staticmethod\n"
         "    def find_spec(name, path=None, target=None):\n"
-        "        if name.partition('.')[0] in ('libvirt', 'paramiko', 'playwright'):\n"
+        f"        if name.partition('.')[0] in {packages!r}:\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, _Absent())\n")
     return str(blocked)
+
+
+@pytest.fixture
+def without_vm_packages(tmp_path: Path) -> str:
+    return _hiding(tmp_path, "libvirt", "paramiko", "playwright")
+
+
+def test_a_postgresql_url_without_its_driver_says_what_to_install(tmp_path: Path) -> None:
+    result = subprocess.run([WAKEFUL, "status", "--data-dir", str(tmp_path / "data"), "--database-url",
+                             "postgresql+psycopg://wakeful@127.0.0.1:1/wakeful"],
+                            env=_env(PYTHONPATH=_hiding(tmp_path, "psycopg")), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("wakeful: invalid_settings: database_url (--database-url): PostgreSQL's driver, "
+                                    "psycopg 3, is not installed"), result.stderr
+    assert "pip install 'psycopg[binary]>=3.1'" in result.stderr
 
 
 @pytest.mark.parametrize("asked", [False, True], ids=["computers as by default", "computers = true"])
