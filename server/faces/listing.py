@@ -9,6 +9,7 @@ row's sort key, so rows added meanwhile never shift or repeat a page.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -47,9 +48,17 @@ class Page:
     next: str | None
 
 
-def _newest_first(conn: Connection, query: Select[Any], at: Any, key: Any, cursor: str | None, limit: int,
-                  shape: Any) -> Page:
-    """`query` newest first by (`at`, `key`), starting after `cursor`."""
+def _row(r: Any) -> dict[str, Any]:
+    return dict(r._mapping)
+
+
+def _newest_first(conn: Connection, query: Select[Any], at: Any, key: Any, cursor: str | None, limit: int, *,
+                  equal: Mapping[Any, str | None] | None = None, shape: Callable[[Any], dict[str, Any]] = _row) -> Page:
+    """`query` newest first by (`at`, `key`), starting after `cursor`; of the columns in `equal`, each given a
+    value (not None or empty) must hold it."""
+    for column, value in (equal or {}).items():
+        if value:
+            query = query.where(column == value)
     after = decode_cursor(cursor, parts=2)
     if after is not None:
         try:
@@ -98,46 +107,35 @@ def tasks_page(conn: Connection, *, user_id: str, cursor: str | None, state: str
                limit: int = PAGE) -> Page:
     query = select(tasks.c.id, tasks.c.title, tasks.c.state, tasks.c.current_version, tasks.c.created_at).where(
         tasks.c.user_id == user_id)
-    if state:
-        query = query.where(tasks.c.state == state)
-    return _newest_first(conn, query, tasks.c.created_at, tasks.c.id, cursor, limit, lambda r: dict(r._mapping))
+    return _newest_first(conn, query, tasks.c.created_at, tasks.c.id, cursor, limit, equal={tasks.c.state: state})
 
 
 def events_page(conn: Connection, *, user_id: str, cursor: str | None, source: str | None, status: str | None,
                 limit: int = PAGE) -> Page:
     query = select(events.c.id, events.c.source, events.c.source_id, events.c.kind, events.c.trust, events.c.status,
                    events.c.run_id, events.c.received_at).where(events.c.user_id == user_id)
-    if source:
-        query = query.where(events.c.source == source)
-    if status:
-        query = query.where(events.c.status == status)
-    return _newest_first(conn, query, events.c.received_at, events.c.id, cursor, limit, lambda r: dict(r._mapping))
+    return _newest_first(conn, query, events.c.received_at, events.c.id, cursor, limit,
+                         equal={events.c.source: source, events.c.status: status})
 
 
 def runs_page(conn: Connection, *, user_id: str, cursor: str | None, outcome: str | None,
               limit: int = PAGE) -> Page:
     query = select(runs.c.id, runs.c.session_id, runs.c.outcome, runs.c.steps, runs.c.reason, runs.c.started_at,
                    runs.c.ended_at).where(runs.c.user_id == user_id)
-    if outcome:
-        query = query.where(runs.c.outcome == outcome)
-    return _newest_first(conn, query, runs.c.started_at, runs.c.id, cursor, limit, lambda r: dict(r._mapping))
+    return _newest_first(conn, query, runs.c.started_at, runs.c.id, cursor, limit, equal={runs.c.outcome: outcome})
 
 
 def timers_page(conn: Connection, *, user_id: str, cursor: str | None, state: str | None,
                 limit: int = PAGE) -> Page:
     query = select(timers.c.id, timers.c.task_id, timers.c.kind, timers.c.state, timers.c.due_at, timers.c.note,
                    timers.c.fire_count, timers.c.created_at).where(timers.c.user_id == user_id)
-    if state:
-        query = query.where(timers.c.state == state)
-    return _newest_first(conn, query, timers.c.created_at, timers.c.id, cursor, limit, lambda r: dict(r._mapping))
+    return _newest_first(conn, query, timers.c.created_at, timers.c.id, cursor, limit, equal={timers.c.state: state})
 
 
 def outbox_page(conn: Connection, *, user_id: str, cursor: str | None, state: str | None,
                 limit: int = PAGE) -> Page:
     query = select(outbox.c.id, outbox.c.kind, outbox.c.state, outbox.c.attempts, outbox.c.last_error,
                    outbox.c.body, outbox.c.created_at, outbox.c.sent_at).where(outbox.c.user_id == user_id)
-    if state:
-        query = query.where(outbox.c.state == state)
 
     def shape(r: Any) -> dict[str, Any]:
         row = dict(r._mapping)
@@ -145,7 +143,8 @@ def outbox_page(conn: Connection, *, user_id: str, cursor: str | None, state: st
         row["summary"] = str(body.get("text") or body.get("kind") or "")[:200] if isinstance(body, dict) else ""
         return row
 
-    return _newest_first(conn, query, outbox.c.created_at, outbox.c.id, cursor, limit, shape)
+    return _newest_first(conn, query, outbox.c.created_at, outbox.c.id, cursor, limit, equal={outbox.c.state: state},
+                         shape=shape)
 
 
 def run_history(conn: Connection, *, user_id: str, run_id: str, cursor: str | None,
