@@ -129,25 +129,26 @@ def test_a_sealed_ledger_is_not_dropped_by_a_downgrade(engine: Engine, clock: Fa
 
 
 @pytest.mark.parametrize("engine", ["sqlite", "postgresql"], indirect=True)
-def test_processes_starting_together_on_a_new_database_migrate_it_once(engine: Engine, tmp_path: Path) -> None:
+def test_processes_starting_together_on_a_new_database_migrate_it_once(engine: Engine) -> None:
     """The units and serve's children start together, and each migrates: one after the other, the later ones find it
     done (on PostgreSQL, two creating alembic's table at once failed with a unique violation)."""
     migrate(engine, "base")
-    go = tmp_path / "go"
-    script = ("import pathlib, sys, time\n"
+    script = ("import sys\n"
               "from wakeful.server.store.db import make_engine, migrate\n"
               "engine = make_engine(sys.argv[1])\n"
               "engine.connect().close()\n"
               "print('ready', flush=True)\n"
-              "while not pathlib.Path(sys.argv[2]).exists():\n"
-              "    time.sleep(0.001)\n"
+              "sys.stdin.readline()\n"  # released together, below
               "migrate(engine)\n")
     url = engine.url.render_as_string(hide_password=False)
-    starting = [subprocess.Popen([sys.executable, "-c", script, url, str(go)], stdout=subprocess.PIPE,
+    starting = [subprocess.Popen([sys.executable, "-c", script, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
     for process in starting:  # each has imported and connected: the migrations start within a millisecond
         assert process.stdout is not None and process.stdout.readline() == "ready\n"
-    go.touch()
+    for process in starting:
+        assert process.stdin is not None
+        process.stdin.write("go\n")
+        process.stdin.flush()
     outcomes = []
     for process in starting:
         _, err = process.communicate(timeout=120)
