@@ -35,7 +35,6 @@ from wakeful.proxy.vault import KEY_ENV, Key, KeyRing, Vault, init_key, keys_fro
 from wakeful.server.egress import grants as egress
 from wakeful.server.errors import WakefulError
 from wakeful.server.observe import metrics
-from wakeful.server.observe.health import Check
 from wakeful.server.settings import Settings, child_environment
 from wakeful.server.store.db import read, write
 
@@ -44,7 +43,7 @@ if TYPE_CHECKING:
     from wakeful.proxy.channel import DeciderServer
 
 __all__ = ["DeciderService", "ProxyChild", "abort_proxy_start", "decider_token", "new_decider_token", "open_vault",
-           "proxy_port_taken", "rotate_vault_key", "run_proxy", "serve_egress", "vault_keys", "with_decider"]
+           "proxy_port_taken", "rotate_vault_key", "run_proxy", "serve_egress", "vault_keys"]
 
 log = logging.getLogger(__name__)
 TOKEN_FILE = "decider.token"
@@ -414,23 +413,13 @@ def run_proxy(settings: Settings, *, await_api: float = 0.0) -> None:
     server.run(config)
 
 
-def with_decider(checks: list[Check], decider: DeciderServer | None) -> list[Check]:
-    """`/readyz`'s checks, the proxy's failed when its port answers but a proxy's last hello on `decider` was
-    refused: that proxy refuses every request with `decider_unavailable` until it reads this run's token."""
-    if decider is None or not decider.hello_refused:
-        return checks
-    problem = (f"the decider refuses the proxy's hello on {decider.path}: it holds a token from an earlier run of the "
-               f"api (it reads {TOKEN_FILE} again as it reconnects; an older proxy must be restarted)")
-    return [Check(name=c.name, problem=problem) if c.name == "proxy" and c.ok else c for c in checks]
-
-
 @contextlib.asynccontextmanager
 async def serve_egress(engine: Engine, clock: Clock, settings: Settings, *, proxy_child: bool = True,
                        await_proxy: bool = False) -> AsyncIterator[DeciderServer]:
-    """Inside the HTTP process: answer the proxy on the decider socket (yielded, for `with_decider`), and run the
-    proxy as a child unless `proxy_child` is False (`wakeful api`: `wakeful serve` supervises the proxy beside it).
-    `await_proxy`: return only once that proxy listens (bounded), so the API, too, answers only once a connector call
-    can go out."""
+    """Inside the HTTP process: answer the proxy on the decider socket (yielded: `/readyz` asks it whether it refuses
+    the proxy), and run the proxy as a child unless `proxy_child` is False (`wakeful api`: `wakeful serve` supervises
+    the proxy beside it). `await_proxy`: return only once that proxy listens (bounded), so the API, too, answers only
+    once a connector call can go out."""
     from wakeful.proxy.channel import DeciderServer
     from wakeful.proxy.tls import load_or_create_ca
 

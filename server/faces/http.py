@@ -46,7 +46,7 @@ from uvicorn.server import HANDLED_SIGNALS
 from wakeful.server.computers.handoff import NOVNC_DIR
 from wakeful.server.core.inbox import Delivery
 from wakeful.server.core.signatures import SignatureError, Signed, verify_signature
-from wakeful.server.egress.proxyctl import serve_egress, with_decider
+from wakeful.server.egress.proxyctl import serve_egress
 from wakeful.server.errors import BadRequest, MethodNotAllowed, NotFound, Unauthorized, Unavailable, WakefulError
 from wakeful.server.faces import bodies
 from wakeful.server.faces.auth import BearerGate, current_user, user_of
@@ -511,8 +511,9 @@ def create_app(runtime: Runtime, *, manage_runtime: bool = True, proxy_child: bo
     async def readyz() -> dict[str, Any]:
         """Ready for traffic: the database, the egress proxy (`proxy`), libvirt (`computers`) answer, and the process
         is not draining after a SIGTERM. No credential; it names no user."""
-        checks = await readiness(settings, runtime.engine, inbox.drain)
-        checks = with_decider(checks, getattr(app.state, "decider", None))  # the proxy answers, but is it let in?
+        decider = getattr(app.state, "decider", None)  # the proxy answers, but is it let in?
+        checks = await readiness(settings, runtime.engine, inbox.drain,
+                                 proxy_refused=lambda: decider is not None and decider.hello_refused)
         said = {check.name: check.problem or "ok" for check in checks}
         failed = [f"{check.name}: {check.problem}" for check in checks if check.problem is not None]
         if failed:

@@ -53,11 +53,13 @@ class Drain:
         return self._event.is_set()
 
 
-async def readiness(settings: Settings, engine: Engine, drain: Drain) -> list[Check]:
-    """Every check this process's settings call for, run together, each bounded by `TIMEOUT`."""
+async def readiness(settings: Settings, engine: Engine, drain: Drain, *,
+                    proxy_refused: Callable[[], bool] = lambda: False) -> list[Check]:
+    """Every check this process's settings call for, run together, each bounded by `TIMEOUT`. `proxy_refused`
+    says whether the decider channel refuses the proxy's hello (`channel.DeciderServer.hello_refused`)."""
     probes: list[tuple[str, Callable[[], Awaitable[None]]]] = [("database", lambda: _database(engine))]
     if settings.proxy:
-        probes.append(("proxy", lambda: _proxy(settings.proxy_port)))
+        probes.append(("proxy", lambda: _proxy(settings.proxy_port, proxy_refused)))
     if settings.computers:
         probes.append(("libvirt", lambda: asyncio.to_thread(_libvirt, settings.libvirt_uri)))
     checks = list(await asyncio.gather(*(_bounded(name, probe) for name, probe in probes)))
@@ -90,7 +92,7 @@ async def _database(engine: Engine) -> None:
     await asyncio.to_thread(ping)
 
 
-async def _proxy(port: int) -> None:
+async def _proxy(port: int, refused: Callable[[], bool]) -> None:
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError as exc:
@@ -98,6 +100,9 @@ async def _proxy(port: int) -> None:
         raise _Unreachable(f"nothing answers on 127.0.0.1:{port} ({said})") from None
     writer.close()
     await writer.wait_closed()
+    if refused():  # it answers, but refuses every request with decider_unavailable until it reads this run's token
+        raise _Unreachable("the decider refuses the proxy's hello: it holds a token from an earlier run of the api "
+                           "(it reads run/decider.token again as it reconnects; an older proxy must be restarted)")
 
 
 def _libvirt(uri: str) -> None:
