@@ -152,8 +152,8 @@ def _http_url(value: str) -> str:
 
 HostName = Annotated[str, AfterValidator(_host_name)]
 HttpUrl = Annotated[str, AfterValidator(_http_url)]
-SourceName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
-"""A webhook source's name, the last segment of its URL (`/v1/hooks/<name>`)."""
+Segment = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+"""A name that is one segment of a URL or a path: a webhook source's (`/v1/hooks/<name>`), an image's."""
 
 DATABASE_DRIVERS: Final = ("sqlite", "sqlite+pysqlite", "postgresql+psycopg")
 """The databases wakeful runs on: SQLite files, and PostgreSQL through psycopg 3."""
@@ -336,7 +336,7 @@ class Settings(BaseSettings):
     """The address people reach this server at, e.g. `https://agent.example.org` behind a TLS reverse proxy
     (docs/deploy.md): links in messages (approval cards, live views) start with it, and the console's cookie is
     `Secure` when it is https. Unset: `http://<host>:<port>`, which works only on this machine."""
-    sources: dict[SourceName, SourceSettings] = Field(default_factory=dict)
+    sources: dict[Segment, SourceSettings] = Field(default_factory=dict)
     """Webhook sources by name: `POST /v1/hooks/<name>`."""
     policies_dir: Path | None = None
     """Connector declarations (`connectors/*.toml`) and the user's `policy.toml`; default `<data_dir>/policies`."""
@@ -370,7 +370,7 @@ class Settings(BaseSettings):
     computers: bool = Field(default_factory=lambda: not missing_vm_packages())
     """Give each user a tool computer (a VM from `wakeful image build`, started on first use, suspended when idle).
     Default: on when the VM packages are installed (`./scripts/install --computers`), else off."""
-    computer_image: str = Field(default="guest", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    computer_image: Segment = "guest"
     """The image under `<data_dir>/images/` tool computers boot from."""
     computer_idle_after: Duration = Field(default=timedelta(minutes=10), gt=timedelta(0), le=timedelta(days=30))
     """A tool computer with nothing in flight for this long is suspended (memory saved to disk, RAM freed)."""
